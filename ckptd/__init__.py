@@ -1,0 +1,11 @@
+"""ckptd: fault-tolerant tiered checkpointing and verified data loading for PyTorch training."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from ckptd.errors import CkptdError  # noqa: E402
+from ckptd.manager.manager import CheckpointManager  # noqa: E402
+from ckptd.manager.policy import Policy  # noqa: E402
+
+__all__ = ["CheckpointManager", "CkptdError", "Policy", "__version__"]

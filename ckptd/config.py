@@ -1,0 +1,88 @@
+"""Every tunable of ckptd in one place.
+
+Each field of :class:`Settings` can be overridden by an environment variable named
+``CKPTD_<FIELD NAME IN CAPITALS>`` (for example ``CKPTD_CHUNK_BYTES=8388608``). Tests override values
+for a block of code with :func:`override`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from ckptd.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Tunables; the defaults suit a node-local NVMe tier and a 2-core CI machine alike."""
+
+    #: Largest piece a tensor is cut into before hashing and encoding.
+    chunk_bytes: int = 16 * 1024 * 1024
+    #: Codec for new checkpoints when the caller names none: raw, zstd or byteplane.
+    codec: str = "raw"
+    #: zstd level for the zstd and byteplane codecs.
+    zstd_level: int = 1
+    #: Threads that hash/encode/write chunks in the background (and read them on restore).
+    io_threads: int = 2
+    #: Seconds a rank waits for the others to agree on a commit before failing the step.
+    commit_timeout_s: float = 300.0
+    #: Seconds after which a temporary file left in a tier is considered abandoned.
+    stale_temp_s: float = 0.0
+    #: Object tier: connect and read timeouts in seconds, and retry attempts per request.
+    s3_connect_timeout_s: float = 10.0
+    s3_read_timeout_s: float = 60.0
+    s3_retries: int = 5
+    #: Object tier: parallel requests (multipart parts and ranged reads).
+    s3_concurrency: int = 8
+    #: Object tier: multipart part size.
+    s3_part_bytes: int = 16 * 1024 * 1024
+    #: Host memory the stager may hold for one save (0: no limit).
+    staging_budget_bytes: int = 0
+    #: Log level for ckptd's loggers.
+    log_level: str = "WARNING"
+
+
+_overrides: dict[str, Any] = {}
+
+
+def _coerce(name: str, raw: str, kind: type) -> Any:
+    try:
+        if kind is bool:
+            return raw.strip().lower() in {"1", "true", "yes", "on"}
+        return kind(raw)
+    except ValueError as exc:
+        raise ConfigError(
+            f"environment variable CKPTD_{name.upper()}={raw!r} is not a valid {kind.__name__}",
+            hint="fix or unset it",
+        ) from exc
+
+
+def settings() -> Settings:
+    """Current settings: defaults, then ``CKPTD_*`` environment variables, then :func:`override`."""
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(Settings):
+        kind = type(field.default)
+        raw = os.environ.get(f"CKPTD_{field.name.upper()}")
+        if raw is not None:
+            values[field.name] = _coerce(field.name, raw, kind)
+    values.update(_overrides)
+    return Settings(**values)
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[Settings]:
+    """Temporarily override settings (for tests and benchmarks)."""
+    unknown = set(values) - {f.name for f in dataclasses.fields(Settings)}
+    if unknown:
+        raise ConfigError(f"unknown setting(s): {', '.join(sorted(unknown))}")
+    saved = dict(_overrides)
+    _overrides.update(values)
+    try:
+        yield settings()
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)

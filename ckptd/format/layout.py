@@ -1,0 +1,59 @@
+"""Names of things inside a checkpoint root, and the guard that keeps paths inside it.
+
+A root holds one directory per step, ``step-<12-digit step>/``. A step directory holds, per rank,
+``rank-<5-digit rank>.data`` (chunks, on tiers that keep data files) and
+``rank-<5-digit rank>.index.json``, and one ``manifest.json``, written last: a step is committed
+exactly when its manifest exists.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ckptd.errors import UnsafePathError
+
+MANIFEST_NAME = "manifest.json"
+STEP_PREFIX = "step-"
+TEMP_MARKER = ".tmp-"
+_STEP_DIR = re.compile(r"^step-(\d{12})$")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+def step_dir(step: int) -> str:
+    """Directory name of a step."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    return f"{STEP_PREFIX}{step:012d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step a directory name stands for, or None when it is not a step directory."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+def rank_data_name(rank: int) -> str:
+    return f"rank-{rank:05d}.data"
+
+
+def rank_index_name(rank: int) -> str:
+    return f"rank-{rank:05d}.index.json"
+
+
+def step_file(step: int, name: str) -> str:
+    """Path of a file of a step, relative to the root, after checking the name is safe."""
+    return f"{step_dir(step)}/{safe_name(name, step=step)}"
+
+
+def safe_name(name: object, *, step: int | None = None) -> str:
+    """Accept a file name read from a manifest or index only if it stays inside its step directory.
+
+    Absolute paths, separators, ``..``, empty names, control characters and hidden names are refused.
+    """
+    if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
+        raise UnsafePathError(
+            f"refusing file name {name!r}: it could leave the step directory",
+            step=step,
+            hint="the manifest or index was tampered with or is corrupt; use another step or tier",
+        )
+    return name

@@ -1,0 +1,357 @@
+"""The records of the checkpoint format and their JSON form.
+
+Three records describe a step:
+
+- :class:`ChunkRecord`: one stored piece of a tensor (where, how long, codec, digest of the raw bytes).
+- :class:`RankIndex`: everything one rank saved: its tensors (each a list of chunks) and its JSON values.
+- :class:`Manifest`: the commit record, written last: format version, step, world size, and for each rank
+  the size and digest of its index and data file, so that a reader can check every byte.
+
+Parsing validates everything a reader relies on, so the rest of ckptd can trust a parsed record: known
+format version, safe file names, non-negative and non-overlapping extents inside the data file, sizes
+that add up, known codecs and dtypes. Each failure is a :class:`~ckptd.errors.FormatError` naming the
+file and step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ckptd import __version__
+from ckptd.errors import FormatError, FormatVersionError, IntegrityError
+from ckptd.format import codecs
+from ckptd.format.hashing import CHUNK_DIGEST_ALGORITHM, chunk_digest
+from ckptd.format.layout import safe_name
+
+#: Version of the on-disk checkpoint format written by this ckptd.
+FORMAT_VERSION = 1
+#: Versions this ckptd can read.
+READABLE_FORMAT_VERSIONS = frozenset({1})
+FORMAT_NAME = "ckptd-checkpoint"
+#: Largest raw chunk a reader accepts (guards allocations driven by a corrupt index).
+MAX_CHUNK_BYTES = 1 << 31
+_DIGEST = re.compile(r"^[0-9a-f]{32}$")
+
+#: dtype names as stored, and the torch dtype each stands for.
+DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
+    "bfloat16": torch.bfloat16, "complex128": torch.complex128, "complex64": torch.complex64,
+    "complex32": torch.complex32, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
+    "int8": torch.int8, "uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32,
+    "uint64": torch.uint64, "bool": torch.bool, "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Stored name of a torch dtype."""
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise FormatError(f"dtype {dtype} cannot be stored by ckptd") from None
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One stored piece of a tensor. ``digest`` is the xxh3-128 of the raw (decoded) bytes."""
+
+    offset: int
+    length: int
+    raw_length: int
+    codec: str
+    digest: str
+
+    def to_json(self) -> list[Any]:
+        return [self.offset, self.length, self.raw_length, self.codec, self.digest]
+
+    @property
+    def object_key(self) -> str:
+        """Content address of this chunk on tiers that store chunks by digest."""
+        return f"{self.digest[:2]}/{self.digest}.{self.codec}"
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """A tensor (or a shard of one) as stored: dtype, shape and its chunks in order."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[ChunkRecord, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(chunk.raw_length for chunk in self.chunks)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dtype": self.dtype, "shape": list(self.shape), "chunks": [c.to_json() for c in self.chunks]}
+
+
+@dataclass(frozen=True)
+class RankIndex:
+    """Everything one rank saved at one step."""
+
+    step: int
+    rank: int
+    data_file: str
+    data_size: int
+    tensors: dict[str, TensorRecord]
+    values: Any = None
+    format_version: int = FORMAT_VERSION
+
+    def to_json_bytes(self) -> bytes:
+        body = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "kind": "rank-index",
+            "step": self.step,
+            "rank": self.rank,
+            "data_file": self.data_file,
+            "data_size": self.data_size,
+            "tensors": {name: record.to_json() for name, record in self.tensors.items()},
+            "values": self.values,
+        }
+        return json.dumps(body, separators=(",", ":"), allow_nan=True).encode()
+
+    @property
+    def chunks(self) -> list[ChunkRecord]:
+        return [chunk for record in self.tensors.values() for chunk in record.chunks]
+
+    @classmethod
+    def from_json_bytes(cls, raw: bytes, *, path: str, step: int, tier: str | None = None) -> RankIndex:
+        body = _load_json(raw, path=path, step=step, tier=tier, kind="rank-index")
+        problems = _Problems(path=path, step=step, tier=tier)
+        data_file = safe_name(body.get("data_file"), step=step)
+        data_size = problems.non_negative_int(body.get("data_size"), "data_size")
+        tensors_json = body.get("tensors")
+        if not isinstance(tensors_json, dict):
+            problems.fail("'tensors' is not an object")
+        tensors = {
+            problems.text(name, "tensor name"): _parse_tensor(name, value, data_size, problems)
+            for name, value in tensors_json.items()
+        }
+        _check_extents(tensors, problems)
+        return cls(
+            step=problems.non_negative_int(body.get("step"), "step"),
+            rank=problems.non_negative_int(body.get("rank"), "rank"),
+            data_file=data_file,
+            data_size=data_size,
+            tensors=tensors,
+            values=body.get("values"),
+            format_version=body["format_version"],
+        )
+
+
+@dataclass(frozen=True)
+class RankEntry:
+    """The manifest's record of one rank: where its index and data are and how to check them."""
+
+    rank: int
+    index_file: str
+    index_size: int
+    index_digest: str
+    data_file: str
+    data_size: int
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The commit record of a step. A step is committed on a tier exactly when this exists there."""
+
+    step: int
+    world_size: int
+    ranks: tuple[RankEntry, ...]
+    codec: str
+    created: float = field(default_factory=time.time)
+    extra: dict[str, Any] = field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+    ckptd_version: str = __version__
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(entry.data_size + entry.index_size for entry in self.ranks)
+
+    def entry(self, rank: int) -> RankEntry:
+        for candidate in self.ranks:
+            if candidate.rank == rank:
+                return candidate
+        raise FormatError(f"manifest has no entry for rank {rank}", step=self.step)
+
+    def to_json_bytes(self) -> bytes:
+        body = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "kind": "manifest",
+            "ckptd_version": self.ckptd_version,
+            "step": self.step,
+            "world_size": self.world_size,
+            "created": self.created,
+            "codec": self.codec,
+            "digest_algorithm": CHUNK_DIGEST_ALGORITHM,
+            "total_bytes": self.total_bytes,
+            "ranks": [entry.to_json() for entry in self.ranks],
+            "extra": self.extra,
+        }
+        body["manifest_digest"] = chunk_digest(_canonical(body))
+        return json.dumps(body, indent=1).encode()
+
+    @classmethod
+    def from_json_bytes(cls, raw: bytes, *, path: str, step: int | None = None,
+                        tier: str | None = None) -> Manifest:
+        body = _load_json(raw, path=path, step=step, tier=tier, kind="manifest")
+        recorded = body.pop("manifest_digest", None)
+        actual = chunk_digest(_canonical(body))
+        if recorded != actual:
+            raise IntegrityError("manifest digest does not match its content", path=path, step=step,
+                                 tier=tier, expected=str(recorded), actual=actual,
+                                 hint="the manifest is corrupt; restore an older step or another tier")
+        problems = _Problems(path=path, step=step, tier=tier)
+        manifest_step = problems.non_negative_int(body.get("step"), "step")
+        if step is not None and manifest_step != step:
+            problems.fail(f"manifest names step {manifest_step} but lies in the directory of step {step}")
+        world_size = problems.non_negative_int(body.get("world_size"), "world_size")
+        entries_json = body.get("ranks")
+        if not isinstance(entries_json, list):
+            problems.fail("'ranks' is not a list")
+        entries = tuple(_parse_entry(item, problems, manifest_step) for item in entries_json)
+        if sorted(e.rank for e in entries) != list(range(world_size)) or world_size < 1:
+            problems.fail(f"ranks listed do not match world size {world_size}")
+        extra = body.get("extra", {})
+        if not isinstance(extra, dict):
+            problems.fail("'extra' is not an object")
+        created = body.get("created")
+        if not isinstance(created, (int, float)):
+            problems.fail("'created' is not a number")
+        return cls(
+            step=manifest_step,
+            world_size=world_size,
+            ranks=tuple(sorted(entries, key=lambda e: e.rank)),
+            codec=problems.text(body.get("codec"), "codec"),
+            created=float(created),
+            extra=extra,
+            format_version=body["format_version"],
+            ckptd_version=problems.text(body.get("ckptd_version"), "ckptd_version"),
+        )
+
+
+class _Problems:
+    """Raises FormatError with the file, step and tier filled in."""
+
+    def __init__(self, *, path: str, step: int | None, tier: str | None) -> None:
+        self.path, self.step, self.tier = path, step, tier
+
+    def fail(self, why: str) -> Any:
+        raise FormatError(f"malformed checkpoint metadata: {why}", path=self.path, step=self.step,
+                          tier=self.tier, hint="use an older step or another tier; `ckptd verify` lists "
+                          "every bad file")
+
+    def non_negative_int(self, value: Any, what: str) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            self.fail(f"{what} must be a non-negative integer, got {value!r}")
+        return value
+
+    def text(self, value: Any, what: str) -> str:
+        if not isinstance(value, str):
+            self.fail(f"{what} must be a string, got {value!r}")
+        return value
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _load_json(raw: bytes, *, path: str, step: int | None, tier: str | None, kind: str) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{kind} is not valid JSON ({exc})", path=path, step=step, tier=tier,
+                          hint="the file is corrupt; use an older step or another tier") from exc
+    if not isinstance(body, dict) or body.get("format") != FORMAT_NAME or body.get("kind") != kind:
+        raise FormatError(f"file is not a ckptd {kind}", path=path, step=step, tier=tier)
+    version = body.get("format_version")
+    if version not in READABLE_FORMAT_VERSIONS:
+        raise FormatVersionError(
+            f"{kind} has format version {version!r}; this ckptd {__version__} reads versions "
+            f"{sorted(READABLE_FORMAT_VERSIONS)}", path=path, step=step, tier=tier,
+            hint="upgrade ckptd to read it, or restore a step written by this version")
+    return body
+
+
+def _parse_entry(item: Any, problems: _Problems, step: int) -> RankEntry:
+    if not isinstance(item, dict):
+        problems.fail("a rank entry is not an object")
+    digest = problems.text(item.get("index_digest"), "index_digest")
+    if not _DIGEST.match(digest):
+        problems.fail(f"index digest {digest!r} is not an xxh3-128 hex digest")
+    return RankEntry(
+        rank=problems.non_negative_int(item.get("rank"), "rank"),
+        index_file=safe_name(item.get("index_file"), step=step),
+        index_size=problems.non_negative_int(item.get("index_size"), "index_size"),
+        index_digest=digest,
+        data_file=safe_name(item.get("data_file"), step=step),
+        data_size=problems.non_negative_int(item.get("data_size"), "data_size"),
+    )
+
+
+def _parse_tensor(name: str, value: Any, data_size: int, problems: _Problems) -> TensorRecord:
+    if not isinstance(value, dict):
+        problems.fail(f"tensor {name!r} is not an object")
+    dtype = value.get("dtype")
+    if dtype not in DTYPES:
+        problems.fail(f"tensor {name!r} has unknown dtype {dtype!r}")
+    shape_json = value.get("shape")
+    if not isinstance(shape_json, list):
+        problems.fail(f"tensor {name!r} has no shape list")
+    shape = tuple(problems.non_negative_int(dim, f"dimension of {name!r}") for dim in shape_json)
+    chunks_json = value.get("chunks")
+    if not isinstance(chunks_json, list):
+        problems.fail(f"tensor {name!r} has no chunk list")
+    chunks = tuple(_parse_chunk(name, item, data_size, problems) for item in chunks_json)
+    expected = math.prod(shape) * DTYPES[dtype].itemsize
+    record = TensorRecord(dtype=dtype, shape=shape, chunks=chunks)
+    if record.nbytes != expected:
+        problems.fail(f"tensor {name!r}: chunks hold {record.nbytes} bytes but dtype and shape need {expected}")
+    return record
+
+
+def _parse_chunk(name: str, item: Any, data_size: int, problems: _Problems) -> ChunkRecord:
+    if not isinstance(item, list) or len(item) != 5:
+        problems.fail(f"tensor {name!r} has a malformed chunk record")
+    offset, length, raw_length = (problems.non_negative_int(v, f"chunk extent of {name!r}") for v in item[:3])
+    codec_id, digest = item[3], item[4]
+    if codec_id not in codecs.KNOWN_CODEC_IDS:
+        problems.fail(f"tensor {name!r} uses unknown codec {codec_id!r}")
+    if not isinstance(digest, str) or not _DIGEST.match(digest):
+        problems.fail(f"tensor {name!r} has a malformed digest {digest!r}")
+    if offset + length > data_size:
+        problems.fail(f"chunk of {name!r} at {offset}+{length} ends past the data file size {data_size}")
+    if raw_length > MAX_CHUNK_BYTES or (codec_id == codecs.RAW and raw_length != length):
+        problems.fail(f"chunk of {name!r} has an impossible raw length {raw_length}")
+    return ChunkRecord(offset=offset, length=length, raw_length=raw_length, codec=codec_id, digest=digest)
+
+
+def _check_extents(tensors: dict[str, TensorRecord], problems: _Problems) -> None:
+    """Chunks may share an extent only when they are the same chunk (deduplicated); never overlap."""
+    extents = sorted({(c.offset, c.length, c.digest) for r in tensors.values() for c in r.chunks})
+    previous_end, previous = 0, None
+    for offset, length, digest in extents:
+        if previous is not None and offset < previous_end and (offset, length) != previous[:2]:
+            problems.fail(f"chunk extents overlap at offset {offset}")
+        if previous is not None and (offset, length) == previous[:2] and digest != previous[2]:
+            problems.fail(f"two chunks with different digests share offset {offset}")
+        previous_end = max(previous_end, offset + length)
+        previous = (offset, length, digest)

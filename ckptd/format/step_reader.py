@@ -1,0 +1,207 @@
+"""Reading a committed step back, verifying every byte.
+
+:func:`load_manifest` and :func:`load_rank_index` parse and check the metadata (sizes and digests
+recorded one level up). :class:`StepReader` reads one rank's tensors; every chunk is hashed after
+decoding and compared with its record. A chunk that is missing or bad on the first tier is read from the
+next tier that holds the same step (chunk by chunk, not the whole step), and each such event is logged
+with file, chunk and tier and kept in :attr:`StepReader.events`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from ckptd.errors import CkptdError, IntegrityError, NotFoundError
+from ckptd.format import codecs
+from ckptd.format.hashing import chunk_digest
+from ckptd.format.layout import MANIFEST_NAME, step_file
+from ckptd.format.records import ChunkRecord, Manifest, RankIndex, TensorRecord
+from ckptd.format.rank_writer import tensor_bytes
+from ckptd.tiers.base import StorageTier
+
+log = logging.getLogger("ckptd.restore")
+
+#: Largest manifest or index a reader loads into memory.
+MAX_METADATA_BYTES = 512 * 1024 * 1024
+
+
+def _read_metadata(tier: StorageTier, path: str, step: int) -> bytes:
+    size = tier.size(path)
+    if size > MAX_METADATA_BYTES:
+        raise IntegrityError("metadata file is implausibly large", path=path, step=step, tier=tier.label,
+                             expected=f"<= {MAX_METADATA_BYTES}", actual=str(size))
+    return tier.read_bytes(path)
+
+
+def load_manifest(tier: StorageTier, step: int) -> Manifest:
+    """The parsed, digest-checked manifest of a step on a tier."""
+    path = step_file(step, MANIFEST_NAME)
+    try:
+        raw = _read_metadata(tier, path, step)
+    except NotFoundError as exc:
+        raise NotFoundError("step is not committed (no manifest)", path=path, step=step,
+                            tier=tier.label) from exc
+    return Manifest.from_json_bytes(raw, path=path, step=step, tier=tier.label)
+
+
+def load_rank_index(tier: StorageTier, manifest: Manifest, rank: int) -> RankIndex:
+    """The parsed index of one rank, checked against the manifest (size, digest, data file size)."""
+    entry = manifest.entry(rank)
+    path = step_file(manifest.step, entry.index_file)
+    raw = _read_metadata(tier, path, manifest.step)
+    if len(raw) != entry.index_size or chunk_digest(raw) != entry.index_digest:
+        raise IntegrityError("rank index does not match the manifest", path=path, step=manifest.step,
+                             tier=tier.label, expected=entry.index_digest, actual=chunk_digest(raw),
+                             hint="the index is corrupt; restore another tier or an older step")
+    index = RankIndex.from_json_bytes(raw, path=path, step=manifest.step, tier=tier.label)
+    if index.step != manifest.step or index.rank != rank or index.data_file != entry.data_file \
+            or index.data_size != entry.data_size:
+        raise IntegrityError("rank index disagrees with the manifest on step, rank or data file", path=path,
+                             step=manifest.step, tier=tier.label)
+    if not tier.stores_chunks_by_digest:
+        data_path = step_file(manifest.step, index.data_file)
+        actual = tier.size(data_path)
+        if actual != index.data_size:
+            raise IntegrityError("data file size differs from the index", path=data_path, step=manifest.step,
+                                 tier=tier.label, expected=str(index.data_size), actual=str(actual))
+    return index
+
+
+@dataclass(frozen=True)
+class ChunkSource:
+    """One tier's copy of a rank's share of a step."""
+
+    tier: StorageTier
+    index: RankIndex
+
+
+@dataclass(frozen=True)
+class FallbackEvent:
+    """A chunk that could not be read from one tier and was read from the next."""
+
+    step: int
+    tensor: str
+    chunk: str
+    tier: str
+    error: str
+
+
+def read_chunk(source: ChunkSource, chunk: ChunkRecord, out: memoryview, *, tensor: str = "?") -> None:
+    """Read one chunk from one tier into ``out`` (exactly ``chunk.raw_length`` bytes) and verify it."""
+    tier, index = source.tier, source.index
+    if tier.stores_chunks_by_digest:
+        path = tier.chunk_path(chunk.object_key)
+        stored = tier.read_bytes(path)
+    else:
+        path = step_file(index.step, index.data_file)
+        if chunk.codec == codecs.RAW:
+            tier.read_into(path, chunk.offset, out)
+            stored = None
+        else:
+            stored = tier.read_bytes(path, chunk.offset, chunk.length)
+    if stored is not None:
+        raw = codecs.decode(chunk.codec, stored, chunk.raw_length, path=path)
+        out[:] = memoryview(raw).cast("B")
+    actual = chunk_digest(out)
+    if actual != chunk.digest:
+        raise IntegrityError(f"chunk of tensor {tensor!r} at offset {chunk.offset} fails its digest",
+                             path=path, step=index.step, tier=tier.label, chunk=chunk.digest,
+                             expected=chunk.digest, actual=actual)
+
+
+class StepReader:
+    """Reads one rank's tensors of one committed step, trying tiers nearest first for each chunk."""
+
+    def __init__(self, sources: list[ChunkSource]) -> None:
+        if not sources:
+            raise ValueError("StepReader needs at least one source")
+        self.sources = sources
+        self.events: list[FallbackEvent] = []
+
+    @property
+    def index(self) -> RankIndex:
+        return self.sources[0].index
+
+    def record(self, name: str) -> TensorRecord:
+        try:
+            return self.index.tensors[name]
+        except KeyError:
+            raise NotFoundError(f"tensor {name!r} is not in the checkpoint", step=self.index.step) from None
+
+    def read_tensor(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Read a saved tensor, into ``out`` when given (it must have the saved shape)."""
+        record = self.record(name)
+        if out is not None and tuple(out.shape) != record.shape:
+            from ckptd.errors import ResumeMismatchError
+
+            raise ResumeMismatchError(
+                f"tensor {name!r} was saved with shape {list(record.shape)} but the live tensor has shape "
+                f"{list(out.shape)}", step=self.index.step, hint="restore into a model of the saved shape")
+        direct = (out is not None and out.device.type == "cpu" and out.is_contiguous()
+                  and out.dtype == record.torch_dtype and not out.requires_grad)
+        target = out if direct else torch.empty(record.shape, dtype=record.torch_dtype)
+        view = tensor_bytes(target)
+        position = 0
+        for chunk in record.chunks:
+            self._read_chunk(name, chunk, view[position:position + chunk.raw_length])
+            position += chunk.raw_length
+        if out is not None and not direct:
+            with torch.no_grad():
+                out.copy_(target)
+            return out
+        return target
+
+    def _read_chunk(self, name: str, chunk: ChunkRecord, out: memoryview) -> None:
+        first_error: CkptdError | None = None
+        for source in self.sources:
+            try:
+                read_chunk(source, chunk, out, tensor=name)
+                return
+            except (IntegrityError, NotFoundError) as error:
+                first_error = first_error or error
+                event = FallbackEvent(step=source.index.step, tensor=name, chunk=chunk.digest,
+                                      tier=source.tier.label, error=str(error))
+                self.events.append(event)
+                log.warning("bad or missing chunk, trying the next tier: %s", error)
+        assert first_error is not None
+        raise first_error
+
+
+@dataclass(frozen=True)
+class VerifyProblem:
+    """One thing `verify` found wrong."""
+
+    step: int
+    rank: int | None
+    path: str
+    error: str
+
+
+def verify_step(tier: StorageTier, step: int,
+                progress: Callable[[int], None] | None = None) -> Iterator[VerifyProblem]:
+    """Re-hash every chunk of every rank of a step on one tier, yielding each problem found."""
+    try:
+        manifest = load_manifest(tier, step)
+    except CkptdError as error:
+        yield VerifyProblem(step, None, error.path or step_file(step, MANIFEST_NAME), str(error))
+        return
+    for entry in manifest.ranks:
+        try:
+            index = load_rank_index(tier, manifest, entry.rank)
+        except CkptdError as error:
+            yield VerifyProblem(step, entry.rank, error.path or entry.index_file, str(error))
+            continue
+        source = ChunkSource(tier, index)
+        for name, record in index.tensors.items():
+            for chunk in record.chunks:
+                buffer = memoryview(bytearray(chunk.raw_length))
+                try:
+                    read_chunk(source, chunk, buffer, tensor=name)
+                except CkptdError as error:
+                    yield VerifyProblem(step, entry.rank, error.path or index.data_file, str(error))
+                if progress is not None:
+                    progress(chunk.raw_length)

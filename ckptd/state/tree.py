@@ -1,0 +1,248 @@
+"""Turning a training state into tensors plus a JSON skeleton, and loading it back in place.
+
+A state is a mapping whose values are tensors, numpy arrays, nested dicts/lists/tuples, JSON scalars,
+``bytes``, or objects with ``state_dict()``/``load_state_dict()`` (modules, optimizers, schedulers,
+ckptd's data loader). :func:`flatten` walks it once and returns every tensor under a readable path
+name plus a JSON *skeleton* that records the structure. Nothing is pickled unless the caller passes
+``allow_pickle=True``; then values of any other type are pickled, and loading them again needs the
+same opt-in.
+
+:func:`load_into` walks a skeleton against the live state and loads in place: tensors are copied into
+existing tensors of the same shape, dicts and lists are updated in place, and objects with
+``load_state_dict`` receive their rebuilt state dict. Tensors that were views of one storage are saved
+as separate values and restored as equal values (views in the live state stay views, because the copy
+goes into their shared memory).
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import io
+import pickle
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ckptd.errors import CkptdError, PickleRefusedError, ResumeMismatchError
+from ckptd.format.records import DTYPE_NAMES, DTYPES
+
+#: Reads the tensor saved under a name, into ``out`` when given (same shape and dtype), else fresh.
+TensorSource = Callable[[str, "torch.Tensor | None"], torch.Tensor]
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+@dataclass
+class FlatState:
+    """A state taken apart: its tensors by path name, and the JSON skeleton that rebuilds it."""
+
+    skeleton: Any
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _has_state_dict(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def _escape(key: Any) -> str:
+    return str(key).replace("%", "%25").replace("/", "%2F")
+
+
+class _Flattener:
+    def __init__(self, allow_pickle: bool) -> None:
+        self.allow_pickle = allow_pickle
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def _name(self, path: str) -> str:
+        name, suffix = path or "_", 1
+        while name in self.tensors:
+            suffix += 1
+            name = f"{path}#{suffix}"
+        return name
+
+    def node(self, value: Any, path: str) -> Any:
+        if isinstance(value, torch.Tensor):
+            if value.is_sparse or value.is_quantized or value.dtype not in DTYPE_NAMES:
+                return self._pickle(value, path, "sparse, quantized or exotic tensors")
+            name = self._name(path)
+            self.tensors[name] = value.detach()
+            return {"tensor": name}
+        if isinstance(value, np.ndarray) and value.dtype != np.dtype(object):
+            name = self._name(path)
+            contiguous = np.ascontiguousarray(value)
+            self.tensors[name] = torch.from_numpy(contiguous.reshape(-1).view(np.uint8).copy())
+            return {"ndarray": name, "dtype": contiguous.dtype.str, "shape": list(contiguous.shape)}
+        if isinstance(value, np.generic) and not isinstance(value, np.object_):
+            return {"np_scalar": base64.b64encode(value.tobytes()).decode(), "dtype": value.dtype.str}
+        if isinstance(value, bool) or isinstance(value, _JSON_SCALARS):
+            return {"value": value}
+        if isinstance(value, (bytes, bytearray)):
+            return {"bytes": base64.b64encode(value).decode()}
+        if isinstance(value, torch.dtype):
+            return {"dtype": DTYPE_NAMES.get(value) or str(value)}
+        if isinstance(value, torch.Size):
+            return {"size": list(value)}
+        if isinstance(value, torch.device):
+            return {"device": str(value)}
+        if isinstance(value, Mapping):
+            items = []
+            for key, child in value.items():
+                if not isinstance(key, _JSON_SCALARS):
+                    return self._pickle(value, path, f"a dict key of type {type(key).__name__}")
+                items.append([key, self.node(child, f"{path}/{_escape(key)}" if path else _escape(key))])
+            return {"dict": items, "ordered": isinstance(value, collections.OrderedDict)}
+        if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+            kind = "list" if isinstance(value, list) else "tuple"
+            return {kind: [self.node(child, f"{path}/{i}") for i, child in enumerate(value)]}
+        if _has_state_dict(value):
+            return {"stateful": self.node(value.state_dict(), path)}
+        return self._pickle(value, path, f"a value of type {type(value).__name__}")
+
+    def _pickle(self, value: Any, path: str, what: str) -> Any:
+        if not self.allow_pickle:
+            raise PickleRefusedError(
+                f"state entry {path!r} is {what}, which ckptd can only save with pickle",
+                hint="convert it to tensors/JSON values, give it state_dict()/load_state_dict(), or pass "
+                     "allow_pickle=True (restoring it will need allow_pickle=True too)")
+        buffer = io.BytesIO()
+        torch.save(value, buffer) if isinstance(value, torch.Tensor) else pickle.dump(value, buffer)
+        name = self._name(path)
+        self.tensors[name] = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        return {"pickle": name, "torch": isinstance(value, torch.Tensor)}
+
+
+def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> FlatState:
+    """Take a state apart into tensors and a JSON skeleton. Raises PickleRefusedError on values that
+    need pickle when ``allow_pickle`` is False."""
+    flattener = _Flattener(allow_pickle)
+    skeleton = flattener.node(state, "")
+    return FlatState(skeleton=skeleton, tensors=flattener.tensors)
+
+
+def skeleton_tensor_names(skeleton: Any) -> list[str]:
+    """Every tensor name a skeleton refers to, in walk order."""
+    names: list[str] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            for key in ("tensor", "ndarray", "pickle"):
+                if key in node:
+                    names.append(node[key])
+                    return
+            for child in node.values():
+                walk(child)
+        elif isinstance(node, list):
+            for child in node:
+                walk(child)
+
+    walk(skeleton)
+    return names
+
+
+class _Loader:
+    def __init__(self, read: TensorSource, allow_pickle: bool) -> None:
+        self.read = read
+        self.allow_pickle = allow_pickle
+
+    def node(self, node: Any, target: Any, path: str) -> Any:
+        if not isinstance(node, dict) or not node:
+            raise CkptdError(f"malformed state skeleton at {path!r}")
+        kind = next(iter(node))
+        if kind == "tensor":
+            return self._tensor(node["tensor"], target, path)
+        if kind == "value":
+            return node["value"]
+        if kind == "dict":
+            return self._dict(node, target, path)
+        if kind in ("list", "tuple"):
+            return self._sequence(node[kind], kind, target, path)
+        if kind == "stateful":
+            if not _has_state_dict(target):
+                raise ResumeMismatchError(
+                    f"the checkpoint holds an object's state at {path!r} but the live state has "
+                    f"{type(target).__name__} there", hint="pass the same kind of object as when saving")
+            rebuilt = self.node(node["stateful"], target.state_dict(), path)
+            target.load_state_dict(rebuilt)
+            return target
+        if kind == "ndarray":
+            raw = self.read(node["ndarray"], None)
+            dtype = np.dtype(node["dtype"])
+            array = raw.numpy().view(dtype).reshape(node["shape"])
+            if isinstance(target, np.ndarray) and target.shape == array.shape and target.dtype == dtype \
+                    and target.flags.writeable:
+                target[...] = array
+                return target
+            return array
+        if kind == "np_scalar":
+            return np.frombuffer(base64.b64decode(node["np_scalar"]), dtype=np.dtype(node["dtype"]))[0]
+        if kind == "bytes":
+            return base64.b64decode(node["bytes"])
+        if kind == "dtype":
+            return DTYPES.get(node["dtype"]) or getattr(torch, node["dtype"].removeprefix("torch."))
+        if kind == "size":
+            return torch.Size(node["size"])
+        if kind == "device":
+            return torch.device(node["device"])
+        if kind == "pickle":
+            return self._unpickle(node, path)
+        raise CkptdError(f"unknown entry kind {kind!r} in the state skeleton at {path!r}",
+                         hint="this checkpoint was written by a newer ckptd; upgrade ckptd")
+
+    def _tensor(self, name: str, target: Any, path: str) -> torch.Tensor:
+        if isinstance(target, torch.Tensor):
+            return self.read(name, target)
+        return self.read(name, None)
+
+    def _dict(self, node: dict[str, Any], target: Any, path: str) -> Any:
+        if isinstance(target, MutableMapping):
+            for key, child in node["dict"]:
+                target[key] = self.node(child, target.get(key), f"{path}/{key}")
+            return target
+        rebuilt: dict[Any, Any] = collections.OrderedDict() if node.get("ordered") else {}
+        for key, child in node["dict"]:
+            rebuilt[key] = self.node(child, None, f"{path}/{key}")
+        return rebuilt
+
+    def _sequence(self, children: list[Any], kind: str, target: Any, path: str) -> Any:
+        same_shape = isinstance(target, (list, tuple)) and len(target) == len(children)
+        values = [self.node(child, target[i] if same_shape else None, f"{path}/{i}")
+                  for i, child in enumerate(children)]
+        if kind == "list" and isinstance(target, list) and same_shape:
+            target[:] = values
+            return target
+        return values if kind == "list" else tuple(values)
+
+    def _unpickle(self, node: dict[str, Any], path: str) -> Any:
+        if not self.allow_pickle:
+            raise PickleRefusedError(
+                f"state entry {path!r} was saved with pickle; ckptd does not unpickle by default",
+                hint="pass allow_pickle=True only if you trust this checkpoint")
+        data = bytes(self.read(node["pickle"], None).numpy())
+        if node.get("torch"):
+            return torch.load(io.BytesIO(data), weights_only=False)
+        return pickle.loads(data)
+
+
+def load_into(state: MutableMapping[str, Any], skeleton: Any, read: TensorSource, *,
+              allow_pickle: bool = False) -> None:
+    """Load a saved skeleton into the live ``state`` in place (see the module docstring)."""
+    loader = _Loader(read, allow_pickle)
+    if not isinstance(skeleton, dict) or "dict" not in skeleton:
+        raise CkptdError("the state skeleton is not a mapping")
+    loader.node(skeleton, state, "")
+
+
+def rebuild(skeleton: Any, read: TensorSource, *, allow_pickle: bool = False) -> Any:
+    """Rebuild a saved state as plain Python values (stateful objects become their state dicts)."""
+
+    class _Detached(_Loader):
+        def node(self, node: Any, target: Any, path: str) -> Any:
+            if isinstance(node, dict) and "stateful" in node:
+                return super().node(node["stateful"], None, path)
+            return super().node(node, None, path)
+
+    return _Detached(read, allow_pickle).node(skeleton, None, "")

@@ -1,0 +1,242 @@
+"""The local tier: a directory on node-local disk (a path or a ``file://`` URL).
+
+Files are committed the file-system way: write to a temporary name in the same directory, fsync the
+file, rename it over the final name, fsync the directory. A crash at any moment leaves either the old
+state or the new one plus a temporary file, which :meth:`LocalTier.remove_temporaries` deletes on the
+next start. A per-rank lock file (``flock``) keeps two writers of the same rank out of one directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import uuid
+from pathlib import Path
+
+import fsspec
+
+from ckptd._types import Buffer
+from ckptd.errors import ConfigError, DiskFullError, LockedError, NotFoundError, StorageError
+from ckptd.format.layout import TEMP_MARKER, parse_step_dir, step_dir
+from ckptd.tiers.base import StorageTier
+
+_WRITE_SLICE = 64 * 1024 * 1024
+
+
+def local_root(url: str) -> Path:
+    """The directory a local path or ``file://`` URL names."""
+    fs, path = fsspec.core.url_to_fs(url)
+    if "file" not in fs.protocol and "local" not in fs.protocol:
+        raise ConfigError(f"{url!r} is not a local path", hint="give a directory or a file:// URL")
+    return Path(path)
+
+
+def _storage_error(exc: OSError, path: Path | str, what: str) -> StorageError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(f"disk full while {what}", path=str(path), tier="local",
+                             hint="free space or lower keep_local; older committed steps were kept")
+    return StorageError(f"{what} failed: {exc.strerror or exc}", path=str(path), tier="local")
+
+
+def fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AtomicFile:
+    """A file written piece by piece under a temporary name and renamed into place on :meth:`commit`.
+
+    Not thread-safe: one writer thread per file.
+    """
+
+    def __init__(self, final: Path) -> None:
+        self.final = final
+        self.temporary = final.with_name(f"{final.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}")
+        self.size = 0
+        try:
+            self._fd: int | None = os.open(self.temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        except OSError as exc:
+            raise _storage_error(exc, final, "creating a file") from exc
+
+    def write(self, data: Buffer) -> int:
+        """Append bytes; returns the offset they start at."""
+        offset = self.size
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                written = os.write(self._fd, view[:_WRITE_SLICE])  # type: ignore[arg-type]
+                view = view[written:]
+                self.size += written
+        except OSError as exc:
+            self.abort()
+            raise _storage_error(exc, self.final, "writing") from exc
+        return offset
+
+    def commit(self) -> None:
+        """fsync, rename over the final name, fsync the directory."""
+        try:
+            os.fsync(self._fd)  # type: ignore[arg-type]
+            os.close(self._fd)  # type: ignore[arg-type]
+            self._fd = None
+            os.replace(self.temporary, self.final)
+            fsync_directory(self.final.parent)
+        except OSError as exc:
+            self.abort()
+            raise _storage_error(exc, self.final, "committing") from exc
+
+    def abort(self) -> None:
+        """Close and delete the temporary file; the final name is untouched."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self.temporary.unlink(missing_ok=True)
+
+
+class LocalTier(StorageTier):
+    """Checkpoints in a directory on local disk."""
+
+    kind = "local"
+
+    def __init__(self, url: str | os.PathLike[str]) -> None:
+        super().__init__(str(url))
+        self.root = local_root(str(url))
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _storage_error(exc, self.root, "creating the checkpoint directory") from exc
+        self._locks: dict[int, int] = {}
+
+    def _path(self, path: str) -> Path:
+        return self.root / path
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        try:
+            with open(self._path(path), "rb") as handle:
+                handle.seek(offset)
+                return handle.read() if length is None else handle.read(length)
+        except FileNotFoundError as exc:
+            raise NotFoundError("file not found", path=path, tier=self.label) from exc
+        except OSError as exc:
+            raise _storage_error(exc, path, "reading") from exc
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        try:
+            fd = os.open(self._path(path), os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise NotFoundError("file not found", path=path, tier=self.label) from exc
+        try:
+            done = 0
+            while done < len(buffer):
+                got = os.preadv(fd, [buffer[done:]], offset + done)
+                if got == 0:
+                    from ckptd.errors import IntegrityError
+
+                    raise IntegrityError("file is shorter than its index says", path=path, tier=self.label,
+                                         expected=str(offset + len(buffer)), actual=str(offset + done))
+                done += got
+        finally:
+            os.close(fd)
+
+    def size(self, path: str) -> int:
+        try:
+            return self._path(path).stat().st_size
+        except FileNotFoundError as exc:
+            raise NotFoundError("file not found", path=path, tier=self.label) from exc
+
+    def exists(self, path: str) -> bool:
+        return self._path(path).is_file()
+
+    def list_step_numbers(self) -> list[int]:
+        try:
+            names = os.listdir(self.root)
+        except OSError as exc:
+            raise _storage_error(exc, self.root, "listing") from exc
+        steps = (parse_step_dir(name) for name in names)
+        return sorted(step for step in steps if step is not None and (self.root / step_dir(step)).is_dir())
+
+    def list_files(self, step: int) -> list[str]:
+        directory = self.root / step_dir(step)
+        if not directory.is_dir():
+            return []
+        return sorted(name for name in os.listdir(directory) if TEMP_MARKER not in name)
+
+    def open_file(self, path: str) -> AtomicFile:
+        """Start writing a file that becomes visible only on :meth:`AtomicFile.commit`."""
+        target = self._path(path)
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _storage_error(exc, target.parent, "creating a step directory") from exc
+        return AtomicFile(target)
+
+    def write_bytes(self, path: str, data: Buffer) -> None:
+        handle = self.open_file(path)
+        handle.write(data)
+        handle.commit()
+
+    def delete_files(self, paths: list[str]) -> None:
+        parents = set()
+        for path in paths:
+            target = self._path(path)
+            try:
+                target.unlink(missing_ok=True)
+            except OSError as exc:
+                raise _storage_error(exc, target, "deleting") from exc
+            parents.add(target.parent)
+        for parent in parents:
+            if parent.is_dir():
+                fsync_directory(parent)
+
+    def remove_step_dir(self, step: int) -> None:
+        directory = self.root / step_dir(step)
+        if not directory.is_dir():
+            return
+        for leftover in directory.iterdir():
+            leftover.unlink(missing_ok=True)
+        try:
+            directory.rmdir()
+        except OSError:
+            pass  # another rank is still writing into it
+
+    def remove_temporaries(self, name_prefixes: tuple[str, ...]) -> list[str]:
+        """Delete temporary files left by a crash whose names start with one of the prefixes."""
+        removed = []
+        for step in self.list_step_numbers():
+            directory = self.root / step_dir(step)
+            for name in os.listdir(directory):
+                if TEMP_MARKER in name and name.startswith(name_prefixes):
+                    (directory / name).unlink(missing_ok=True)
+                    removed.append(f"{step_dir(step)}/{name}")
+        return removed
+
+    # --- writer lock -------------------------------------------------------------------------
+    def acquire_lock(self, rank: int) -> None:
+        """Take the writer lock of ``rank`` in this directory, or raise LockedError."""
+        lock_path = self.root / f".lock-rank-{rank:05d}"
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise LockedError(
+                f"another checkpoint manager ({holder}) is writing rank {rank} in this directory",
+                path=str(self.root), tier="local",
+                hint="stop the other job or give this one its own directory") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        self._locks[rank] = fd
+
+    def release_locks(self) -> None:
+        for fd in self._locks.values():
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        self._locks.clear()
+
+    def close(self) -> None:
+        self.release_locks()

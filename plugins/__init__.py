@@ -1,0 +1,1 @@
+"""Integrations that sit on ckptd's public API only, importable as ``ckptd.plugins``."""

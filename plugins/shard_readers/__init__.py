@@ -1,0 +1,1 @@
+"""Shard-format readers, registered under the ``ckptd.shard_readers`` entry-point group."""
