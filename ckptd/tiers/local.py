@@ -102,9 +102,12 @@ class LocalTier(StorageTier):
 
     kind = "local"
 
-    def __init__(self, url: str | os.PathLike[str]) -> None:
+    def __init__(self, url: str | os.PathLike[str], *, create: bool = True) -> None:
         super().__init__(str(url))
         self.root = local_root(str(url))
+        if not create and not self.root.is_dir():
+            raise NotFoundError("checkpoint directory does not exist", path=str(self.root), tier="local",
+                                hint="check the path")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

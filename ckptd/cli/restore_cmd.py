@@ -1,0 +1,76 @@
+"""``ckptd restore``: export a step to a plain ``torch.save`` file or to safetensors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from ckptd.cli.options import open_cli_tier, s3_options
+from ckptd.errors import PluginError
+from ckptd.format.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index
+from ckptd.state.tree import rebuild
+
+
+def _flatten_tensors(value: Any, prefix: str, tensors: dict[str, torch.Tensor], other: dict[str, Any]) -> None:
+    if isinstance(value, torch.Tensor):
+        tensors[prefix] = value.contiguous()
+    elif isinstance(value, dict):
+        for key, child in value.items():
+            _flatten_tensors(child, f"{prefix}.{key}" if prefix else str(key), tensors, other)
+    elif isinstance(value, (list, tuple)):
+        for i, child in enumerate(value):
+            _flatten_tensors(child, f"{prefix}.{i}", tensors, other)
+    else:
+        other[prefix] = value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
+
+
+def write_export(state: Any, out: Path, fmt: str, step: int) -> int:
+    """Write a rebuilt state to ``out``; returns the number of tensors written."""
+    if fmt == "torch":
+        torch.save(state, out)
+        tensors: dict[str, torch.Tensor] = {}
+        _flatten_tensors(state, "", tensors, {})
+        return len(tensors)
+    try:
+        from safetensors.torch import save_file
+    except ImportError as exc:
+        raise PluginError("exporting to safetensors needs the safetensors package",
+                          hint="pip install 'ckptd[export]'") from exc
+    tensors, other = {}, {}
+    _flatten_tensors(state, "", tensors, other)
+    save_file(tensors, str(out), metadata={"ckptd_step": str(step), "ckptd_values": json.dumps(other)})
+    return len(tensors)
+
+
+@click.command("restore")
+@click.argument("path")
+@click.option("--step", type=int, required=True, help="The step to export.")
+@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="File to write.")
+@click.option("--format", "fmt", type=click.Choice(["torch", "safetensors"]), default=None,
+              help="Output format (default: from the file suffix; .safetensors or torch).")
+@click.option("--rank", type=int, default=0, show_default=True, help="Which rank's share to export.")
+@click.option("--allow-pickle", is_flag=True, help="Unpickle values saved with pickle (trusted files only).")
+@click.option("--keep-rng", is_flag=True, help="Keep ckptd's saved RNG states in the export.")
+@s3_options
+def restore(path: str, step: int, out: Path, fmt: str | None, rank: int, allow_pickle: bool, keep_rng: bool,
+            endpoint_url: str | None, region: str | None) -> None:
+    """Export one step of PATH, verified, to a file usable without ckptd."""
+    from ckptd.state.rng import RNG_KEY
+
+    fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "torch")
+    tier = open_cli_tier(path, endpoint_url, region)
+    try:
+        manifest = load_manifest(tier, step)
+        reader = StepReader([ChunkSource(tier, load_rank_index(tier, manifest, rank))])
+        state = rebuild(reader.index.values, reader.read_tensor, allow_pickle=allow_pickle)
+    finally:
+        tier.close()
+    if isinstance(state, dict) and not keep_rng:
+        state.pop(RNG_KEY, None)
+    count = write_export(state, out, fmt, step)
+    click.echo(f"wrote step {step} rank {rank} ({count} tensors, verified) to {out} as {fmt}")
