@@ -40,10 +40,34 @@ class Settings:
     s3_concurrency: int = 8
     #: Object tier: multipart part size.
     s3_part_bytes: int = 16 * 1024 * 1024
+    #: Object tier: chunks fetched ahead of the reader during a restore (0: as many as s3_concurrency).
+    s3_read_ahead: int = 0
+    #: Promotion: seconds a GC lease on the object tier stays valid (a crashed GC is ignored after it).
+    gc_lease_s: float = 600.0
+    #: GC: seconds after which an uncommitted step directory counts as abandoned and may be removed.
+    gc_abandoned_s: float = 3600.0
     #: Host memory the stager may hold for one save (0: no limit).
     staging_budget_bytes: int = 0
+    #: Pin the stager's host buffers when CUDA is present (faster device-to-host copies).
+    pin_staging: bool = True
+    #: Seconds ``close()`` waits for the background writer before giving up.
+    close_timeout_s: float = 600.0
+    #: Nice value added to ckptd's background threads (writer, hashing, reading) on Linux, so that the
+    #: training thread wins contended cores; 0 leaves their priority alone.
+    background_nice: int = 10
     #: Log level for ckptd's loggers.
     log_level: str = "WARNING"
+    #: Data shards: local cache directory ("" means ~/.cache/ckptd/shards).
+    data_cache_dir: str = ""
+    #: Data shards: most bytes the shard cache keeps on disk (least recently used shards go first).
+    data_cache_bytes: int = 32 * 1024 * 1024 * 1024
+    #: Data shards: shards loaded ahead (fetched, verified) per loading process; at least the next
+    #: shuffle block is loaded ahead whenever this is above 0.
+    data_prefetch_shards: int = 4
+    #: Data shards: fetches of one shard before it is quarantined as corrupt or missing.
+    data_fetch_attempts: int = 3
+    #: Data shards: threads that read and hash shards while indexing.
+    data_index_threads: int = 4
 
 
 _overrides: dict[str, Any] = {}

@@ -45,15 +45,16 @@ def step_file(step: int, name: str) -> str:
     return f"{step_dir(step)}/{safe_name(name, step=step)}"
 
 
-def safe_name(name: object, *, step: int | None = None) -> str:
+def safe_name(name: object, *, step: int | None = None, path: str | None = None) -> str:
     """Accept a file name read from a manifest or index only if it stays inside its step directory.
 
     Absolute paths, separators, ``..``, empty names, control characters and hidden names are refused.
+    ``path`` is the manifest or index the name was read from, named in the error.
     """
     if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
         raise UnsafePathError(
             f"refusing file name {name!r}: it could leave the step directory",
-            step=step,
+            step=step, path=path,
             hint="the manifest or index was tampered with or is corrupt; use another step or tier",
         )
     return name

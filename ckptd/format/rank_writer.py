@@ -6,19 +6,69 @@ needs; or :meth:`RankWriter.abort` on failure, which leaves nothing behind. The 
 only later, when the manifest is written (see :mod:`ckptd.manager.commit`).
 
 Chunks with the same digest inside one rank are stored once (zeroed optimizer moments, tied values).
+
+Performance: the chunks of a tensor are hashed and encoded on the shared ``ckptd-write`` thread pool
+(:func:`io_pool`; xxhash, zstd and ``os.write`` release the GIL), a bounded window ahead of the calling
+thread, which appends them to the data file in order. Nothing here issues collectives.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+
+from ckptd.config import settings
 
 from ckptd.format import codecs
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.layout import rank_data_name, rank_index_name, step_file
 from ckptd.format.records import ChunkRecord, RankEntry, RankIndex, TensorRecord, dtype_name
 from ckptd.tiers.local import AtomicFile, LocalTier
+
+
+_pool_lock = threading.Lock()
+_pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
+
+
+def lower_thread_priority() -> None:
+    """Lower the calling thread's CPU priority by ``CKPTD_BACKGROUND_NICE`` (Linux: per-thread nice).
+
+    Called by ckptd's background threads when they start; a no-op elsewhere or when not permitted.
+    """
+    increment = settings().background_nice
+    if increment <= 0 or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
+        return
+    try:
+        thread_id = threading.get_native_id()
+        current = os.getpriority(os.PRIO_PROCESS, thread_id)
+        os.setpriority(os.PRIO_PROCESS, thread_id, min(19, current + increment))
+    except OSError:
+        pass
+
+
+def io_pool(purpose: str = "write") -> ThreadPoolExecutor:
+    """The process-wide pool of ``CKPTD_IO_THREADS`` threads for ``purpose``: ``"write"`` (hashing and
+    encoding behind a save, at lowered priority, see :func:`lower_thread_priority`) or ``"read"``
+    (reading and verifying during a restore, which training waits for, at normal priority).
+    Tasks submitted to a pool must never wait on other tasks of the same pool.
+    """
+    threads = max(1, settings().io_threads)
+    with _pool_lock:
+        pool = _pools.get((purpose, threads))
+        if pool is None:
+            initializer = lower_thread_priority if purpose == "write" else None
+            pool = _pools[(purpose, threads)] = ThreadPoolExecutor(
+                max_workers=threads, thread_name_prefix=f"ckptd-{purpose}", initializer=initializer)
+        return pool
+
+
+def _hash_and_encode(raw: memoryview, codec_id: str) -> tuple[str, Any]:
+    return chunk_digest(raw), codecs.encode(codec_id, raw)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -49,19 +99,29 @@ class RankWriter:
                                        itemsize=tensor.element_size())
         data = tensor_bytes(tensor)
         chunks = []
-        for start in range(0, len(data), self.chunk_bytes):
-            chunks.append(self._add_chunk(data[start:start + self.chunk_bytes], codec_id))
+        pieces = [data[start:start + self.chunk_bytes] for start in range(0, len(data), self.chunk_bytes)]
+        if len(pieces) <= 1:
+            chunks = [self._add_chunk(piece, *_hash_and_encode(piece, codec_id), codec_id) for piece in pieces]
+        else:
+            pool, window = io_pool(), 2 * max(1, settings().io_threads)
+            pending: deque[tuple[memoryview, Future[tuple[str, Any]]]] = deque()
+            for piece in pieces:
+                pending.append((piece, pool.submit(_hash_and_encode, piece, codec_id)))
+                if len(pending) >= window:
+                    done, future = pending.popleft()
+                    chunks.append(self._add_chunk(done, *future.result(), codec_id))
+            while pending:
+                done, future = pending.popleft()
+                chunks.append(self._add_chunk(done, *future.result(), codec_id))
         record = TensorRecord(dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape), chunks=tuple(chunks))
         self._tensors[name] = record
         self.raw_bytes += len(data)
         return record
 
-    def _add_chunk(self, raw: memoryview, codec_id: str) -> ChunkRecord:
-        digest = chunk_digest(raw)
+    def _add_chunk(self, raw: memoryview, digest: str, stored: Any, codec_id: str) -> ChunkRecord:
         known = self._written.get((digest, codec_id))
         if known is not None and known.raw_length == len(raw):
             return known
-        stored = codecs.encode(codec_id, raw)
         offset = self._file.write(stored)  # type: ignore[union-attr]
         record = ChunkRecord(offset=offset, length=len(stored), raw_length=len(raw), codec=codec_id,
                              digest=digest)

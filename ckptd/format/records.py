@@ -132,7 +132,7 @@ class RankIndex:
     def from_json_bytes(cls, raw: bytes, *, path: str, step: int, tier: str | None = None) -> RankIndex:
         body = _load_json(raw, path=path, step=step, tier=tier, kind="rank-index")
         problems = _Problems(path=path, step=step, tier=tier)
-        data_file = safe_name(body.get("data_file"), step=step)
+        data_file = safe_name(body.get("data_file"), step=step, path=path)
         data_size = problems.non_negative_int(body.get("data_size"), "data_size")
         tensors_json = body.get("tensors")
         if not isinstance(tensors_json, dict):
@@ -299,10 +299,10 @@ def _parse_entry(item: Any, problems: _Problems, step: int) -> RankEntry:
         problems.fail(f"index digest {digest!r} is not an xxh3-128 hex digest")
     return RankEntry(
         rank=problems.non_negative_int(item.get("rank"), "rank"),
-        index_file=safe_name(item.get("index_file"), step=step),
+        index_file=safe_name(item.get("index_file"), step=step, path=problems.path),
         index_size=problems.non_negative_int(item.get("index_size"), "index_size"),
         index_digest=digest,
-        data_file=safe_name(item.get("data_file"), step=step),
+        data_file=safe_name(item.get("data_file"), step=step, path=problems.path),
         data_size=problems.non_negative_int(item.get("data_size"), "data_size"),
     )
 

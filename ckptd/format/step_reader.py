@@ -5,6 +5,9 @@ recorded one level up). :class:`StepReader` reads one rank's tensors; every chun
 decoding and compared with its record. A chunk that is missing or bad on the first tier is read from the
 next tier that holds the same step (chunk by chunk, not the whole step), and each such event is logged
 with file, chunk and tier and kept in :attr:`StepReader.events`.
+
+The chunks of a tensor are read and verified in parallel on the ``ckptd-read`` pool (``preadv``, xxhash
+and zstd release the GIL); :meth:`StepReader.read_tensor` must therefore not be called from that pool.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from ckptd.format import codecs
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.layout import MANIFEST_NAME, step_file
 from ckptd.format.records import ChunkRecord, Manifest, RankIndex, TensorRecord
-from ckptd.format.rank_writer import tensor_bytes
+from ckptd.format.rank_writer import io_pool, tensor_bytes
 from ckptd.tiers.base import StorageTier
 
 log = logging.getLogger("ckptd.restore")
@@ -104,7 +107,12 @@ def read_chunk(source: ChunkSource, chunk: ChunkRecord, out: memoryview, *, tens
         else:
             stored = tier.read_bytes(path, chunk.offset, chunk.length)
     if stored is not None:
-        raw = codecs.decode(chunk.codec, stored, chunk.raw_length, path=path)
+        try:
+            raw = codecs.decode(chunk.codec, stored, chunk.raw_length, path=path)
+        except IntegrityError as error:  # name the chunk, step and tier, like a digest mismatch
+            raise IntegrityError(f"chunk of tensor {tensor!r} at offset {chunk.offset} cannot be decoded: "
+                                 f"{error.message}", path=path, step=index.step, tier=tier.label,
+                                 chunk=chunk.digest) from error
         out[:] = memoryview(raw).cast("B")
     actual = chunk_digest(out)
     if actual != chunk.digest:
@@ -145,10 +153,17 @@ class StepReader:
                   and out.dtype == record.torch_dtype and not out.requires_grad)
         target = out if direct else torch.empty(record.shape, dtype=record.torch_dtype)
         view = tensor_bytes(target)
-        position = 0
+        pieces, position = [], 0
         for chunk in record.chunks:
-            self._read_chunk(name, chunk, view[position:position + chunk.raw_length])
+            pieces.append((chunk, view[position:position + chunk.raw_length]))
             position += chunk.raw_length
+        if len(pieces) <= 1:
+            for chunk, piece in pieces:
+                self._read_chunk(name, chunk, piece)
+        else:
+            futures = [io_pool("read").submit(self._read_chunk, name, chunk, piece) for chunk, piece in pieces]
+            for future in futures:
+                future.result()
         if out is not None and not direct:
             with torch.no_grad():
                 out.copy_(target)

@@ -5,6 +5,15 @@ collects all reports; if every rank succeeded it builds the manifest, otherwise 
 rank with a :class:`~ckptd.errors.WorkerError` naming each failed rank. Agreement goes through the job's
 c10d ``Store`` (plain key/value calls with deadlines), never through collectives, so it is safe to run
 from a background thread while training issues collectives on the process group.
+
+A rank that skips a step because its previous save is still being written (``Policy.on_busy="skip"``)
+reports the step as skipped; the step then fails quietly on every rank (:class:`SkippedStep`).
+
+Restore uses the same store, on the training thread, through :meth:`StoreCoordinator.exchange`: every
+rank publishes a JSON value and reads everyone's (see :mod:`ckptd.manager.restoring`).
+
+Thread: commit rounds (:meth:`agree`) run on the writer thread, exchange rounds on the training thread;
+each kind has its own round counter and key prefix, and each is called in the same order on all ranks.
 """
 
 from __future__ import annotations
@@ -15,6 +24,13 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from ckptd.errors import CommitError, WorkerError
+
+#: Error text a rank reports for a step it skipped because it was busy.
+SKIPPED = "skipped: the previous save was still being written"
+
+
+class SkippedStep(CommitError):
+    """A step was skipped by at least one rank (back-pressure); nothing was committed, nothing failed."""
 from ckptd.format.records import Manifest, RankEntry
 
 
@@ -27,7 +43,10 @@ class CommitCoordinator(Protocol):
     def agree(self, step: int, entry: RankEntry | None, error: str | None,
               build: Callable[[list[RankEntry]], Manifest]) -> bytes:
         """Report this rank's outcome; returns the manifest bytes every rank must commit, or raises
-        WorkerError when any rank failed."""
+        WorkerError when any rank failed (SkippedStep when ranks only skipped it)."""
+
+    def exchange(self, kind: str, value: Any) -> list[Any]:
+        """Publish a JSON value and return every rank's value, by rank (training thread only)."""
 
 
 class SingleProcessCoordinator:
@@ -42,6 +61,9 @@ class SingleProcessCoordinator:
             raise WorkerError(f"step {step} failed", {0: error or "unknown error"}, step=step)
         return build([entry]).to_json_bytes()
 
+    def exchange(self, kind: str, value: Any) -> list[Any]:
+        return [value]
+
 
 class StoreCoordinator:
     """Agreement through a c10d ``Store`` shared by all ranks (the job's TCPStore)."""
@@ -52,6 +74,20 @@ class StoreCoordinator:
         self.timeout = timedelta(seconds=timeout_s)
         self.prefix = prefix
         self._round = 0
+        self._exchanges = 0
+
+    def exchange(self, kind: str, value: Any) -> list[Any]:
+        self._exchanges += 1
+        base = f"{self.prefix}/exchange/{self._exchanges}/{kind}"
+        self.store.set(f"{base}/{self.rank}", json.dumps(value))
+        keys = [f"{base}/{rank}" for rank in range(self.world_size)]
+        try:
+            self.store.wait(keys, self.timeout)
+        except Exception as exc:  # c10d raises a plain RuntimeError/DistStoreError on timeout
+            missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+            raise CommitError(f"ranks {missing} did not answer the {kind!r} round within {self.timeout}",
+                              hint="a rank may have died; the supervisor will restart it") from exc
+        return [json.loads(self.store.get(key)) for key in keys]
 
     def agree(self, step: int, entry: RankEntry | None, error: str | None,
               build: Callable[[list[RankEntry]], Manifest]) -> bytes:
@@ -69,6 +105,8 @@ class StoreCoordinator:
         outcome = json.loads(self.store.get(f"{base}/outcome"))
         if outcome["failures"]:
             failures = {int(rank): why for rank, why in outcome["failures"].items()}
+            if all(why == SKIPPED for why in failures.values()):
+                raise SkippedStep(f"step {step} was skipped by busy rank(s) {sorted(failures)}", step=step)
             raise WorkerError(f"step {step} failed on {len(failures)} rank(s); nothing was committed",
                               failures, step=step)
         return outcome["manifest"].encode()

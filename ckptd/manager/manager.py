@@ -52,6 +52,12 @@ class CheckpointManager:
     numpy and ``random`` are saved and restored unless ``capture_rng=False``. Values that need pickle
     are refused unless ``allow_pickle=True``. In a process group, rank and world size come from
     ``torch.distributed`` and ranks agree on commits through its store.
+
+    ``remote`` (``s3://bucket/prefix``) adds the object tier: committed steps that
+    ``policy.remote_every_steps`` selects (every saved step when it is None) are promoted in the
+    background, ``policy.keep_remote`` steps are kept there, and restore falls back to it chunk by chunk.
+    ``storage_options`` go to s3fs (endpoint, credentials, region). With ``repopulate_local=True`` a step
+    restored from the object tier is copied back to the local tier.
     """
 
     def __init__(
@@ -65,6 +71,9 @@ class CheckpointManager:
         rank: int | None = None,
         world_size: int | None = None,
         store: Any = None,
+        remote: str | None = None,
+        storage_options: dict[str, Any] | None = None,
+        repopulate_local: bool = False,
     ) -> None:
         self.policy = policy or Policy()
         self.codec = codec or settings().codec
@@ -84,12 +93,26 @@ class CheckpointManager:
                             allow_pickle=allow_pickle, capture_rng=capture_rng)
         self.last_restore: RestoreResult | None = None
         self._closed = False
+        self.remote: StorageTier | None = None
+        self._remote_sync: Any = None
+        if remote is not None:
+            from ckptd.promotion.remote_sync import RemoteSync
+
+            self._remote_sync = RemoteSync(self.local, remote, storage_options=storage_options, policy=self.policy,
+                                           rank=self.rank, world_size=self.world_size,
+                                           repopulate_local=repopulate_local)
+            self.remote = self._remote_sync.remote
+            self._saver.on_commit.append(self._remote_sync.on_commit)
 
     # --- saving -------------------------------------------------------------------------------
     def save(self, step: int, state: MutableMapping[str, Any], force: bool = False) -> bool:
         """Save ``state`` as ``step`` if the policy asks for it (or ``force``); returns whether it did.
 
-        When this returns True the step is committed on the local tier on every rank.
+        Returns once the state is copied into host buffers: the caller may modify it right away. The
+        write, the agreement between ranks and the commit run on a background thread; :meth:`wait`
+        blocks until they are done. Returns False when the policy does not save this step or, with
+        ``Policy(on_busy="skip")``, when the previous save is still being written. An error of an
+        earlier background save is raised here (or by :meth:`wait`/:meth:`close`).
         """
         self._check_open()
         if not force and not self.policy.saves(step):
@@ -104,7 +127,7 @@ class CheckpointManager:
     @property
     def tiers(self) -> list[StorageTier]:
         """Tiers restore reads from, nearest first."""
-        return [self.local]
+        return [self.local] + ([self.remote] if self.remote is not None else [])
 
     def restore(self, state: MutableMapping[str, Any], step: int | None = None) -> int | None:
         """Load the newest intact step (or ``step``) into ``state`` in place; returns the step, or None
@@ -113,28 +136,59 @@ class CheckpointManager:
         Tensors are copied into the live tensors; dict and list entries are replaced in place;
         objects with ``load_state_dict`` receive their saved state. If no step is intact,
         NoIntactCheckpointError is raised and ``state`` may hold values of a partly read step.
+
+        Every rank must call it (training thread): the ranks agree through the store on the newest step
+        intact on all of them. Pending saves are waited for first. A step this process saved itself is
+        read from the memory tier (its staged copy); a step saved by another world size is resharded.
         """
         self._check_open()
+        self._saver.wait()
+        if self._remote_sync is not None:
+            self._remote_sync.before_restore(step)
         result = restore_state(self.tiers, state, rank=self.rank, world_size=self.world_size, step=step,
-                               allow_pickle=self.allow_pickle, restore_rng=self.capture_rng)
+                               allow_pickle=self.allow_pickle, restore_rng=self.capture_rng,
+                               coordinator=self.coordinator, memory=self._saver.memory)
         self.last_restore = result
+        if self._remote_sync is not None:
+            self._remote_sync.after_restore(result.step, result.tier)
         return result.step
 
     # --- lifecycle ----------------------------------------------------------------------------
+    @property
+    def busy(self) -> bool:
+        """Whether a staged save is still being written in the background (never blocks)."""
+        return self._saver.busy
+
+    @property
+    def last_commit(self) -> tuple[int, float] | None:
+        """(step, ``time.monotonic()``) of the newest step this process committed locally, or None."""
+        return self._saver.last_commit
+
     def wait(self) -> None:
         """Block until every pending save is committed locally."""
         self._check_open()
         self._saver.wait()
 
+    def wait_uploads(self) -> None:
+        """Block until every step queued for the object tier is promoted; re-raise an upload failure."""
+        self._check_open()
+        self._saver.wait()
+        if self._remote_sync is not None:
+            self._remote_sync.wait()
+
     def close(self) -> None:
-        """Wait for pending work and release the tiers. Safe to call twice."""
+        """Wait for pending writes and uploads, then release the tiers. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
         try:
             self._saver.close()
         finally:
-            self.local.close()
+            try:
+                if self._remote_sync is not None:
+                    self._remote_sync.close()
+            finally:
+                self.local.close()
 
     def _check_open(self) -> None:
         if self._closed:

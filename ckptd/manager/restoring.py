@@ -1,8 +1,15 @@
-"""The restore path: pick the newest intact step, read it verified, load it into the live state.
+"""The restore path: agree on one step with every rank, read it verified, load it into the live state.
 
-Tiers are given nearest first. A step is a candidate when it is committed on at least one tier; it is
-read from the nearest tier that has it, with every other tier that has it as a chunk-by-chunk fallback.
-When no tier holds an intact copy, the next older step is tried, and the reason is logged.
+Call on every rank, from the training thread, in the same order (agreement goes through the
+coordinator's c10d Store; resharding through DCP issues collectives on the default process group).
+
+1. Each rank lists the steps it could restore: committed on some tier, with a manifest and (at the
+   same world size) its own index that parse and match their digests.
+2. The ranks exchange their lists through the store and take the newest step every rank listed.
+3. Each rank loads that step: from the memory tier (the staged copy of its last save) when it holds
+   that committed step, else from the nearest tier that has it, with every other tier as a chunk-by-chunk
+   fallback. A step saved by another world size is resharded through DCP (:mod:`ckptd.dcp.resharding`).
+4. The ranks exchange the outcome; if any rank failed, every rank drops that step and goes back to 2.
 """
 
 from __future__ import annotations
@@ -14,8 +21,12 @@ from typing import Any
 
 import torch
 
+from ckptd.dcp.index_values import parse_values
+from ckptd.dcp.resharding import TensorReader, live_reader, resharded_source
 from ckptd.errors import CkptdError, NoIntactCheckpointError, NotFoundError, ResumeMismatchError
 from ckptd.format.step_reader import ChunkSource, FallbackEvent, StepReader, load_manifest, load_rank_index
+from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator
+from ckptd.manager.saving import MemoryCopy
 from ckptd.state import rng
 from ckptd.state.tree import load_into
 from ckptd.tiers.base import StorageTier
@@ -31,6 +42,7 @@ class RestoreResult:
     tier: str | None = None
     events: list[FallbackEvent] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    resharded: bool = False
 
 
 def _sources(tiers: list[StorageTier], step: int, rank: int, world_size: int) -> list[ChunkSource]:
@@ -39,24 +51,37 @@ def _sources(tiers: list[StorageTier], step: int, rank: int, world_size: int) ->
         try:
             manifest = load_manifest(tier, step)
             if manifest.world_size != world_size:
-                raise ResumeMismatchError(
-                    f"step {step} was saved by {manifest.world_size} rank(s) but this job has {world_size}",
-                    step=step, tier=tier.label,
-                    hint="restore with the saved world size, or use ckptd's DCP integration, which reshards")
+                raise ResumeMismatchError(f"step {step} was saved by {manifest.world_size} rank(s), "
+                                          f"this job has {world_size}", step=step, tier=tier.label)
             sources.append(ChunkSource(tier, load_rank_index(tier, manifest, rank)))
-        except ResumeMismatchError:
-            raise
         except CkptdError as error:
             errors.append(str(error))
             log.warning("step %d unusable on %s: %s", step, tier.label, error)
     if not sources:
-        raise NotFoundError(f"no tier has a usable copy of step {step}: " + " | ".join(errors), step=step)
+        raise NotFoundError(f"no tier has a usable copy of step {step} for rank {rank}: " + " | ".join(errors),
+                            step=step)
     return sources
 
 
+def _restorable(tiers: list[StorageTier], step: int, rank: int, world_size: int) -> str | None:
+    """None when this rank could try ``step``; otherwise why not (metadata only, no data read)."""
+    errors = []
+    for tier in tiers:
+        try:
+            manifest = load_manifest(tier, step)
+            if manifest.world_size == world_size:
+                load_rank_index(tier, manifest, rank)
+            return None
+        except CkptdError as error:
+            errors.append(str(error))
+    return " | ".join(errors) or "not committed on any tier"
+
+
 def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, rank: int, world_size: int,
-                  step: int | None = None, allow_pickle: bool = False, restore_rng: bool = True) -> RestoreResult:
-    """Load the newest intact step (or ``step``) committed on any of ``tiers`` into ``state``."""
+                  step: int | None = None, allow_pickle: bool = False, restore_rng: bool = True,
+                  coordinator: CommitCoordinator | None = None, memory: MemoryCopy | None = None) -> RestoreResult:
+    """Load the newest step intact on every rank (or ``step``) into ``state``; see the module docstring."""
+    coordinator = coordinator or SingleProcessCoordinator()
     committed = sorted({s for tier in tiers for s in tier.committed_steps()}, reverse=True)
     if step is not None:
         if step not in committed:
@@ -64,29 +89,98 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
                                 tier=", ".join(t.label for t in tiers), hint="`ckptd ls` lists committed steps")
         committed = [step]
     result = RestoreResult(step=None)
+    candidates = []
     for candidate in committed:
-        try:
-            reader = StepReader(_sources(tiers, candidate, rank, world_size))
-            _load(reader, state, allow_pickle=allow_pickle, restore_rng=restore_rng)
-        except ResumeMismatchError:
-            raise
-        except CkptdError as error:
-            result.skipped.append(f"step {candidate}: {error}")
-            log.warning("step %d cannot be restored, trying an older one: %s", candidate, error)
-            continue
-        result.step, result.tier, result.events = candidate, reader.sources[0].tier.label, reader.events
-        return result
-    if result.skipped:
-        raise NoIntactCheckpointError("no intact checkpoint could be restored: " + " | ".join(result.skipped),
+        why = _restorable(tiers, candidate, rank, world_size)
+        if why is None:
+            candidates.append(candidate)
+        else:
+            result.skipped.append(f"step {candidate} on rank {rank}: {why}")
+            log.warning("step %d cannot be restored on rank %d, trying an older one: %s", candidate, rank, why)
+    while True:
+        lists = coordinator.exchange("restore-candidates", candidates)
+        common = set(lists[0]).intersection(*map(set, lists[1:]))
+        if not common:
+            break
+        agreed = max(common)
+        error = _try_load(tiers, agreed, state, result, rank=rank, world_size=world_size,
+                          allow_pickle=allow_pickle, restore_rng=restore_rng, memory=memory)
+        outcomes = coordinator.exchange("restore-outcome", error)
+        failures = {r: why for r, why in enumerate(outcomes) if why is not None}
+        if not failures:
+            result.step = agreed
+            return result
+        mismatched = {r: why["error"] for r, why in failures.items() if why["mismatch"]}
+        if mismatched:
+            raise ResumeMismatchError("the saved state does not fit the live state: " + " | ".join(
+                f"rank {r}: {why}" for r, why in sorted(mismatched.items())), step=agreed)
+        for failed_rank, why in sorted(failures.items()):
+            result.skipped.append(f"step {agreed} on rank {failed_rank}: {why['error']}")
+            log.warning("step %d cannot be restored on rank %d, trying an older one: %s", agreed, failed_rank,
+                        why["error"])
+        candidates = [c for c in candidates if c != agreed]
+    if result.skipped or any(lists):
+        raise NoIntactCheckpointError("no step is intact on every rank: " + " | ".join(result.skipped),
                                       tier=", ".join(t.label for t in tiers),
                                       hint="`ckptd verify` shows every bad file")
     return result
 
 
-def _load(reader: StepReader, state: MutableMapping[str, Any], *, allow_pickle: bool, restore_rng: bool) -> None:
+def _try_load(tiers: list[StorageTier], step: int, state: MutableMapping[str, Any], result: RestoreResult, *,
+              rank: int, world_size: int, allow_pickle: bool, restore_rng: bool,
+              memory: MemoryCopy | None) -> dict[str, Any] | None:
+    """None on success, else ``{"error": text, "mismatch": bool}`` (JSON, for the outcome exchange)."""
+    try:
+        skeleton, read = _source(tiers, step, state, result, rank=rank, world_size=world_size,
+                                 allow_pickle=allow_pickle, memory=memory)
+        _load(skeleton, read, state, allow_pickle=allow_pickle, restore_rng=restore_rng)
+    except CkptdError as error:
+        return {"error": str(error), "mismatch": isinstance(error, ResumeMismatchError)}
+    return None
+
+
+def _source(tiers: list[StorageTier], step: int, state: MutableMapping[str, Any], result: RestoreResult, *,
+            rank: int, world_size: int, allow_pickle: bool, memory: MemoryCopy | None) -> tuple[Any, TensorReader]:
+    saved_world = _saved_world_size(tiers, step)
+    if saved_world != world_size:
+        result.resharded, result.tier = True, tiers[0].label
+        return resharded_source(tiers, step, state, rank=rank, allow_pickle=allow_pickle)
+    if memory is not None and memory.step == step and memory.committed:
+        result.tier = "memory"
+        staged = memory.staged.tensors
+
+        def from_memory(name: str, out: torch.Tensor | None) -> torch.Tensor:
+            if out is None:
+                return staged[name].clone()
+            with torch.no_grad():
+                out.copy_(staged[name])
+            return out
+
+        return memory.values.skeleton, live_reader(from_memory)
+    reader = StepReader(_sources(tiers, step, rank, world_size))
+    result.tier, result.events = reader.sources[0].tier.label, reader.events
+    values = parse_values(reader.index.values)
+    if values.skeleton is None:
+        raise ResumeMismatchError("this step was written with dcp.save, not by a CheckpointManager", step=step,
+                                  hint="load it with torch.distributed.checkpoint.load and ckptd.dcp.CkptdStorageReader")
+    return values.skeleton, live_reader(reader.read_tensor)
+
+
+def _saved_world_size(tiers: list[StorageTier], step: int) -> int:
+    errors = []
+    for tier in tiers:
+        try:
+            return load_manifest(tier, step).world_size
+        except CkptdError as error:
+            errors.append(str(error))
+    raise NotFoundError(f"no tier has a readable manifest of step {step}: " + " | ".join(errors), step=step)
+
+
+def _load(skeleton: Any, read: TensorReader, state: MutableMapping[str, Any], *, allow_pickle: bool,
+          restore_rng: bool) -> None:
     target = dict(state)
     with torch.no_grad():
-        load_into(target, reader.index.values, reader.read_tensor, allow_pickle=allow_pickle)
+        load_into(target, skeleton, read, allow_pickle=allow_pickle)
     saved_rng = target.pop(rng.RNG_KEY, None)
     state.update(target)
     if restore_rng and saved_rng is not None:

@@ -27,13 +27,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ckptd.errors import CkptdError, PickleRefusedError, ResumeMismatchError
+from ckptd.errors import CkptdError, FormatError, PickleRefusedError, ResumeMismatchError
 from ckptd.format.records import DTYPE_NAMES, DTYPES
 
 #: Reads the tensor saved under a name, into ``out`` when given (same shape and dtype), else fresh.
 TensorSource = Callable[[str, "torch.Tensor | None"], torch.Tensor]
 
 _JSON_SCALARS = (str, int, float, bool, type(None))
+#: Skeleton entries decoded from the skeleton alone (plus, for arrays, one stored tensor).
+_LEAF_KINDS = frozenset({"ndarray", "np_scalar", "bytes", "dtype", "size", "device"})
 
 
 @dataclass
@@ -75,7 +77,8 @@ class _Flattener:
             name = self._name(path)
             contiguous = np.ascontiguousarray(value)
             self.tensors[name] = torch.from_numpy(contiguous.reshape(-1).view(np.uint8).copy())
-            return {"ndarray": name, "dtype": contiguous.dtype.str, "shape": list(contiguous.shape)}
+            # the shape of ``value``: np.ascontiguousarray turns a 0-d array into a 1-d one
+            return {"ndarray": name, "dtype": contiguous.dtype.str, "shape": list(value.shape)}
         if isinstance(value, np.generic) and not isinstance(value, np.object_):
             return {"np_scalar": base64.b64encode(value.tobytes()).decode(), "dtype": value.dtype.str}
         if isinstance(value, bool) or isinstance(value, _JSON_SCALARS):
@@ -168,29 +171,43 @@ class _Loader:
             rebuilt = self.node(node["stateful"], target.state_dict(), path)
             target.load_state_dict(rebuilt)
             return target
+        if kind in _LEAF_KINDS:
+            try:
+                return self._leaf(kind, node, target)
+            except (TypeError, ValueError, KeyError, AttributeError, RuntimeError) as exc:
+                raise _malformed(path, str(exc)) from exc
+        if kind == "pickle":
+            return self._unpickle(node, path)
+        raise CkptdError(f"unknown entry kind {kind!r} in the state skeleton at {path!r}",
+                         hint="this checkpoint was written by a newer ckptd; upgrade ckptd")
+
+    def _leaf(self, kind: str, node: dict[str, Any], target: Any) -> Any:
+        """Decode a leaf entry; a malformed one raises TypeError/ValueError/KeyError."""
+        if kind in ("ndarray", "np_scalar"):
+            dtype = np.dtype(node["dtype"])
+            if dtype.hasobject:  # object arrays exist only through pickle; ckptd never writes these
+                raise ValueError(f"numpy dtype {dtype} holds Python objects")
         if kind == "ndarray":
             raw = self.read(node["ndarray"], None)
-            dtype = np.dtype(node["dtype"])
-            array = raw.numpy().view(dtype).reshape(node["shape"])
+            array = raw.numpy().view(dtype).reshape([int(dim) for dim in node["shape"]])
             if isinstance(target, np.ndarray) and target.shape == array.shape and target.dtype == dtype \
                     and target.flags.writeable:
                 target[...] = array
                 return target
             return array
         if kind == "np_scalar":
-            return np.frombuffer(base64.b64decode(node["np_scalar"]), dtype=np.dtype(node["dtype"]))[0]
+            return np.frombuffer(base64.b64decode(node["np_scalar"], validate=True), dtype=dtype)[0]
         if kind == "bytes":
-            return base64.b64decode(node["bytes"])
+            return base64.b64decode(node["bytes"], validate=True)
         if kind == "dtype":
-            return DTYPES.get(node["dtype"]) or getattr(torch, node["dtype"].removeprefix("torch."))
+            name = node["dtype"]
+            found = DTYPES.get(name) or getattr(torch, str(name).removeprefix("torch."), None)
+            if not isinstance(found, torch.dtype):  # never hand out other attributes of torch
+                raise ValueError(f"{name!r} is not a torch dtype")
+            return found
         if kind == "size":
             return torch.Size(node["size"])
-        if kind == "device":
-            return torch.device(node["device"])
-        if kind == "pickle":
-            return self._unpickle(node, path)
-        raise CkptdError(f"unknown entry kind {kind!r} in the state skeleton at {path!r}",
-                         hint="this checkpoint was written by a newer ckptd; upgrade ckptd")
+        return torch.device(node["device"])
 
     def _tensor(self, name: str, target: Any, path: str) -> torch.Tensor:
         if isinstance(target, torch.Tensor):
@@ -198,6 +215,10 @@ class _Loader:
         return self.read(name, None)
 
     def _dict(self, node: dict[str, Any], target: Any, path: str) -> Any:
+        items = node["dict"]
+        if not isinstance(items, list) or not all(isinstance(item, list) and len(item) == 2
+                                                  and isinstance(item[0], _JSON_SCALARS) for item in items):
+            raise _malformed(path, "a dict entry is not a [key, value] pair with a JSON scalar key")
         if isinstance(target, MutableMapping):
             for key, child in node["dict"]:
                 target[key] = self.node(child, target.get(key), f"{path}/{key}")
@@ -208,6 +229,8 @@ class _Loader:
         return rebuilt
 
     def _sequence(self, children: list[Any], kind: str, target: Any, path: str) -> Any:
+        if not isinstance(children, list):
+            raise _malformed(path, f"a {kind} entry is not a JSON list")
         same_shape = isinstance(target, (list, tuple)) and len(target) == len(children)
         values = [self.node(child, target[i] if same_shape else None, f"{path}/{i}")
                   for i, child in enumerate(children)]
@@ -225,6 +248,11 @@ class _Loader:
         if node.get("torch"):
             return torch.load(io.BytesIO(data), weights_only=False)
         return pickle.loads(data)
+
+
+def _malformed(path: str, why: str) -> FormatError:
+    return FormatError(f"malformed state skeleton at {path!r}: {why}",
+                       hint="the index was tampered with or is corrupt; restore an older step")
 
 
 def load_into(state: MutableMapping[str, Any], skeleton: Any, read: TensorSource, *,

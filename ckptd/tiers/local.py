@@ -221,7 +221,10 @@ class LocalTier(StorageTier):
     def acquire_lock(self, rank: int) -> None:
         """Take the writer lock of ``rank`` in this directory, or raise LockedError."""
         lock_path = self.root / f".lock-rank-{rank:05d}"
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise _storage_error(exc, lock_path, "creating the lock file") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -231,8 +234,11 @@ class LocalTier(StorageTier):
                 f"another checkpoint manager ({holder}) is writing rank {rank} in this directory",
                 path=str(self.root), tier="local",
                 hint="stop the other job or give this one its own directory") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        try:  # who holds the lock, for the error of a second manager; best effort (the disk may be full)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        except OSError:
+            pass
         self._locks[rank] = fd
 
     def release_locks(self) -> None:

@@ -1,0 +1,143 @@
+"""The savers and loaders ``ckptd bench`` compares, each measured the same way.
+
+A :class:`SaveRun` is one save: ``stall`` is the time until the call returned and the state could be
+modified, ``durable`` the time until the data was on disk (fsynced/committed), and ``loop_ratio`` the
+speed of the compute loop between the two, relative to the undisturbed loop (None when the save is
+synchronous). Main thread; each function writes under the directory it is given.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import ckptd
+from ckptd.bench.workloads import ComputeLoop, evict, fsync_tree, timed
+from ckptd.config import override
+from ckptd.manager.restoring import restore_state
+from ckptd.tiers.local import LocalTier
+
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+
+
+@dataclass(frozen=True)
+class SaveRun:
+    stall: float
+    durable: float
+    loop_ratio: float | None = None
+
+
+def copy_baseline(state: dict[str, torch.Tensor]) -> Callable[[], float]:
+    """Time of ``copy_`` into buffers allocated once (the floor for a stall)."""
+    buffers = {name: torch.empty_like(t) for name, t in state.items()}
+
+    def run() -> float:
+        def copy() -> None:
+            for name, tensor in state.items():
+                buffers[name].copy_(tensor)
+        return timed(copy)
+
+    return run
+
+
+def torch_save(state: dict[str, torch.Tensor], directory: Path) -> SaveRun:
+    path = directory / "model.pt"
+
+    def save() -> None:
+        with open(path, "wb") as handle:
+            torch.save(state, handle)
+        fsync_tree(path)
+        fsync_tree(directory)
+
+    seconds = timed(save)
+    return SaveRun(stall=seconds, durable=seconds)
+
+
+def dcp_save(state: dict[str, torch.Tensor], directory: Path, *, threads: int = 4) -> SaveRun:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    writer = FileSystemWriter(str(directory), thread_count=threads, sync_files=True)
+    seconds = timed(lambda: dcp.save(state, storage_writer=writer))
+    return SaveRun(stall=seconds, durable=seconds)
+
+
+def dcp_async_save(state: dict[str, torch.Tensor], directory: Path, loop: ComputeLoop | None,
+                   baseline: float | None) -> SaveRun:
+    """DCP's ``async_save`` with its default stager and a FileSystemWriter (sync_files=True)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    writer = FileSystemWriter(str(directory), thread_count=1, sync_files=True)
+    start = time.perf_counter()
+    future = dcp.async_save(state, storage_writer=writer)
+    stall = time.perf_counter() - start
+    ratio = None
+    if loop is not None and baseline:
+        ratio = loop.run_while(lambda: not future.done()).rate / baseline
+    future.result()
+    return SaveRun(stall=stall, durable=time.perf_counter() - start, loop_ratio=ratio)
+
+
+class CkptdContender:
+    """One CheckpointManager kept across repeats, as in training (its buffers are reused)."""
+
+    def __init__(self, directory: Path, *, io_threads: int, codec: str = "raw") -> None:
+        self.directory, self.io_threads = directory, io_threads
+        with override(io_threads=io_threads):
+            self.manager = ckptd.CheckpointManager(directory, codec=codec, capture_rng=False,
+                                                   policy=ckptd.Policy(keep_local=1))
+        self.step = 0
+
+    def save(self, state: dict[str, torch.Tensor], loop: ComputeLoop | None = None,
+             baseline: float | None = None) -> SaveRun:
+        self.step += 1
+        with override(io_threads=self.io_threads):
+            start = time.monotonic()
+            self.manager.save(self.step, state, force=True)
+            stall = time.monotonic() - start
+            ratio = None
+            if loop is not None and baseline:
+                ratio = loop.run_while(lambda: self.manager.busy).rate / baseline
+            self.manager.wait()
+        committed = self.manager.last_commit  # until the manifest is durable; retention runs after it
+        end = committed[1] if committed is not None and committed[0] == self.step else time.monotonic()
+        return SaveRun(stall=stall, durable=end - start, loop_ratio=ratio)
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def restore_torch_load(directory: Path) -> float:
+    path = directory / "model.pt"
+    evict(path)
+    return timed(lambda: torch.load(path, weights_only=True))
+
+
+def restore_dcp_load(state: dict[str, torch.Tensor], directory: Path) -> float:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    target = {name: torch.empty_like(t) for name, t in state.items()}
+    evict(directory)
+    return timed(lambda: dcp.load(target, storage_reader=FileSystemReader(str(directory))))
+
+
+def restore_ckptd(state: dict[str, torch.Tensor], directory: Path, *, io_threads: int) -> float:
+    """Read and verify every chunk of the newest step from disk (no memory tier) into live tensors."""
+    target = {name: torch.empty_like(t) for name, t in state.items()}
+    evict(directory)
+    with override(io_threads=io_threads):
+        def restore() -> None:  # the manager's restore path, without taking the writer lock
+            restore_state([LocalTier(directory)], target, rank=0, world_size=1, restore_rng=False)
+        return timed(restore)
+
+
+def fresh(directory: Path) -> Path:
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    return directory

@@ -1,0 +1,56 @@
+"""``ckptd gc``: retention and garbage collection on a local directory or an object tier.
+
+``--keep N`` deletes committed steps older than the newest N; without it no committed step is
+deleted. Abandoned uncommitted steps (crashed saves or promotions) are removed on both tiers; on the
+object tier, chunks no retained or in-flight step references are deleted (mark and sweep) and stale
+multipart uploads are aborted. ``--dry-run`` only reports. Exit 7 when another GC holds the lease.
+"""
+
+from __future__ import annotations
+
+import click
+
+from ckptd.cli.options import json_option, open_cli_tier, print_json, s3_options
+from ckptd.manager.policy import KeepLatest
+from ckptd.promotion.gc import GcReport, collect_garbage
+
+
+def _describe(report: GcReport) -> list[str]:
+    verb = "would delete" if report.dry_run else "deleted"
+    lines = [f"{report.tier}: kept steps {list(report.kept_steps) or 'none'}",
+             f"{verb} steps {list(report.deleted_steps) or 'none'} (retention), "
+             f"{list(report.abandoned_steps) or 'none'} (abandoned)"]
+    if report.in_flight_steps:
+        lines.append(f"left alone in-flight steps {list(report.in_flight_steps)}")
+    if report.tier.startswith("object"):
+        lines.append(f"{verb} {report.deleted_chunks} unreferenced chunk(s), {report.deleted_chunk_bytes} bytes; "
+                     f"{'would abort' if report.dry_run else 'aborted'} {report.aborted_uploads} stale upload(s)")
+    if report.note:
+        lines.append(report.note)
+    return lines
+
+
+@click.command("gc")
+@click.argument("path")
+@click.option("--keep", type=click.IntRange(min=1), default=None, envvar="CKPTD_GC_KEEP",
+              help="Keep the newest N committed steps, delete older ones. [env: CKPTD_GC_KEEP]")
+@click.option("--abandoned-after", type=click.FloatRange(min=0), default=None, envvar="CKPTD_GC_ABANDONED_S",
+              metavar="SECONDS", help="Age after which an uncommitted step or upload is abandoned "
+              "(default 3600). [env: CKPTD_GC_ABANDONED_S]")
+@click.option("--dry-run", is_flag=True, help="Report what would be deleted, delete nothing.")
+@s3_options
+@json_option
+def gc(path: str, keep: int | None, abandoned_after: float | None, dry_run: bool, endpoint_url: str | None,
+       region: str | None, as_json: bool) -> None:
+    """Apply retention and collect garbage in PATH (a directory or an s3:// URL)."""
+    tier = open_cli_tier(path, endpoint_url, region)
+    try:
+        report = collect_garbage(tier, retention=KeepLatest(keep) if keep is not None else None,
+                                 dry_run=dry_run, abandoned_after_s=abandoned_after)
+    finally:
+        tier.close()
+    if as_json:
+        print_json(report.to_json())
+    else:
+        for line in _describe(report):
+            click.echo(line)

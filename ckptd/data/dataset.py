@@ -1,0 +1,154 @@
+"""ShardDataset: a torch IterableDataset that yields this rank's slice of every global batch.
+
+Each item is a :class:`RankBatch`: one rank's ``global_batch_size / world_size`` samples of one global
+step, collated by ``collate_fn`` (a list of samples by default), tagged with the epoch position it ends
+at. Under a DataLoader with ``num_workers=K``, worker ``w`` produces the batches of steps ``w, w+K, ...``;
+the DataLoader takes one batch from each worker in turn, so the training loop sees the same sequence
+as with no workers. Use :class:`ckptd.data.ShardLoader` to get this wiring plus a resumable state;
+iterate the dataset alone only for custom loaders.
+
+Call order: construct anywhere (nothing is fetched or started); :meth:`ShardDataset.set_position`
+before iterating; iteration starts the cache, fetcher and prefetch threads in the iterating process
+and stops them when the iteration ends or is abandoned.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ckptd.config import settings
+from ckptd.data.cache import ShardCache
+from ckptd.data.fetch import VerifiedFetcher
+from ckptd.data.manifest import DatasetManifest, load_manifest
+from ckptd.data.order import EpochOrder, RankSchedule
+from ckptd.data.reading import CORRUPT_POLICIES, ShardReading
+from ckptd.data.registry import make_reader
+from ckptd.data.source import ShardSource
+from ckptd.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RankBatch:
+    """One rank's slice of one global step, as produced by :class:`ShardDataset`."""
+
+    epoch: int
+    #: Global samples of the epoch consumed once this step is done (by all ranks together).
+    end_position: int
+    #: The collated samples (fewer than the rank batch size only if on_corrupt="skip" dropped some).
+    batch: Any
+    #: Shards this worker skipped for the first time while building this batch.
+    newly_skipped: tuple[str, ...] = ()
+
+
+def _list_batch(samples: list[Any]) -> Any:
+    return samples
+
+
+def distributed_rank_and_world() -> tuple[int, int]:
+    """(rank, world size) from torch.distributed when it is initialised, else (0, 1)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+class ShardDataset(IterableDataset):  # type: ignore[type-arg]
+    """Verified, deterministically shuffled shards of a dataset manifest, sliced for one rank.
+
+    ``manifest``: a :class:`DatasetManifest` or the path/URL of its JSON file. ``global_batch_size``:
+    samples per global step over all ranks (a multiple of the world size). ``seed``: with the epoch, it
+    fixes the order. ``block_shards``: shards whose samples are shuffled together. ``rank`` and
+    ``world_size`` default to torch.distributed's. ``root`` reads the shards from another root than
+    the manifest's. ``cache_dir``/``cache_bytes`` place and bound the local shard cache.
+    ``verify=False`` skips digest checks (benchmarks only). ``on_corrupt``: ``"raise"`` or ``"skip"``.
+    """
+
+    def __init__(
+        self,
+        manifest: DatasetManifest | str | os.PathLike[str],
+        *,
+        global_batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        block_shards: int = 4,
+        rank: int | None = None,
+        world_size: int | None = None,
+        root: str | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_bytes: int | None = None,
+        verify: bool = True,
+        on_corrupt: str = "raise",
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        prefetch_shards: int | None = None,
+        fetch_attempts: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.storage_options = dict(storage_options or {})
+        if not isinstance(manifest, DatasetManifest):
+            manifest = load_manifest(manifest, storage_options=self.storage_options)
+        self.manifest = manifest.with_root(root) if root is not None else manifest
+        if on_corrupt not in CORRUPT_POLICIES:
+            raise ConfigError(f"on_corrupt must be one of {CORRUPT_POLICIES}, got {on_corrupt!r}")
+        if rank is None or world_size is None:
+            found_rank, found_world = distributed_rank_and_world()
+            rank = found_rank if rank is None else rank
+            world_size = found_world if world_size is None else world_size
+        self.schedule = RankSchedule(global_batch_size, world_size, rank)
+        self.reader = make_reader(self.manifest.format, dict(self.manifest.reader_options))
+        if seed < 0 or block_shards < 1:
+            raise ConfigError(f"seed must be >= 0 and block_shards >= 1, got {seed} and {block_shards}")
+        self.seed, self.shuffle, self.block_shards = seed, shuffle, block_shards
+        self.cache_dir, self.cache_bytes = cache_dir, cache_bytes
+        self.verify, self.on_corrupt = verify, on_corrupt
+        self.collate_fn = collate_fn or _list_batch
+        self.prefetch_shards = settings().data_prefetch_shards if prefetch_shards is None else prefetch_shards
+        self.fetch_attempts = fetch_attempts
+        self._epoch, self._start, self._skipped = 0, 0, frozenset[str]()
+
+    def set_position(self, epoch: int, start: int, skipped: frozenset[str] = frozenset()) -> None:
+        """Where the next iteration begins: ``start`` global samples into ``epoch``, leaving out the
+        shards in ``skipped``. Workers copy this when a DataLoader iterator is created."""
+        if epoch < 0 or start < 0:
+            raise ConfigError(f"epoch and start position must be >= 0, got {epoch} and {start}")
+        self._epoch, self._start, self._skipped = epoch, start, frozenset(skipped)
+
+    def epoch_order(self, epoch: int) -> EpochOrder:
+        """The global sample order of ``epoch``."""
+        return EpochOrder([s.samples for s in self.manifest.shards], seed=self.seed, epoch=epoch,
+                          shuffle=self.shuffle, block_shards=self.block_shards)
+
+    def steps_in_epoch(self, start: int = 0) -> int:
+        """Global steps in an epoch from position ``start`` (all epochs have the same length)."""
+        return self.schedule.steps(self.manifest.total_samples, start)
+
+    def _reading(self) -> ShardReading:
+        cache = ShardCache(self.cache_dir, self.cache_bytes)
+        fetcher = VerifiedFetcher(ShardSource(self.manifest.root, self.storage_options), cache,
+                                  verify=self.verify, attempts=self.fetch_attempts)
+        return ShardReading(self.manifest, self.reader, fetcher, on_corrupt=self.on_corrupt,
+                            skipped=self._skipped, prefetch_shards=self.prefetch_shards,
+                            open_shards=2 * self.block_shards)
+
+    def __iter__(self) -> Iterator[RankBatch]:
+        worker = get_worker_info()
+        worker_id, workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        epoch, start = self._epoch, self._start
+        order = self.epoch_order(epoch)
+        reading = self._reading()
+        try:
+            for step in range(worker_id, self.schedule.steps(order.total, start), workers):
+                first, stop = self.schedule.rank_slice(start, step)
+                reading.advance(order, first)
+                samples = reading.samples(order.samples(first, stop))
+                newly, reading.newly_skipped = tuple(reading.newly_skipped), []
+                yield RankBatch(epoch=epoch, end_position=start + (step + 1) * self.schedule.global_batch_size,
+                                batch=self.collate_fn(samples), newly_skipped=newly)
+        finally:
+            reading.close()

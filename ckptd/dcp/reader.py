@@ -1,0 +1,187 @@
+"""A DCP ``StorageReader`` over ckptd's tiers: verified reads, tier fallback, resharding by DCP.
+
+Use it with ``torch.distributed.checkpoint.load``::
+
+    dcp.load(state_dict, storage_reader=CkptdStorageReader("/nvme/ckpt/run1", step=100))
+
+DCP calls, on every rank: :meth:`reset`, :meth:`read_metadata` (which reads the manifest and every
+rank's index and derives DCP's ``Metadata`` from them, see :mod:`ckptd.dcp.metadata`),
+:meth:`set_up_storage_reader`, :meth:`prepare_local_plan`; on the coordinator
+:meth:`prepare_global_plan`; then on every rank :meth:`read_data`, which reads each stored piece once,
+verifies every chunk against its xxh3-128 digest (falling back chunk by chunk to the next tier that has
+the step) and copies the requested regions into the planner's tensors. The world size may differ from
+the one that saved: DCP's planners decide which regions each rank reads.
+
+``tiers`` may be a root path or a list of tiers, nearest first. Values saved as JSON come back as the
+same values; values saved with pickle are refused unless ``allow_pickle=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch.futures import Future
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+
+from ckptd.dcp.index_values import parse_values
+from ckptd.dcp.metadata import PieceKey, StoredPiece, derive_metadata
+from ckptd.dcp.writer import split_checkpoint_id
+from ckptd.errors import CkptdError, ConfigError, NotFoundError, PickleRefusedError
+from ckptd.format.layout import step_dir
+from ckptd.format.records import Manifest
+from ckptd.format.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index
+from ckptd.state.tree import rebuild
+from ckptd.tiers import open_tier
+from ckptd.tiers.base import StorageTier
+
+
+def open_step(tiers: list[StorageTier], step: int) -> tuple[Manifest, list[StepReader]]:
+    """The manifest of ``step`` from the nearest tier that has it, and a reader per saved rank whose
+    sources are every tier holding a usable copy of that rank (nearest first)."""
+    manifest: Manifest | None = None
+    errors: list[str] = []
+    holders: list[tuple[StorageTier, Manifest]] = []
+    for tier in tiers:
+        try:
+            found = load_manifest(tier, step)
+        except CkptdError as error:  # reported below if no tier has it
+            errors.append(str(error))
+            continue
+        manifest = manifest or found
+        holders.append((tier, found))
+    if manifest is None:
+        raise NotFoundError(f"no tier has a committed copy of step {step}: " + " | ".join(errors), step=step)
+    readers = []
+    for rank in range(manifest.world_size):
+        sources = []
+        for tier, found in holders:
+            try:
+                sources.append(ChunkSource(tier, load_rank_index(tier, found, rank)))
+            except CkptdError as error:  # the next tier may have it
+                errors.append(str(error))
+        if not sources:
+            raise NotFoundError(f"no tier has a usable index of rank {rank}: " + " | ".join(errors), step=step)
+        readers.append(StepReader(sources))
+    return manifest, readers
+
+
+class CkptdStorageReader(StorageReader):
+    """Reads one committed step (``root``/list of tiers + ``step``, or a step directory as checkpoint id)."""
+
+    def __init__(self, tiers: str | os.PathLike[str] | list[StorageTier] | None = None, step: int | None = None,
+                 *, allow_pickle: bool = False) -> None:
+        super().__init__()
+        self.allow_pickle = allow_pickle
+        self.step = step
+        self._tiers: list[StorageTier] | None = None
+        if isinstance(tiers, list):
+            self._tiers = tiers
+        elif tiers is not None:
+            self._tiers = [open_tier(str(tiers))]
+        self._readers: list[StepReader] = []
+        self._pieces: dict[PieceKey, StoredPiece] = {}
+        self.manifest: Manifest | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Every rank, first: a checkpoint id (a step directory) overrides the tiers and step."""
+        if checkpoint_id is not None:
+            root, self.step = split_checkpoint_id(checkpoint_id)
+            self._tiers = [open_tier(root)]
+        self._readers, self._pieces, self.manifest = [], {}, None
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        if not self._tiers or self.step is None:
+            return None
+        return f"{self._tiers[0].url}/{step_dir(self.step)}"
+
+    def read_metadata(self) -> Metadata:
+        """Every rank: read the manifest and all indexes (digest-checked) and derive DCP's Metadata."""
+        if not self._tiers or self.step is None:
+            raise ConfigError("CkptdStorageReader needs tiers and step (or a step directory as checkpoint_id)")
+        self.manifest, self._readers = open_step(self._tiers, self.step)
+        metadata, self._pieces = derive_metadata([r.index for r in self._readers], self.manifest.extra)
+        return metadata
+
+    def step_reader(self, rank: int) -> StepReader:
+        """The reader of one saved rank's share (after :meth:`read_metadata`)."""
+        if not self._readers:
+            self.read_metadata()
+        return self._readers[rank]
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not self._readers:
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Every rank: read and verify each stored piece the plan needs, once, and hand it to the planner."""
+        groups: dict[StoredPiece, list[ReadItem]] = defaultdict(list)
+        for item in plan.items:
+            offsets = None if item.type == LoadItemType.BYTE_IO else tuple(int(o) for o in item.storage_index.offset)
+            piece = self._pieces.get((item.storage_index.fqn, offsets))
+            if piece is None:
+                raise NotFoundError(f"{item.storage_index.fqn!r} at offsets {offsets} is not in the checkpoint",
+                                    step=self.step, path=self.checkpoint_id)
+            groups[piece].append(item)
+        for piece, items in groups.items():
+            if piece.kind == "tensor":
+                self._read_tensor(piece, items, planner)
+            else:
+                data = self._value_bytes(piece)
+                for item in items:
+                    planner.load_bytes(item, io.BytesIO(data))
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        from ckptd.dcp.writer import CkptdStorageWriter
+
+        return CkptdStorageWriter.validate_checkpoint_id(checkpoint_id)
+
+    # --- internals ----------------------------------------------------------------------------
+    def _read_tensor(self, piece: StoredPiece, items: list[ReadItem], planner: LoadPlanner) -> None:
+        reader = self._readers[piece.rank]
+        record = reader.record(piece.name)
+        if len(items) == 1:
+            item = items[0]
+            target = planner.resolve_tensor(item).detach()
+            if tuple(item.lengths) == record.shape and tuple(target.shape) == record.shape:
+                reader.read_tensor(piece.name, target)  # straight into the destination when it can
+                planner.commit_tensor(item, target)
+                return
+        stored = reader.read_tensor(piece.name)
+        for item in items:
+            target = planner.resolve_tensor(item).detach()
+            region = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+            with torch.no_grad():
+                target.copy_(region)
+            planner.commit_tensor(item, target)
+
+    def _value_bytes(self, piece: StoredPiece) -> bytes:
+        reader = self._readers[piece.rank]
+        if piece.kind == "pickled":
+            if not self.allow_pickle:
+                raise PickleRefusedError(f"{piece.name!r} was saved with pickle; ckptd does not unpickle by default",
+                                         step=self.step, path=self.checkpoint_id,
+                                         hint="pass allow_pickle=True only if you trust this checkpoint")
+            return bytes(reader.read_tensor(piece.name).numpy())
+        values = parse_values(reader.index.values)
+        value = rebuild(values.objects[piece.name], lambda name, out: reader.read_tensor(name, out))
+        buffer = io.BytesIO()
+        torch.save(value["value"], buffer)  # DCP's load_bytes expects torch.save bytes; built here from JSON
+        return buffer.getvalue()

@@ -1,0 +1,95 @@
+"""Restoring a CheckpointManager step into a different world size, through DCP.
+
+Tensors that were sharded when saved (DTensor shards, recorded in the index's ``shards``) are loaded
+with ``torch.distributed.checkpoint.load`` and ckptd's reader, so DCP's planner works out which stored
+regions each new rank needs. Everything else (plain tensors, RNG states, JSON values) belongs to one
+rank: new rank ``r`` takes the share of saved rank ``r`` when it existed, else of saved rank 0.
+
+Call on every rank of the new job, from the training thread, with the same step: ``dcp.load`` issues
+collectives on the default process group (without a process group, a single process loads alone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from ckptd.dcp.index_values import parse_values
+from ckptd.dcp.reader import CkptdStorageReader
+from ckptd.errors import ResumeMismatchError
+from ckptd.state.tree import flatten, skeleton_tensor_names
+from ckptd.tiers.base import StorageTier
+
+#: Reads a saved tensor by name into ``out`` (or fresh), as :mod:`ckptd.state.tree` expects.
+TensorReader = Callable[[str, "torch.Tensor | None"], torch.Tensor]
+
+
+def resharded_source(tiers: list[StorageTier], step: int, live: MutableMapping[str, Any], *, rank: int,
+                     allow_pickle: bool) -> tuple[Any, TensorReader]:
+    """The skeleton this rank restores and a tensor reader for it; loads sharded tensors through DCP.
+
+    ``live`` is the state being restored into (used to load shards in place into live DTensors).
+    """
+    reader = CkptdStorageReader(list(tiers), step, allow_pickle=allow_pickle)
+    reader.read_metadata()
+    saved_world = reader.manifest.world_size  # type: ignore[union-attr]
+    own = reader.step_reader(rank if rank < saved_world else 0)
+    values = parse_values(own.index.values)
+    if values.skeleton is None:
+        raise ResumeMismatchError("this step was written with dcp.save, not by a CheckpointManager",
+                                  step=step, hint="load it with torch.distributed.checkpoint.load and "
+                                  "ckptd.dcp.CkptdStorageReader")
+    live_tensors = flatten(dict(live), allow_pickle=True).tensors
+    targets: dict[str, torch.Tensor] = {}
+    for name in skeleton_tensor_names(values.skeleton):
+        if name not in values.shards:
+            continue
+        fqn, placement = values.shards[name]
+        candidate = live_tensors.get(name)
+        dtype = own.record(name).torch_dtype
+        if candidate is not None and tuple(candidate.shape) == placement.global_shape and candidate.dtype == dtype:
+            targets[fqn] = candidate
+        else:
+            targets[fqn] = torch.empty(placement.global_shape, dtype=dtype)
+    dcp.load(targets, storage_reader=CkptdStorageReader(list(tiers), step, allow_pickle=allow_pickle),
+             planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+
+    unsharded = live_reader(own.read_tensor)
+
+    def read(name: str, out: torch.Tensor | None) -> torch.Tensor:
+        if name not in values.shards:
+            return unsharded(name, out)
+        loaded = targets[values.shards[name][0]]
+        if out is None or out is loaded:
+            return loaded
+        with torch.no_grad():
+            out.copy_(loaded)
+        return out
+
+    return values.skeleton, read
+
+
+def live_reader(read: TensorReader) -> TensorReader:
+    """Wrap a reader so that a live DTensor target receives its local shard in place and is returned
+    itself (the state keeps its DTensors)."""
+
+    def wrapped(name: str, out: torch.Tensor | None) -> torch.Tensor:
+        local = _local(out)
+        result = read(name, local)
+        return out if out is not None and local is not out else result
+
+    return wrapped
+
+
+def _local(out: torch.Tensor | None) -> torch.Tensor | None:
+    if out is None:
+        return None
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return out
+    return out.to_local() if isinstance(out, DTensor) else out

@@ -1,0 +1,234 @@
+"""A DCP ``StorageWriter`` that writes ckptd's format: chunks, xxh3-128 digests, codecs, manifest last.
+
+Use it with ``torch.distributed.checkpoint.save`` or ``async_save``::
+
+    dcp.save(state_dict, storage_writer=CkptdStorageWriter("/nvme/ckpt/run1", step=100))
+
+DCP calls, on every rank: :meth:`reset`, :meth:`set_up_storage_writer`, :meth:`prepare_local_plan`; on
+the coordinator: :meth:`prepare_global_plan`; on every rank: :meth:`write_data`, which writes this rank's
+data file and index through :class:`~ckptd.format.rank_writer.RankWriter` (the same code the
+CheckpointManager uses); then on the coordinator only: :meth:`finish`, which writes the commit manifest
+last. If any rank's ``write_data`` fails, DCP fails the save on every rank and no manifest is written.
+
+With ``async_save`` the writer is also the stager (:meth:`stage`): tensors are copied into reusable host
+buffers (:class:`~ckptd.manager.staging.Stager`) on the training thread, and DCP runs the rest on its
+own thread. Like DCP's ``FileSystemWriter``, all ranks must see the same directory (a shared file system).
+
+Non-tensor values are kept as JSON (:mod:`ckptd.dcp.index_values`); a value JSON cannot hold is refused
+unless ``allow_pickle=True``. DCP's ``Metadata`` is never pickled: readers rebuild it from the indexes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from ckptd.config import settings
+from ckptd.dcp.index_values import SavedValues, ShardPlacement
+from ckptd.dcp.metadata import MANIFEST_KEY, planner_data_to_json
+from ckptd.errors import CommitError, ConfigError, PickleRefusedError
+from ckptd.format import codecs
+from ckptd.format.layout import MANIFEST_NAME, parse_step_dir, step_dir, step_file
+from ckptd.format.rank_writer import RankWriter
+from ckptd.format.records import Manifest, RankEntry
+from ckptd.manager.staging import Stager, stage_tree
+from ckptd.state.tree import flatten
+from ckptd.tiers.local import LocalTier
+
+#: fqn prefix of the one extra WriteResult per rank that carries its manifest entry to the coordinator.
+_RANK_ENTRY_FQN = "__ckptd_rank_entry__"
+
+
+def split_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[str, int]:
+    """``<root>/step-<12 digits>`` -> (root, step); raises ConfigError for anything else."""
+    path = Path(checkpoint_id)
+    step = parse_step_dir(path.name)
+    if step is None:
+        raise ConfigError(f"checkpoint id {str(checkpoint_id)!r} does not name a ckptd step directory",
+                          hint="pass <root>/step-<12-digit step>, or root= and step=")
+    return str(path.parent), step
+
+
+class CkptdStorageWriter(StorageWriter):
+    """Writes one step of a checkpoint root (``root`` + ``step``, or a step directory as checkpoint id)."""
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None, *,
+                 codec: str | None = None, allow_pickle: bool = False, stager: Stager | None = None) -> None:
+        super().__init__()
+        self.codec = codec or settings().codec
+        codecs.codec_id_for(self.codec, floating=False, itemsize=1)
+        self.allow_pickle = allow_pickle
+        self.root = None if root is None else str(root)
+        self.step = step
+        self.rank, self.is_coordinator = 0, True
+        self._stager = stager
+        self._buffers_free = threading.Event()
+        self._buffers_free.set()
+        self._tier: LocalTier | None = None
+
+    # --- DCP interface, in call order ------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """Every rank, first: choose the step to write (a checkpoint id overrides root and step)."""
+        if checkpoint_id is not None:
+            self.root, self.step = split_checkpoint_id(checkpoint_id)
+        if self.root is None or self.step is None:
+            raise ConfigError("CkptdStorageWriter needs root and step (or a step directory as checkpoint_id)")
+        self._tier = LocalTier(self.root)
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        if self.root is None or self.step is None:
+            return None
+        return f"{self.root}/{step_dir(self.step)}"
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Every rank: learn this rank's number and whether it writes the manifest."""
+        self.is_coordinator = is_coordinator
+        rank = kwargs.get("rank")
+        if rank is None:
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        self.rank = int(rank)
+        if self._tier is None:
+            self.reset()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Every rank: write this rank's items and index; the future is already done when returned."""
+        future: Future[list[WriteResult]] = Future()
+        try:
+            future.set_result(self._write(plan.items, planner))
+        except BaseException as error:  # DCP gathers it and fails the save on every rank
+            future.set_exception(error)
+        finally:
+            self._buffers_free.set()  # the staged copy is no longer read
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Coordinator only, after every rank wrote: write the commit manifest (last)."""
+        entries = sorted((r.storage_data for rank_results in results for r in rank_results
+                          if r.index.fqn.startswith(_RANK_ENTRY_FQN)), key=lambda e: e.rank)
+        world_size = len(results)
+        if [e.rank for e in entries] != list(range(world_size)):
+            raise CommitError(f"expected index entries for ranks 0..{world_size - 1}, got "
+                              f"{[e.rank for e in entries]}", step=self.step, path=self.checkpoint_id)
+        extra = {MANIFEST_KEY: {"planner_data": planner_data_to_json(metadata.planner_data),
+                                "version": metadata.version}}
+        manifest = Manifest(step=self.step, world_size=world_size, ranks=tuple(entries),  # type: ignore[arg-type]
+                            codec=self.codec, extra=extra)
+        self._local.write_bytes(step_file(self.step, MANIFEST_NAME), manifest.to_json_bytes())  # type: ignore[arg-type]
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return parse_step_dir(Path(checkpoint_id).name) is not None
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=uuid.uuid4().hex)
+
+    # --- async_save staging (AsyncStager protocol) ------------------------------------------------
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Training thread, in ``async_save``: copy the state into reusable host buffers.
+
+        The buffers are reused, so this waits (up to ``CKPTD_COMMIT_TIMEOUT_S``) until the previous
+        save with this writer has written them (back-pressure), then raises CommitError.
+        """
+        if not self._buffers_free.wait(settings().commit_timeout_s):
+            raise CommitError("the previous async_save with this writer is still writing its staged copy",
+                              step=self.step, path=self.checkpoint_id,
+                              hint="wait for its future before the next async_save, or use another writer")
+        if self._stager is None:
+            self._stager = Stager()
+        staged = stage_tree(self._stager, state_dict)
+        self._buffers_free.clear()
+        return staged
+
+    def synchronize_staging(self) -> None:
+        """Staging is complete when :meth:`stage` returns."""
+
+    def close(self) -> None:
+        """Release the staging buffers."""
+        if self._stager is not None:
+            self._stager.release()
+
+    # --- internals ----------------------------------------------------------------------------
+    @property
+    def _local(self) -> LocalTier:
+        if self._tier is None:
+            self.reset()
+        return self._tier  # type: ignore[return-value]
+
+    def _write(self, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        writer = RankWriter(self._local, self.step, self.rank, codec=self.codec,  # type: ignore[arg-type]
+                            chunk_bytes=settings().chunk_bytes)
+        shards: dict[str, tuple[str, ShardPlacement]] = {}
+        objects: dict[str, Any] = {}
+        pickled: set[str] = set()
+        results: list[WriteResult] = []
+        try:
+            for item in items:
+                fqn = item.index.fqn
+                if item.type == WriteItemType.BYTE_IO:
+                    results.append(self._write_value(item, planner, writer, objects, pickled))
+                    continue
+                tensor = planner.resolve_data(item).detach()  # type: ignore[union-attr]
+                local = tensor.to("cpu").contiguous()
+                chunk = item.tensor_data.chunk  # type: ignore[union-attr]
+                offsets = tuple(int(o) for o in chunk.offsets)
+                global_shape = tuple(int(s) for s in item.tensor_data.size)  # type: ignore[union-attr]
+                name = fqn if not any(offsets) else f"{fqn}@{','.join(map(str, offsets))}"
+                writer.add(name, local)
+                if name != fqn or global_shape != tuple(local.shape):
+                    shards[name] = (fqn, ShardPlacement(global_shape, offsets))
+                results.append(WriteResult(index=item.index, size_in_bytes=local.numel() * local.element_size(),
+                                           storage_data=name))
+            values = SavedValues(shards=shards, objects=objects, pickled=frozenset(pickled))
+            entry: RankEntry = writer.finish(values.to_json())
+        except BaseException:
+            writer.abort()
+            raise
+        results.append(WriteResult(index=MetadataIndex(f"{_RANK_ENTRY_FQN}{self.rank}"), size_in_bytes=0,
+                                   storage_data=entry))
+        return results
+
+    def _write_value(self, item: WriteItem, planner: SavePlanner, writer: RankWriter, objects: dict[str, Any],
+                     pickled: set[str]) -> WriteResult:
+        fqn = item.index.fqn
+        lookup = getattr(planner, "lookup_object", None)
+        if lookup is not None:
+            value = lookup(item.index)
+            try:
+                flat = flatten({"value": value})
+            except PickleRefusedError:
+                flat = None
+            if flat is not None and not flat.tensors:
+                objects[fqn] = flat.skeleton
+                return WriteResult(index=item.index, size_in_bytes=0, storage_data=fqn)
+        if not self.allow_pickle:
+            raise PickleRefusedError(f"state entry {fqn!r} on rank {self.rank} can only be saved with pickle",
+                                     step=self.step, hint="pass allow_pickle=True to CkptdStorageWriter and "
+                                     "CkptdStorageReader if you trust this checkpoint")
+        data = bytearray(planner.resolve_data(item).getbuffer())  # type: ignore[union-attr]
+        writer.add(fqn, torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8))
+        pickled.add(fqn)
+        return WriteResult(index=item.index, size_in_bytes=len(data), storage_data=fqn)

@@ -1,0 +1,99 @@
+"""What a committed step holds, read from one tier and checked: the manifest, the rank indexes and the
+unique chunks they reference, plus the check every copied chunk passes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ckptd.errors import FormatError, IntegrityError
+from ckptd.format import codecs
+from ckptd.format.hashing import chunk_digest
+from ckptd.format.layout import MANIFEST_NAME, step_file
+from ckptd.format.records import ChunkRecord, Manifest, RankIndex
+from ckptd.format.step_reader import load_manifest, load_rank_index
+from ckptd.tiers.base import StorageTier
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """One rank's part of a step: its parsed index and the exact index bytes the manifest vouches for."""
+
+    rank: int
+    index_name: str
+    index_bytes: bytes
+    index: RankIndex
+
+
+@dataclass(frozen=True)
+class StepContents:
+    """A committed step as stored on one tier (all ranks, or the ranks asked for)."""
+
+    step: int
+    manifest_bytes: bytes
+    manifest: Manifest
+    shares: tuple[RankShare, ...]
+
+    def unique_chunks(self) -> dict[str, tuple[RankShare, ChunkRecord]]:
+        """Each content address once, with the first rank and record that reference it."""
+        found: dict[str, tuple[RankShare, ChunkRecord]] = {}
+        for share in self.shares:
+            for chunk in share.index.chunks:
+                found.setdefault(chunk.object_key, (share, chunk))
+        return found
+
+
+def read_step_contents(tier: StorageTier, step: int, ranks: list[int] | None = None) -> StepContents:
+    """Read and check a committed step's metadata on ``tier`` (raises NotFoundError when uncommitted)."""
+    manifest = load_manifest(tier, step)
+    manifest_bytes = tier.read_bytes(step_file(step, MANIFEST_NAME))
+    if Manifest.from_json_bytes(manifest_bytes, path=step_file(step, MANIFEST_NAME), step=step,
+                                tier=tier.label).ranks != manifest.ranks:
+        raise IntegrityError("manifest changed while it was read", path=step_file(step, MANIFEST_NAME), step=step,
+                             tier=tier.label, hint="another writer replaced the step; try again")
+    wanted = [entry.rank for entry in manifest.ranks] if ranks is None else sorted(set(ranks))
+    shares = []
+    for rank in wanted:
+        entry = manifest.entry(rank)
+        index = load_rank_index(tier, manifest, rank)
+        raw = tier.read_bytes(step_file(step, entry.index_file))
+        if chunk_digest(raw) != entry.index_digest:
+            raise IntegrityError("rank index changed while it was read", path=step_file(step, entry.index_file),
+                                 step=step, tier=tier.label, expected=entry.index_digest, actual=chunk_digest(raw))
+        shares.append(RankShare(rank=rank, index_name=entry.index_file, index_bytes=raw, index=index))
+    return StepContents(step=step, manifest_bytes=manifest_bytes, manifest=manifest, shares=tuple(shares))
+
+
+def check_stored_chunk(stored: bytes, chunk: ChunkRecord, *, path: str, step: int, tier: str) -> None:
+    """Decode the stored bytes of a chunk exactly as a reader would and compare their digest with the
+    record. Raises IntegrityError naming the file, step, tier and chunk."""
+    if len(stored) != chunk.length:
+        raise IntegrityError("stored chunk has the wrong length", path=path, step=step, tier=tier,
+                             chunk=chunk.digest, expected=str(chunk.length), actual=str(len(stored)))
+    try:
+        raw = codecs.decode(chunk.codec, stored, chunk.raw_length, path=path)
+    except FormatError as error:
+        raise IntegrityError(f"stored chunk does not decode: {error.message}", path=path, step=step, tier=tier,
+                             chunk=chunk.digest) from error
+    actual = chunk_digest(raw)
+    if actual != chunk.digest:
+        raise IntegrityError("chunk fails its digest", path=path, step=step, tier=tier, chunk=chunk.digest,
+                             expected=chunk.digest, actual=actual,
+                             hint="this copy is corrupt; use another tier's copy or an older step")
+
+
+def stored_chunk_path(tier: StorageTier, share: RankShare, chunk: ChunkRecord) -> str:
+    """Where a chunk's stored bytes live on a tier (content address, or the rank's data file)."""
+    if tier.stores_chunks_by_digest:
+        return tier.chunk_path(chunk.object_key)
+    return step_file(share.index.step, share.index.data_file)
+
+
+def read_stored_chunk(tier: StorageTier, share: RankShare, chunk: ChunkRecord) -> bytes:
+    """The stored (encoded) bytes of one chunk from a tier, checked against its digest."""
+    path = stored_chunk_path(tier, share, chunk)
+    if tier.stores_chunks_by_digest:
+        stored = tier.read_bytes(path)
+    else:
+        stored = tier.read_bytes(path, chunk.offset, chunk.length)
+    check_stored_chunk(stored, chunk, path=path, step=share.index.step, tier=tier.label)
+    return stored

@@ -1,0 +1,154 @@
+"""Retention and garbage collection for the local and the object tier.
+
+Both tiers: committed steps past the retention policy are deleted (manifest first, so a half-deleted
+step is never listed as committed), and uncommitted step directories untouched for ``gc_abandoned_s``
+are removed as abandoned (a crashed save or promotion). The local tier also never removes an
+uncommitted step newer than its newest committed one (a save in progress).
+
+Object tier, in addition, mark and sweep under the GC lease (:mod:`ckptd.promotion.lease`): every chunk
+referenced by a retained manifest's indexes or by an in-flight step's indexes is marked, every other
+chunk is deleted. When a retained step's metadata cannot be read, nothing is swept (its chunks are
+unknown). Multipart uploads abandoned for ``gc_abandoned_s`` are aborted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from ckptd.config import settings
+from ckptd.errors import CkptdError
+from ckptd.format.layout import step_dir, step_file
+from ckptd.format.records import RankIndex
+from ckptd.format.step_reader import load_manifest, load_rank_index
+from ckptd.manager.policy import RetentionPolicy
+from ckptd.promotion.lease import gc_lease
+from ckptd.promotion.promoter import stored_chunks
+from ckptd.tiers.base import StorageTier
+from ckptd.tiers.local import LocalTier
+from ckptd.tiers.object import ObjectTier
+
+log = logging.getLogger("ckptd.gc")
+_INDEX_SUFFIX = ".index.json"
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What a collection deleted (or, with ``dry_run``, would delete)."""
+
+    tier: str
+    dry_run: bool
+    kept_steps: tuple[int, ...]
+    deleted_steps: tuple[int, ...]
+    abandoned_steps: tuple[int, ...]
+    in_flight_steps: tuple[int, ...]
+    deleted_chunks: int = 0
+    deleted_chunk_bytes: int = 0
+    aborted_uploads: int = 0
+    swept: bool = True
+    note: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _step_age_s(tier: StorageTier, step: int) -> float:
+    """Seconds since anything in a step directory last changed."""
+    if isinstance(tier, ObjectTier):
+        objects = tier.list_objects(step_dir(step))
+        newest = max((obj.modified for obj in objects), default=0.0)
+    elif isinstance(tier, LocalTier):
+        directory = tier.root / step_dir(step)
+        try:
+            newest = max([directory.stat().st_mtime] + [entry.stat().st_mtime for entry in directory.iterdir()])
+        except OSError:
+            newest = 0.0
+    else:
+        newest = time.time()
+    return time.time() - newest
+
+
+def _uncommitted(tier: StorageTier, committed: list[int], abandoned_after_s: float) -> tuple[list[int], list[int]]:
+    """(abandoned, in flight) among the uncommitted step directories."""
+    newest = committed[-1] if committed else None
+    abandoned, in_flight = [], []
+    for step in tier.list_step_numbers():
+        if step in committed:
+            continue
+        protected = isinstance(tier, LocalTier) and (newest is None or step > newest)
+        if not protected and _step_age_s(tier, step) >= abandoned_after_s:
+            abandoned.append(step)
+        else:
+            in_flight.append(step)
+    return abandoned, in_flight
+
+
+def _referenced_by_committed(tier: StorageTier, step: int) -> set[str]:
+    manifest = load_manifest(tier, step)
+    return {chunk.object_key for entry in manifest.ranks
+            for chunk in load_rank_index(tier, manifest, entry.rank).chunks}
+
+
+def _referenced_by_in_flight(tier: StorageTier, step: int) -> set[str]:
+    keys: set[str] = set()
+    for name in tier.list_files(step):
+        if name.endswith(_INDEX_SUFFIX):
+            path = step_file(step, name)
+            index = RankIndex.from_json_bytes(tier.read_bytes(path), path=path, step=step, tier=tier.label)
+            keys.update(chunk.object_key for chunk in index.chunks)
+    return keys
+
+
+def collect_garbage(tier: StorageTier, *, retention: RetentionPolicy | None = None, dry_run: bool = False,
+                    abandoned_after_s: float | None = None) -> GcReport:
+    """Apply ``retention`` (None: delete no committed step) and collect garbage on one tier."""
+    threshold = settings().gc_abandoned_s if abandoned_after_s is None else abandoned_after_s
+    if isinstance(tier, ObjectTier) and not dry_run:
+        with gc_lease(tier):
+            return _collect(tier, retention, dry_run, threshold)
+    return _collect(tier, retention, dry_run, threshold)
+
+
+def _collect(tier: StorageTier, retention: RetentionPolicy | None, dry_run: bool, threshold: float) -> GcReport:
+    committed = tier.committed_steps()
+    doomed = retention.deletable(committed) if retention is not None else []
+    kept = [step for step in committed if step not in doomed]
+    abandoned, in_flight = _uncommitted(tier, committed, threshold)
+    if not dry_run:
+        for step in doomed + abandoned:
+            tier.delete_step(step)
+            log.info("deleted step %d from %s", step, tier.label)
+    report = GcReport(tier=tier.label, dry_run=dry_run, kept_steps=tuple(kept), deleted_steps=tuple(doomed),
+                      abandoned_steps=tuple(abandoned), in_flight_steps=tuple(in_flight))
+    if not isinstance(tier, ObjectTier):
+        return report
+    return _sweep(tier, report, kept, in_flight, dry_run, threshold)
+
+
+def _sweep(tier: ObjectTier, report: GcReport, kept: list[int], in_flight: list[int], dry_run: bool,
+           threshold: float) -> GcReport:
+    candidates = stored_chunks(tier)  # listed after the lease was taken, before marking
+    marked: set[str] = set()
+    try:
+        for step in kept:
+            marked |= _referenced_by_committed(tier, step)
+        for step in in_flight:
+            marked |= _referenced_by_in_flight(tier, step)
+    except CkptdError as error:
+        note = f"nothing swept: the chunks of a kept step are unknown ({error})"
+        log.warning("%s", note)
+        return replace(report, swept=False, note=note)
+    garbage = {key: size for key, size in candidates.items() if key not in marked}
+    if not dry_run and garbage:
+        tier.delete_files([tier.chunk_path(key) for key in sorted(garbage)])
+    if dry_run:
+        uploads_aborted = sum(1 for _, _, started in tier.incomplete_uploads() if time.time() - started >= threshold)
+    else:
+        uploads_aborted = tier.abort_incomplete_uploads(threshold)
+    return replace(report, deleted_chunks=len(garbage), deleted_chunk_bytes=sum(garbage.values()),
+                    aborted_uploads=uploads_aborted)
+
+
+__all__ = ["GcReport", "collect_garbage"]

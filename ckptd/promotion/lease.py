@@ -1,0 +1,70 @@
+"""The GC lease: how a garbage collector and promoters on other processes avoid deleting a chunk that a
+step being promoted right now is about to reference.
+
+Protocol (S3 is strongly consistent for PUT, GET and LIST):
+
+- a promoter first uploads its rank indexes (the step's *in-flight marker*), then checks for a fresh
+  lease and waits while one exists, and only then decides which chunks are already stored;
+- the collector first writes the lease, then lists chunk objects and reads every retained manifest and
+  every in-flight index, then deletes unreferenced chunks, then removes the lease.
+
+Either the collector's lease is visible to the promoter (which waits), or the promoter's marker was
+written before the lease and is therefore seen by the collector's mark phase. A lease older than
+``gc_lease_s`` belongs to a crashed collector and is ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+from ckptd.config import settings
+from ckptd.errors import LockedError, NotFoundError
+from ckptd.tiers.base import StorageTier
+
+#: Object holding the lease, at the tier root (outside every step directory).
+LEASE_PATH = "gc.lease"
+_POLL_S = 0.2
+
+
+def _lease_age(tier: StorageTier) -> float | None:
+    """Seconds since the current lease was taken, or None when there is none (or it is unreadable)."""
+    try:
+        body = json.loads(tier.read_bytes(LEASE_PATH))
+        return max(0.0, time.time() - float(body["created"]))
+    except NotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError):
+        return 0.0  # mangled: treat as fresh; delete it by hand if no collector runs
+
+
+def lease_is_fresh(tier: StorageTier) -> bool:
+    """Whether a collector holds a lease that has not expired."""
+    age = _lease_age(tier)
+    return age is not None and age < settings().gc_lease_s
+
+
+def wait_for_collector(tier: StorageTier) -> float:
+    """Block while a fresh GC lease exists; returns the seconds waited."""
+    started = time.monotonic()
+    while lease_is_fresh(tier):
+        time.sleep(_POLL_S)
+    return time.monotonic() - started
+
+
+@contextlib.contextmanager
+def gc_lease(tier: StorageTier) -> Iterator[None]:
+    """Hold the GC lease of a tier; raises LockedError when another collector holds a fresh one."""
+    if lease_is_fresh(tier):
+        raise LockedError("another garbage collection is running on this tier", path=LEASE_PATH,
+                          tier=tier.label, hint=f"wait for it, or delete {LEASE_PATH} if it crashed")
+    owner = f"pid {os.getpid()} on {socket.gethostname()}"
+    tier.write_bytes(LEASE_PATH, json.dumps({"owner": owner, "created": time.time()}).encode())
+    try:
+        yield
+    finally:
+        tier.delete_files([LEASE_PATH])

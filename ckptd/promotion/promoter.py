@@ -1,0 +1,200 @@
+"""Promotion: a verified, deduplicated, resumable copy of a committed local step to the object tier.
+
+Order of work for one step (the same on every retry, so a crash at any point is resumed by running
+it again):
+
+1. read the local manifest and rank indexes (their digests are checked against the manifest);
+2. stop if the object tier already has this step committed with the same content (idempotent);
+3. upload the rank indexes: the step's in-flight marker, which protects its chunks from GC
+   (see :mod:`ckptd.promotion.lease`), then wait while a collector holds the GC lease;
+4. list the chunks already stored; upload only the missing ones. Each chunk's bytes are read from the
+   local data file, decoded and hashed, and compared with the index *before* those same bytes are sent;
+   a local chunk that fails its digest stops the promotion and nothing is committed remotely;
+5. list again and check every chunk the step references is stored with the right size;
+6. with several ranks promoting their own shares, each writes ``rank-NNNNN.promoted`` and the committing
+   rank waits for all of them;
+7. write ``manifest.json`` last: the exact bytes of the local manifest.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ckptd.config import settings
+from ckptd.errors import CommitError, NotFoundError
+from ckptd.format.layout import MANIFEST_NAME, step_file
+from ckptd.format.records import ChunkRecord, Manifest
+from ckptd.promotion.contents import RankShare, StepContents, read_step_contents, read_stored_chunk
+from ckptd.promotion.lease import wait_for_collector
+from ckptd.tiers.base import StorageTier
+from ckptd.tiers.object import ObjectTier
+
+log = logging.getLogger("ckptd.promotion")
+
+#: Called with the name of each phase a promotion enters ("marked", "chunks", "verified", "committed").
+PhaseHook = Callable[[str], None]
+#: Called with the number of bytes just uploaded (progress bars).
+ProgressHook = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class PromotionReport:
+    """What one promotion did. Byte counts are of stored (encoded) chunk bytes."""
+
+    step: int
+    tier: str
+    ranks: tuple[int, ...]
+    chunks: int
+    chunks_uploaded: int
+    chunk_bytes: int
+    bytes_uploaded: int
+    already_committed: bool
+    seconds: float
+
+
+def promoted_marker_name(rank: int) -> str:
+    """Name of the object a rank writes once its share of a step is uploaded and verified."""
+    return f"rank-{rank:05d}.promoted"
+
+
+def stored_chunks(remote: ObjectTier) -> dict[str, int]:
+    """Content address -> size of every chunk stored on an object tier."""
+    prefix = remote.chunk_path("")
+    return {obj.path[len(prefix):]: obj.size for obj in remote.list_objects(prefix.rstrip("/"))}
+
+
+def _same_step(first: Manifest, second: Manifest) -> bool:
+    return first.world_size == second.world_size and first.ranks == second.ranks
+
+
+class Promoter:
+    """Copies committed steps from a local tier to an object tier.
+
+    One promoter per process and remote tier; :meth:`promote` may be called from one thread at a time.
+    ``ranks`` limits a promotion to some ranks' shares (multi-node jobs where each node promotes its own);
+    the share that includes rank 0 commits the step once every rank's marker exists.
+    """
+
+    def __init__(self, local: StorageTier, remote: ObjectTier, *, concurrency: int | None = None,
+                 on_phase: PhaseHook | None = None) -> None:
+        self.local, self.remote = local, remote
+        self.concurrency = concurrency or max(1, settings().s3_concurrency)
+        self.on_phase = on_phase or (lambda phase: None)
+
+    def promote(self, step: int, *, ranks: list[int] | None = None,
+                progress: ProgressHook | None = None) -> PromotionReport:
+        """Promote one committed local step; returns what was uploaded. Raises NotFoundError when the step
+        is not committed locally, IntegrityError when a local chunk is corrupt, StorageError when the
+        object tier fails past its retry budget, CommitError when the remote holds a different step."""
+        started = time.monotonic()
+        contents = read_step_contents(self.local, step, ranks)
+        commits = ranks is None or 0 in ranks
+        existing = self._remote_manifest(step)
+        if existing is not None:
+            if not _same_step(existing, contents.manifest):
+                raise CommitError("the object tier already holds a different step with this number", step=step,
+                                  tier=self.remote.label, path=step_file(step, MANIFEST_NAME),
+                                  hint="delete it there (ckptd gc) or promote into another prefix")
+            return self._report(contents, 0, 0, True, started)
+        uploaded_bytes = 0
+        for share in contents.shares:  # 3. in-flight marker
+            self.remote.write_bytes(step_file(step, share.index_name), share.index_bytes)
+            uploaded_bytes += len(share.index_bytes)
+        self.on_phase("marked")
+        waited = wait_for_collector(self.remote)
+        if waited >= 0.5:
+            log.info("waited %.1fs for a garbage collection to finish before promoting step %d", waited, step)
+        needed = contents.unique_chunks()
+        stored = stored_chunks(self.remote)
+        missing = [(share, chunk) for key, (share, chunk) in needed.items() if stored.get(key) != chunk.length]
+        self.on_phase("chunks")
+        uploaded_bytes += self._upload_chunks(missing, progress)
+        self._check_all_stored(contents, needed)
+        self.on_phase("verified")
+        for share in contents.shares if ranks is not None else ():
+            self.remote.write_bytes(step_file(step, promoted_marker_name(share.rank)), b"")
+        if commits:
+            self._wait_for_other_ranks(contents, ranks)
+            self.remote.write_bytes(step_file(step, MANIFEST_NAME), contents.manifest_bytes)
+            uploaded_bytes += len(contents.manifest_bytes)
+            self.on_phase("committed")
+        report = self._report(contents, len(missing), uploaded_bytes, False, started)
+        log.info("promoted step %d to %s: %d of %d chunks uploaded (%d bytes) in %.2fs", step, self.remote.label,
+                 report.chunks_uploaded, report.chunks, report.bytes_uploaded, report.seconds)
+        return report
+
+    def _remote_manifest(self, step: int) -> Manifest | None:
+        from ckptd.format.step_reader import load_manifest
+
+        try:
+            return load_manifest(self.remote, step)
+        except NotFoundError:
+            return None
+
+    def _upload_chunks(self, missing: list[tuple[RankShare, ChunkRecord]], progress: ProgressHook | None) -> int:
+        lock = threading.Lock()
+        total = 0
+
+        def copy(item: tuple[RankShare, ChunkRecord]) -> None:
+            nonlocal total
+            share, chunk = item
+            stored = read_stored_chunk(self.local, share, chunk)  # digest checked before upload
+            self.remote.write_bytes(self.remote.chunk_path(chunk.object_key), stored)
+            with lock:
+                total += len(stored)
+            if progress is not None:
+                progress(len(stored))
+
+        if not missing:
+            return 0
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(missing)),
+                                thread_name_prefix="ckptd-promote") as pool:
+            futures = [pool.submit(copy, item) for item in missing]
+            try:
+                for future in futures:
+                    future.result()
+            except BaseException:
+                for future in futures:
+                    future.cancel()
+                raise
+        return total
+
+    def _check_all_stored(self, contents: StepContents, needed: dict[str, tuple[RankShare, ChunkRecord]]) -> None:
+        stored = stored_chunks(self.remote)
+        for key, (_, chunk) in needed.items():
+            if stored.get(key) != chunk.length:
+                raise CommitError("a chunk is missing on the object tier after upload; the step was not committed",
+                                  step=contents.step, tier=self.remote.label, path=self.remote.chunk_path(key),
+                                  hint="promote the step again")
+
+    def _wait_for_other_ranks(self, contents: StepContents, ranks: list[int] | None) -> None:
+        others = [entry.rank for entry in contents.manifest.ranks if ranks is not None and entry.rank not in ranks]
+        deadline = time.monotonic() + settings().commit_timeout_s
+        for rank in others:
+            marker = step_file(contents.step, promoted_marker_name(rank))
+            while not self.remote.exists(marker):
+                if time.monotonic() > deadline:
+                    raise CommitError(f"rank {rank} did not finish promoting its share in time; the step was not "
+                                      "committed on the object tier", step=contents.step, tier=self.remote.label,
+                                      path=marker, hint="its uploader may have died; promote the step again")
+                time.sleep(0.2)
+
+    def _report(self, contents: StepContents, uploaded: int, uploaded_bytes: int, already: bool,
+                started: float) -> PromotionReport:
+        needed = contents.unique_chunks()
+        return PromotionReport(step=contents.step, tier=self.remote.label,
+                               ranks=tuple(share.rank for share in contents.shares), chunks=len(needed),
+                               chunks_uploaded=uploaded, chunk_bytes=sum(c.length for _, c in needed.values()),
+                               bytes_uploaded=uploaded_bytes, already_committed=already,
+                               seconds=time.monotonic() - started)
+
+
+def promote_step(local: StorageTier, remote: ObjectTier, step: int, *, ranks: list[int] | None = None,
+                 progress: ProgressHook | None = None) -> PromotionReport:
+    """Promote one committed step from ``local`` to ``remote`` (see :class:`Promoter`)."""
+    return Promoter(local, remote).promote(step, ranks=ranks, progress=progress)

@@ -1,0 +1,72 @@
+"""Reading a step back from the object tier: read-ahead for restores, and re-populating the local tier.
+
+:func:`prefetch_step` tells the object tier which chunks one rank's restore will read, in the order it
+reads them, so they are fetched by parallel requests ahead of the reader. :func:`pull_step` rebuilds a
+rank's data file and index on the local tier from the verified chunks (byte for byte the files that were
+promoted) and writes the manifest once every rank's share is there, so the next restore is local.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ckptd.errors import CkptdError, IntegrityError
+from ckptd.format.layout import MANIFEST_NAME, step_file
+from ckptd.format.step_reader import load_manifest, load_rank_index
+from ckptd.promotion.contents import read_step_contents, read_stored_chunk
+from ckptd.state.tree import skeleton_tensor_names
+from ckptd.tiers.local import LocalTier
+from ckptd.tiers.object import ObjectTier
+
+log = logging.getLogger("ckptd.promotion")
+
+
+def prefetch_step(remote: ObjectTier, step: int, rank: int) -> int:
+    """Start fetching the chunks of ``rank`` at ``step`` in restore order; returns how many. Best effort:
+    a step that cannot be read is simply not prefetched."""
+    try:
+        manifest = load_manifest(remote, step)
+        index = load_rank_index(remote, manifest, rank)
+    except CkptdError as error:
+        log.debug("not prefetching step %d: %s", step, error)
+        return 0
+    order = [name for name in skeleton_tensor_names(index.values) if name in index.tensors]
+    order += [name for name in index.tensors if name not in set(order)]
+    paths = [remote.chunk_path(chunk.object_key) for name in order for chunk in index.tensors[name].chunks]
+    remote.read_ahead(paths)
+    return len(paths)
+
+
+def pull_step(remote: ObjectTier, local: LocalTier, step: int, *, ranks: list[int] | None = None) -> int:
+    """Copy ``ranks`` (default: all) of a committed step from the object tier to the local tier, verified;
+    returns the bytes written. The local manifest is written last, once every rank's files exist."""
+    contents = read_step_contents(remote, step, ranks)
+    written = 0
+    for share in contents.shares:
+        index = share.index
+        chunks = sorted({chunk.offset: chunk for chunk in index.chunks}.values(), key=lambda c: c.offset)
+        remote.read_ahead([remote.chunk_path(chunk.object_key) for chunk in chunks])
+        data_path = step_file(step, index.data_file)
+        handle = local.open_file(data_path)
+        try:
+            for chunk in chunks:
+                if chunk.offset < handle.size:
+                    raise IntegrityError("rank index has overlapping chunks", path=data_path, step=step,
+                                         tier=remote.label)
+                if chunk.offset > handle.size:
+                    handle.write(bytes(chunk.offset - handle.size))
+                handle.write(read_stored_chunk(remote, share, chunk))
+            if handle.size < index.data_size:
+                handle.write(bytes(index.data_size - handle.size))
+            handle.commit()
+        except BaseException:
+            handle.abort()
+            raise
+        local.write_bytes(step_file(step, share.index_name), share.index_bytes)
+        written += index.data_size + len(share.index_bytes)
+    everyone = all(local.exists(step_file(step, entry.index_file)) for entry in contents.manifest.ranks)
+    if everyone:
+        local.write_bytes(step_file(step, MANIFEST_NAME), contents.manifest_bytes)
+        written += len(contents.manifest_bytes)
+    log.info("re-populated step %d on %s from %s (%d bytes)", step, local.label, remote.label, written)
+    return written

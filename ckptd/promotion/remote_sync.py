@@ -1,0 +1,65 @@
+"""What :class:`~ckptd.manager.manager.CheckpointManager` does with its object tier: upload committed
+steps in the background, read ahead before a restore that needs the object tier, and optionally copy a
+step restored from the object tier back to the (empty or stale) local tier."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ckptd.errors import CkptdError, ConfigError
+from ckptd.manager.policy import Policy
+from ckptd.promotion.pull import prefetch_step, pull_step
+from ckptd.promotion.uploader import BackgroundUploader
+from ckptd.tiers import open_tier
+from ckptd.tiers.local import LocalTier
+from ckptd.tiers.object import ObjectTier
+
+log = logging.getLogger("ckptd.promotion")
+
+
+class RemoteSync:
+    """The manager's object tier and its uploader. Methods are called from the training thread, except
+    :meth:`on_commit`, which the saver calls after each local commit."""
+
+    def __init__(self, local: LocalTier, url: str, *, storage_options: dict[str, Any] | None, policy: Policy,
+                 rank: int, world_size: int, repopulate_local: bool) -> None:
+        remote = open_tier(url, storage_options=storage_options)
+        if not isinstance(remote, ObjectTier):
+            raise ConfigError(f"remote={url!r} is not an object store URL", hint="pass remote='s3://bucket/prefix'")
+        self.local, self.remote = local, remote
+        self.rank, self.world_size = rank, world_size
+        self.repopulate_local = repopulate_local
+        self.uploader = BackgroundUploader(local, remote, policy=policy, rank=rank, world_size=world_size)
+        self.uploader.resume_pending()
+
+    def on_commit(self, step: int) -> None:
+        self.uploader.on_commit(step)
+
+    def before_restore(self, step: int | None) -> None:
+        """Start fetching the chunks this rank will read when the step to restore is only remote."""
+        try:
+            remote_steps = self.remote.committed_steps()
+            target = step if step is not None else max(remote_steps + self.local.committed_steps(), default=None)
+            if target is not None and target in remote_steps and not self.local.is_committed(target):
+                prefetch_step(self.remote, target, self.rank)
+        except CkptdError as error:  # read-ahead is an optimisation; restore reports real problems
+            log.debug("no read-ahead before restore: %s", error)
+
+    def after_restore(self, step: int | None, tier: str | None) -> None:
+        """With ``repopulate_local``, copy a step restored from the object tier to the local tier."""
+        if not self.repopulate_local or step is None or tier != self.remote.label:
+            return
+        ranks = None if self.world_size == 1 else [self.rank]
+        try:
+            pull_step(self.remote, self.local, step, ranks=ranks)
+        except CkptdError as error:
+            log.warning("could not re-populate the local tier with step %d: %s", step, error)
+
+    def wait(self) -> None:
+        """Block until queued uploads are done; re-raise the first upload failure."""
+        self.uploader.wait()
+
+    def close(self) -> None:
+        """Finish queued uploads and release the object tier; re-raise the first upload failure."""
+        self.uploader.close()

@@ -1,0 +1,364 @@
+"""The object tier: S3 or any S3-compatible store (MinIO, moto, ...) through fsspec/s3fs.
+
+Where the connection settings come from, first match wins:
+
+- endpoint: ``storage_options["endpoint_url"]`` or ``storage_options["client_kwargs"]["endpoint_url"]``,
+  then ``CKPTD_S3_ENDPOINT_URL``, then botocore's own ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``;
+- region: ``client_kwargs["region_name"]``, then ``CKPTD_S3_REGION``, then ``AWS_REGION`` / AWS config;
+- credentials: ``key``/``secret``/``token`` (or ``profile``) in the options, otherwise botocore's chain
+  (environment, ``~/.aws/credentials``, instance roles).
+
+Timeouts and retries come from :mod:`ckptd.config` (``s3_connect_timeout_s``, ``s3_read_timeout_s``,
+``s3_retries``); botocore retries throttling, 5xx and connection errors, s3fs retries truncated bodies.
+
+Commit protocol for object stores: a PUT (or a completed multipart upload) is atomic, so there are no
+temporary names; a step's indexes and chunks are uploaded first and ``manifest.json`` last. A step
+without its manifest is never listed as committed. A multipart upload that fails is aborted; uploads
+left by a crashed process are removed by :meth:`ObjectTier.abort_incomplete_uploads` (GC calls it).
+
+Chunks live content-addressed under ``chunks/<2 hex>/<digest>.<codec>`` and are shared by steps and ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from ckptd._types import Buffer
+from ckptd.config import settings
+from ckptd.errors import ConfigError, NotFoundError, PluginError, StorageError
+from ckptd.format.layout import TEMP_MARKER, parse_step_dir, step_dir
+from ckptd.tiers.base import StorageTier
+
+#: Smallest part S3 accepts in a multipart upload (except the last one).
+MIN_PART_BYTES = 5 * 1024 * 1024
+_DELETE_BATCH = 1000
+_RETRY_HINT = ("check the endpoint, credentials and network; CKPTD_S3_RETRIES and CKPTD_S3_READ_TIMEOUT_S "
+               "raise the retry budget; nothing was committed by the failed call")
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """An object listed under the tier root: its path relative to the root, size and modification time."""
+
+    path: str
+    size: int
+    modified: float
+
+
+def _storage_options(options: dict[str, Any] | None) -> dict[str, Any]:
+    """s3fs arguments: the caller's options plus ckptd's timeouts, retries and endpoint defaults."""
+    tunables = settings()
+    merged = dict(options or {})
+    client_kwargs = dict(merged.pop("client_kwargs", None) or {})
+    endpoint = merged.pop("endpoint_url", None) or client_kwargs.get("endpoint_url") \
+        or os.environ.get("CKPTD_S3_ENDPOINT_URL")
+    if endpoint:
+        client_kwargs["endpoint_url"] = endpoint
+    region = client_kwargs.get("region_name") or os.environ.get("CKPTD_S3_REGION")
+    if region:
+        client_kwargs["region_name"] = region
+    config_kwargs = dict(merged.pop("config_kwargs", None) or {})
+    config_kwargs.setdefault("connect_timeout", tunables.s3_connect_timeout_s)
+    config_kwargs.setdefault("read_timeout", tunables.s3_read_timeout_s)
+    config_kwargs.setdefault("retries", {"max_attempts": max(1, tunables.s3_retries), "mode": "standard"})
+    config_kwargs.setdefault("max_pool_connections", max(10, 2 * tunables.s3_concurrency))
+    merged.setdefault("max_concurrency", max(1, tunables.s3_concurrency))
+    merged.update(client_kwargs=client_kwargs, config_kwargs=config_kwargs, skip_instance_cache=True,
+                  use_listings_cache=False)
+    return merged
+
+
+def _split_url(url: str) -> tuple[str, str]:
+    if not url.startswith("s3://"):
+        raise ConfigError(f"{url!r} is not an s3:// URL", hint="name the object tier as s3://bucket/prefix")
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    if not bucket:
+        raise ConfigError(f"{url!r} names no bucket", hint="name the object tier as s3://bucket/prefix")
+    return bucket, prefix.strip("/")
+
+
+class ObjectTier(StorageTier):
+    """Checkpoints under an ``s3://bucket/prefix`` URL.
+
+    Thread safety: every method may be called from several threads; the requests run on s3fs's event
+    loop thread, so concurrent callers share one connection pool.
+    """
+
+    kind = "object"
+    stores_chunks_by_digest = True
+
+    def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None) -> None:
+        self.bucket, self.prefix = _split_url(url)
+        super().__init__(f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}")
+        try:
+            import s3fs
+        except ImportError as exc:
+            raise PluginError("the object tier needs s3fs", hint="install it with: pip install 'ckptd[s3]'") \
+                from exc
+        self.fs = s3fs.S3FileSystem(**_storage_options(storage_options))
+        self.fs.retries = max(1, settings().s3_retries)  # s3fs's own retries (truncated bodies, SlowDown)
+        self._read_ahead = _ReadAhead(self)
+
+    # --- naming --------------------------------------------------------------------------------
+    def key(self, path: str) -> str:
+        """Object key of a path relative to the tier root."""
+        return f"{self.prefix}/{path}" if self.prefix else path
+
+    def _full(self, path: str) -> str:
+        return f"{self.bucket}/{self.key(path)}"
+
+    def _relative(self, full: str) -> str:
+        root = f"{self.bucket}/{self.prefix}/" if self.prefix else f"{self.bucket}/"
+        return full[len(root):] if full.startswith(root) else full
+
+    @contextlib.contextmanager
+    def _errors(self, what: str, path: str) -> Iterator[None]:
+        """Translate s3fs/botocore failures into ckptd errors naming the file and tier."""
+        try:
+            yield
+        except (NotFoundError, StorageError):
+            raise
+        except FileNotFoundError as exc:
+            raise NotFoundError("object not found", path=path, tier=self.label) from exc
+        except PermissionError as exc:
+            raise StorageError(f"access denied while {what}", path=path, tier=self.label,
+                               hint="check the credentials and the bucket policy") from exc
+        except Exception as exc:  # botocore, aiohttp and asyncio errors share no useful base class
+            if "NoSuchKey" in str(exc) or "404" in str(exc):
+                raise NotFoundError("object not found", path=path, tier=self.label) from exc
+            if "NoSuchBucket" in str(exc):
+                raise NotFoundError(f"bucket {self.bucket!r} does not exist", path=path, tier=self.label,
+                                    hint="create it or fix the URL") from exc
+            if "Credentials" in type(exc).__name__:
+                raise StorageError(f"no credentials for the object store while {what}", path=path,
+                                   tier=self.label, hint="set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or "
+                                   "AWS_PROFILE, or pass key/secret in storage_options") from exc
+            raise StorageError(f"{what} failed after the retry budget (s3_retries={settings().s3_retries}): "
+                               f"{type(exc).__name__}: {exc}", path=path, tier=self.label, hint=_RETRY_HINT) from exc
+
+    def _sync(self, coroutine: Any) -> Any:
+        from fsspec.asyn import sync
+
+        return sync(self.fs.loop, lambda: coroutine)
+
+    # --- reading -------------------------------------------------------------------------------
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        if offset == 0 and length is None:
+            ahead = self._read_ahead.take(path)
+            if ahead is not None:
+                with self._errors("reading", path):
+                    return ahead.result()
+        if length == 0:
+            return b""
+        with self._errors("reading", path):
+            try:
+                return self._sync(self._get(self.key(path), offset, length))
+            except OSError as exc:
+                if "InvalidRange" in str(exc) or "416" in str(exc):
+                    return b""
+                raise
+
+    async def _get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        """One GET (ranged when asked). The request itself is retried by botocore and s3fs; a body that
+        arrives truncated or stalls is retried here, up to ``s3_retries`` times."""
+        extra = {}
+        if offset or length is not None:
+            extra["Range"] = f"bytes={offset}-{'' if length is None else offset + length - 1}"
+        attempts = max(1, settings().s3_retries)
+        for attempt in range(attempts):
+            response = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=key, **extra)
+            body = response["Body"]
+            try:
+                data = await body.read()
+                expected = response.get("ContentLength")
+                if expected is not None and len(data) != expected:
+                    raise ConnectionError(f"body truncated: {len(data)} of {expected} bytes")
+                return bytes(data)
+            except Exception:  # aiohttp/botocore streaming errors: retry the whole GET
+                if attempt + 1 == attempts:
+                    raise
+                await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
+            finally:
+                body.close()
+        raise AssertionError("unreachable")
+
+    def read_ahead(self, paths: list[str]) -> None:
+        """Hint that whole files ``paths`` will be read in this order: fetch up to ``s3_read_ahead`` of
+        them concurrently ahead of :meth:`read_bytes`. Replaces an earlier hint."""
+        self._read_ahead.start(paths)
+
+    def size(self, path: str) -> int:
+        return int(self._head(path)["ContentLength"])
+
+    def _head(self, path: str) -> dict[str, Any]:
+        with self._errors("looking up", path):
+            return self.fs.call_s3("head_object", Bucket=self.bucket, Key=self.key(path))
+
+    def exists(self, path: str) -> bool:
+        try:
+            self._head(path)
+        except NotFoundError:
+            return False
+        return True
+
+    def _list_names(self, directory: str) -> list[str]:
+        with self._errors("listing", directory or "/"):
+            try:
+                entries = self.fs.ls(self._full(directory).rstrip("/"), detail=False, refresh=True)
+            except FileNotFoundError:
+                return []
+        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries]
+
+    def list_step_numbers(self) -> list[int]:
+        steps = (parse_step_dir(name) for name in self._list_names(""))
+        return sorted({step for step in steps if step is not None})
+
+    def list_files(self, step: int) -> list[str]:
+        return sorted(name for name in self._list_names(step_dir(step)) if TEMP_MARKER not in name)
+
+    def list_objects(self, directory: str) -> list[StoredObject]:
+        """Every object under ``directory`` (relative to the root), recursively, with size and time."""
+        with self._errors("listing", directory):
+            try:
+                found = self.fs.find(self._full(directory), detail=True, refresh=True)
+            except FileNotFoundError:
+                return []
+        objects = []
+        for full, info in found.items():
+            if info.get("type") != "file":
+                continue
+            modified = info.get("LastModified")
+            stamp = modified.timestamp() if hasattr(modified, "timestamp") else time.time()
+            objects.append(StoredObject(self._relative(full), int(info.get("size", 0)), stamp))
+        return objects
+
+    # --- writing -------------------------------------------------------------------------------
+    def write_bytes(self, path: str, data: Buffer) -> None:
+        """Upload a whole object: one PUT, or a multipart upload with parallel parts above
+        ``s3_part_bytes``. Either way the object appears complete or not at all."""
+        tunables = settings()
+        part_bytes = max(MIN_PART_BYTES, tunables.s3_part_bytes)
+        view = memoryview(data).cast("B")
+        with self._errors("uploading", path):
+            if len(view) <= part_bytes:
+                self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key(path), Body=bytes(view))
+            else:
+                self._sync(self._multipart(self.key(path), view, part_bytes, max(1, tunables.s3_concurrency)))
+
+    async def _multipart(self, key: str, data: memoryview, part_bytes: int, concurrency: int) -> None:
+        created = await self.fs._call_s3("create_multipart_upload", Bucket=self.bucket, Key=key)
+        upload_id = created["UploadId"]
+        gate = asyncio.Semaphore(concurrency)
+
+        async def upload_part(number: int, start: int) -> dict[str, Any]:
+            async with gate:
+                body = bytes(data[start:start + part_bytes])
+                answer = await self.fs._call_s3("upload_part", Bucket=self.bucket, Key=key, UploadId=upload_id,
+                                                PartNumber=number, Body=body)
+                return {"PartNumber": number, "ETag": answer["ETag"]}
+
+        tasks = [asyncio.ensure_future(upload_part(number, start))
+                 for number, start in enumerate(range(0, len(data), part_bytes), start=1)]
+        try:
+            parts = await asyncio.gather(*tasks)
+            await self.fs._call_s3("complete_multipart_upload", Bucket=self.bucket, Key=key,
+                                   UploadId=upload_id, MultipartUpload={"Parts": list(parts)})
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            with contextlib.suppress(Exception):
+                await self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=key,
+                                       UploadId=upload_id)
+            raise
+
+    def incomplete_uploads(self) -> list[tuple[str, str, float]]:
+        """Multipart uploads under the root that were started and neither completed nor aborted:
+        (path, upload id, start time)."""
+        found: list[tuple[str, str, float]] = []
+        arguments: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.key("")}
+        with self._errors("listing multipart uploads", "/"):
+            while True:
+                page = self.fs.call_s3("list_multipart_uploads", **arguments)
+                for upload in page.get("Uploads", []):
+                    started = upload.get("Initiated")
+                    stamp = started.timestamp() if hasattr(started, "timestamp") else 0.0
+                    root = self.key("")
+                    found.append((upload["Key"][len(root):], upload["UploadId"], stamp))
+                if not page.get("IsTruncated"):
+                    return found
+                arguments.update(KeyMarker=page.get("NextKeyMarker"),
+                                 UploadIdMarker=page.get("NextUploadIdMarker"))
+
+    def abort_incomplete_uploads(self, older_than_s: float = 0.0) -> int:
+        """Abort multipart uploads left by crashed writers (started more than ``older_than_s`` ago)."""
+        count = 0
+        for path, upload_id, started in self.incomplete_uploads():
+            if time.time() - started < older_than_s:
+                continue
+            with self._errors("aborting a multipart upload", path):
+                self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key(path),
+                                UploadId=upload_id)
+            count += 1
+        return count
+
+    def delete_files(self, paths: list[str]) -> None:
+        for start in range(0, len(paths), _DELETE_BATCH):
+            batch = paths[start:start + _DELETE_BATCH]
+            request = {"Objects": [{"Key": self.key(path)} for path in batch], "Quiet": True}
+            with self._errors("deleting", batch[0]):
+                answer = self.fs.call_s3("delete_objects", Bucket=self.bucket, Delete=request)
+            failed = [error for error in answer.get("Errors", []) if error.get("Code") != "NoSuchKey"]
+            if failed:
+                raise StorageError(f"could not delete {len(failed)} object(s): {failed[0].get('Message')}",
+                                   path=failed[0].get("Key"), tier=self.label, hint=_RETRY_HINT)
+
+    def remove_step_dir(self, step: int) -> None:
+        """Delete what is left under the step's prefix (object stores have no directories)."""
+        leftovers = [obj.path for obj in self.list_objects(step_dir(step))]
+        if leftovers:
+            self.delete_files(leftovers)
+
+    def close(self) -> None:
+        self._read_ahead.start([])
+
+
+class _ReadAhead:
+    """Fetches whole objects ahead of the reader, a bounded window at a time, on s3fs's event loop."""
+
+    def __init__(self, tier: ObjectTier) -> None:
+        self.tier = tier
+        self._lock = threading.Lock()
+        self._pending: list[str] = []
+        self._fetching: dict[str, Future[bytes]] = {}
+
+    def start(self, paths: list[str]) -> None:
+        with self._lock:
+            for future in self._fetching.values():
+                future.cancel()
+            self._fetching.clear()
+            self._pending = list(dict.fromkeys(paths))
+            self._top_up()
+
+    def take(self, path: str) -> Future[bytes] | None:
+        with self._lock:
+            future = self._fetching.pop(path, None)
+            if future is None and path in self._pending:
+                self._pending.remove(path)
+            self._top_up()
+            return future
+
+    def _top_up(self) -> None:
+        window = settings().s3_read_ahead or settings().s3_concurrency
+        while self._pending and len(self._fetching) < window:
+            path = self._pending.pop(0)
+            coroutine = self.tier._get(self.tier.key(path))
+            self._fetching[path] = asyncio.run_coroutine_threadsafe(coroutine, self.tier.fs.loop)

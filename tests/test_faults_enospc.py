@@ -1,0 +1,128 @@
+"""A full disk: saving into a filesystem without space fails with DiskFullError, commits nothing
+partial, keeps the older steps restorable, and the manager saves normally once there is space."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd.errors import DiskFullError
+from ckptd.format.layout import TEMP_MARKER
+from ckptd.manager.policy import Policy
+from ckptd.testing import tamper
+from ckptd.testing.compare import assert_same_state
+from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory, mounted_tmpfs  # noqa: F401
+from ckptd.testing.workloads import synthetic_state, synthetic_template
+from ckptd.tiers import local
+
+SMALL, LARGE = 2 * 1024 * 1024, 12 * 1024 * 1024
+KEEP_ONE = Policy(keep_local=1)
+
+
+class DiskWithBudget:
+    """Stands in for the ``os`` module inside :mod:`ckptd.tiers.local`: every call is the real one, but
+    writes stop with ENOSPC once ``budget`` bytes are written (the last write is partial, as on a real
+    full disk). ``written`` counts the bytes that reached the disk."""
+
+    def __init__(self, budget: int | None) -> None:
+        self.budget, self.written = budget, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def _allowed(self, wanted: int) -> int:
+        if self.budget is None:
+            return wanted
+        allowed = min(wanted, self.budget - self.written)
+        if allowed <= 0 and wanted > 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return allowed
+
+    def write(self, fd: int, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        done = os.write(fd, view[:self._allowed(len(view))])
+        self.written += done
+        return done
+
+    def pwrite(self, fd: int, data: Any, offset: int) -> int:
+        view = memoryview(data).cast("B")
+        done = os.pwrite(fd, view[:self._allowed(len(view))], offset)
+        self.written += done
+        return done
+
+
+def check_only_step_committed(manager_factory: ManagerFactory, root: Path, step: int, nbytes: int) -> None:
+    """A fresh manager on ``root`` lists only ``step``, restores its bytes, and no temporary is left."""
+    manager = manager_factory(root, policy=KEEP_ONE)
+    assert manager.committed_steps() == [step]
+    assert list(root.glob(f"step-*/*{TEMP_MARKER}*")) == []
+    live = synthetic_template(nbytes)
+    assert manager.restore(live) == step
+    assert_same_state(live, synthetic_state(step, nbytes))
+    manager.close()
+
+
+def save_fails_with_disk_full(manager_factory: ManagerFactory, root: Path, step: int, nbytes: int) -> None:
+    manager = manager_factory(root, policy=KEEP_ONE)
+    with pytest.raises(DiskFullError) as caught:
+        manager.save(step, synthetic_state(step, nbytes), force=True)
+        manager.wait()
+    assert "disk full" in str(caught.value)
+    manager.close()
+
+
+def save_step(manager_factory: ManagerFactory, root: Path, step: int, nbytes: int) -> None:
+    manager = manager_factory(root, policy=KEEP_ONE)
+    assert manager.save(step, synthetic_state(step, nbytes), force=True)
+    manager.wait()
+    manager.close()
+
+
+def test_saving_into_a_full_tmpfs_fails_cleanly(tmp_path: Path, manager_factory: ManagerFactory) -> None:
+    root = tmp_path / "small-tmpfs"
+    with mounted_tmpfs(root, "8m") as mounted:
+        if not mounted:
+            pytest.skip("no tmpfs can be mounted here; the patched-write test covers ENOSPC")
+        save_step(manager_factory, root, 1, SMALL)
+        save_fails_with_disk_full(manager_factory, root, 2, LARGE)
+        check_only_step_committed(manager_factory, root, 1, SMALL)
+        save_step(manager_factory, root, 3, SMALL)  # the failed step gave its space back
+        check_only_step_committed(manager_factory, root, 3, SMALL)
+
+
+def measure_step_writes(manager_factory: ManagerFactory, root: Path, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Bytes the local tier writes to save step 2 (into a scratch directory)."""
+    counter = DiskWithBudget(None)
+    monkeypatch.setattr(local, "os", counter)
+    save_step(manager_factory, root, 2, SMALL)
+    monkeypatch.undo()
+    assert counter.written > SMALL, "the local tier no longer writes through os.write/os.pwrite; update the test"
+    return counter.written
+
+
+#: Where the space runs out: a fraction of the bytes a save writes, or bytes short of all of them
+#: (the manifest, a few hundred bytes, is written last; its size varies by a byte or two with its time).
+BUDGETS = {"nothing": (0.0, 0), "in-data": (0.3, 0), "late-data": (0.9, 0), "in-manifest": (1.0, 100)}
+
+
+@pytest.mark.parametrize("where", list(BUDGETS))
+def test_disk_full_at_any_point_of_a_save_commits_nothing(checkpoint_dir: Path, tmp_path: Path, where: str,
+                                                          manager_factory: ManagerFactory,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC from the real write, when the space runs out before the first byte, in the data file or
+    in the manifest."""
+    total = measure_step_writes(manager_factory, tmp_path / "scratch", monkeypatch)
+    save_step(manager_factory, checkpoint_dir, 1, SMALL)
+    fraction, short = BUDGETS[where]
+    monkeypatch.setattr(local, "os", DiskWithBudget(int(total * fraction) - short))
+    save_fails_with_disk_full(manager_factory, checkpoint_dir, 2, SMALL)
+    monkeypatch.undo()
+    if where == "in-manifest":  # the budget did run out at the very end: the index was already in place
+        assert tamper.index_path(checkpoint_dir, 2).exists()
+    check_only_step_committed(manager_factory, checkpoint_dir, 1, SMALL)
+    save_step(manager_factory, checkpoint_dir, 2, SMALL)
+    check_only_step_committed(manager_factory, checkpoint_dir, 2, SMALL)

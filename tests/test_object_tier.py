@@ -1,0 +1,108 @@
+"""The object tier's own behaviour against moto's server: where settings come from, multipart uploads
+with parallel parts that are aborted on failure, read-ahead, clear errors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from ckptd.config import override
+from ckptd.errors import ConfigError, NotFoundError, StorageError
+from ckptd.tiers import open_tier
+from ckptd.tiers.object import ObjectTier
+from test_promotion_support import object_tier
+
+pytestmark = pytest.mark.s3
+
+_PART = 5 * 1024 * 1024
+
+
+def _use_test_credentials(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+
+
+def test_timeouts_and_retries_come_from_settings_and_options_win(s3_options):
+    with override(s3_connect_timeout_s=3.0, s3_read_timeout_s=7.0, s3_retries=4, s3_concurrency=3):
+        tier = ObjectTier("s3://bucket/prefix", storage_options=s3_options)
+        explicit = ObjectTier("s3://bucket", storage_options={**s3_options, "config_kwargs": {"read_timeout": 1}})
+    config = tier.fs.config_kwargs
+    assert (config["connect_timeout"], config["read_timeout"]) == (3.0, 7.0)
+    assert config["retries"] == {"max_attempts": 4, "mode": "standard"} and tier.fs.retries == 4
+    assert explicit.fs.config_kwargs["read_timeout"] == 1
+    assert (tier.bucket, tier.prefix, explicit.prefix) == ("bucket", "prefix", "")
+
+
+@pytest.mark.parametrize("variable", ["CKPTD_S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"])
+def test_endpoint_and_credentials_from_the_environment(variable, s3_server, s3_bucket, monkeypatch):
+    _use_test_credentials(monkeypatch)
+    monkeypatch.setenv(variable, s3_server.endpoint_url)
+    tier = open_tier(f"s3://{s3_bucket}/env")
+    tier.write_bytes("hello.bin", b"from the environment")
+    assert tier.read_bytes("hello.bin") == b"from the environment"
+
+
+def test_multipart_upload_sends_parts_in_parallel(s3_bucket, s3_options):
+    tier = object_tier(s3_bucket, s3_options)
+    original, active, peak = tier.fs._call_s3, [0], [0]
+
+    async def counting(method, *args, **kwargs):
+        if method == "upload_part":
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+            try:
+                await asyncio.sleep(0.05)
+                return await original(method, *args, **kwargs)
+            finally:
+                active[0] -= 1
+        return await original(method, *args, **kwargs)
+
+    tier.fs._call_s3 = counting
+    data = os.urandom(4 * _PART + 10)
+    with override(s3_part_bytes=_PART, s3_concurrency=4):
+        tier.write_bytes("big.bin", data)
+    assert peak[0] > 1, "parts go up concurrently"
+    assert tier.read_bytes("big.bin") == data
+
+
+def test_a_failed_multipart_upload_is_aborted(s3_bucket, s3_options):
+    tier = object_tier(s3_bucket, s3_options)
+    original = tier.fs._call_s3
+
+    async def failing(method, *args, **kwargs):
+        if method == "upload_part" and kwargs.get("PartNumber") == 2:
+            raise ConnectionError("injected: part 2 lost")
+        return await original(method, *args, **kwargs)
+
+    tier.fs._call_s3 = failing
+    with override(s3_part_bytes=_PART, s3_concurrency=2), pytest.raises(StorageError) as caught:
+        tier.write_bytes("chunks/ab/doomed.raw", os.urandom(3 * _PART))
+    assert "chunks/ab/doomed.raw" in str(caught.value) and "part 2 lost" in str(caught.value)
+    tier.fs._call_s3 = original
+    assert tier.incomplete_uploads() == []
+    assert not tier.exists("chunks/ab/doomed.raw")
+
+
+def test_read_ahead_serves_hinted_objects(s3_bucket, s3_options):
+    tier = object_tier(s3_bucket, s3_options)
+    payloads = {f"chunks/0{index}/object.raw": os.urandom(1000 + index) for index in range(6)}
+    for path, data in payloads.items():
+        tier.write_bytes(path, data)
+    with override(s3_read_ahead=2):
+        tier.read_ahead(list(payloads))
+        assert [tier.read_bytes(path) for path in payloads] == list(payloads.values())
+        tier.read_ahead(list(payloads)[:2])
+        assert tier.read_bytes(list(payloads)[3]) == payloads[list(payloads)[3]], "unhinted reads still work"
+
+
+def test_errors_name_the_tier_and_say_what_to_do(s3_options):
+    with pytest.raises(ConfigError, match="no bucket"):
+        ObjectTier("s3://", storage_options=s3_options)
+    missing = ObjectTier("s3://no-such-bucket-here/run", storage_options=s3_options)
+    with pytest.raises(NotFoundError) as caught:
+        missing.write_bytes("x.bin", b"x")
+    assert "no-such-bucket-here" in str(caught.value)
+    assert missing.committed_steps() == []
