@@ -22,7 +22,7 @@ def test_frozen_bytes_are_uploaded_once_across_five_steps(tmp_path, s3_bucket, s
                 manager.save(step, model_state(step, frozen_elements=frozen_elements,
                                                trained_elements=trained_elements))
             manager.wait_uploads()
-            reports = list(manager._remote_sync.uploader.reports)
+            reports = manager.upload_reports
     uploaded = {report.step: report.bytes_uploaded for report in reports}
     record_property("bytes_uploaded_per_step", uploaded)
     print(f"bytes uploaded per step: {uploaded}")

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 from ckptd.data.dataset import RankBatch, ShardDataset
@@ -115,8 +116,11 @@ class ShardLoader:
             options["multiprocessing_context"] = self.multiprocessing_context
             if self.prefetch_factor is not None:
                 options["prefetch_factor"] = self.prefetch_factor
+        # Starting a DataLoader iterator draws a base seed from the global torch RNG unless it has its own
+        # generator; that extra draw at a resume would shift every later random number of the training.
+        generator = torch.Generator().manual_seed(self.dataset.seed * 1_000_003 + self._epoch)
         return DataLoader(self.dataset, batch_size=None, collate_fn=_unwrapped, num_workers=self.num_workers,
-                          pin_memory=self.pin_memory, **options)
+                          pin_memory=self.pin_memory, generator=generator, **options)
 
     def __iter__(self) -> Iterator[Any]:
         """This rank's batches from the current position to the end of the epoch."""

@@ -11,8 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import click
+import numpy as np
 
+from ckptd.data import index_dataset
+from ckptd.data.manifest import save_manifest
+from ckptd.demo.training import SEQ_LEN, VOCAB
 from ckptd.errors import CkptdError
+
+_SHARDS, _TOKENS_PER_SHARD = 6, 64 * SEQ_LEN
 
 
 @dataclass(frozen=True)
@@ -23,6 +29,20 @@ class DemoOptions:
     crash_at: int = 37
     every: int = 5
     workdir: Path | None = None
+
+
+def prepare_dataset(directory: Path) -> Path:
+    """Write synthetic token shards (``.npy``), index them with ckptd, return the manifest path."""
+    shards = directory / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    generator = np.random.default_rng(2024)
+    for shard in range(_SHARDS):
+        np.save(shards / f"tokens-{shard:03d}.npy",
+                generator.integers(0, VOCAB, size=_TOKENS_PER_SHARD, dtype=np.uint16))
+    result = index_dataset(str(shards), "tokens", reader_options={"seq_len": SEQ_LEN})
+    manifest = directory / "manifest.json"
+    save_manifest(result.manifest, manifest)
+    return manifest
 
 
 def _run_child(args: list[str], result: Path) -> tuple[int, dict[str, object] | None]:
@@ -40,7 +60,10 @@ def run_demo(options: DemoOptions) -> bool:
         work = options.workdir or Path(scratch)
         work.mkdir(parents=True, exist_ok=True)
         ckpt = work / "checkpoints"
-        common = ["--steps", str(options.steps), "--every", str(options.every)]
+        manifest = prepare_dataset(work / "data")
+        click.echo(f"[0/3] wrote {_SHARDS} token shards and indexed them (xxh3 per shard) into {manifest}")
+        common = ["--steps", str(options.steps), "--every", str(options.every), "--data", str(manifest),
+                  "--cache", str(work / "cache")]
 
         click.echo(f"[1/3] training {options.steps} steps without interruption (the reference run)")
         code, reference = _run_child(common, work / "reference.json")
@@ -64,8 +87,12 @@ def run_demo(options: DemoOptions) -> bool:
         click.echo(f"      resumed from step {resumed['resumed_from']}; final weights xxh3-128 "
                    f"{resumed['weights_digest']}")
 
-    equal = resumed["weights_digest"] == reference["weights_digest"] and \
+    start = int(resumed["resumed_from"])  # type: ignore[arg-type]
+    same_batches = resumed["batch_digests"] == reference["batch_digests"][start:]  # type: ignore[index]
+    click.echo(f"      batches after the resume: {'the same samples in the same order' if same_batches else 'DIFFERENT'}"
+               f" ({len(resumed['batch_digests'])} batches compared)")  # type: ignore[arg-type]
+    equal = same_batches and resumed["weights_digest"] == reference["weights_digest"] and \
         resumed["next_random"] == reference["next_random"]
     verdict = "EQUAL, bit for bit" if equal else "DIFFERENT"
-    click.echo(f"result: resumed run vs uninterrupted run: weights and RNG streams {verdict}")
+    click.echo(f"result: resumed run vs uninterrupted run: samples, weights and RNG streams {verdict}")
     return equal

@@ -1,8 +1,9 @@
-"""The demo's training job: a small MLP with dropout on synthetic data, checkpointed by ckptd.
+"""The demo's training job: a small token model with dropout, fed by ckptd's verified shard loader
+and checkpointed by ckptd (model, optimizer, loader position and RNG streams).
 
 Run as a child process by :mod:`ckptd.demo.runner`::
 
-    python -m ckptd.demo.training --ckpt DIR --steps 60 --crash-at 37 --result OUT.json
+    python -m ckptd.demo.training --data MANIFEST --ckpt DIR --steps 60 --crash-at 37 --result OUT.json
 
 With ``--crash-at`` the process sends itself SIGKILL right after that training step (a real crash:
 no cleanup, no flush). Without a checkpoint directory it trains from scratch without saving. It writes
@@ -24,23 +25,28 @@ import torch
 import ckptd
 from ckptd.format.hashing import chunk_digest
 
-INPUT_SIZE, HIDDEN, CLASSES, BATCH = 32, 64, 4, 16
+VOCAB, EMBED, HIDDEN, CLASSES, BATCH, SEQ_LEN = 256, 32, 64, 4, 16, 16
 
 
-def build_model() -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Linear(INPUT_SIZE, HIDDEN), torch.nn.ReLU(), torch.nn.Dropout(0.1),
-        torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(), torch.nn.Dropout(0.1),
-        torch.nn.Linear(HIDDEN, CLASSES),
-    )
+class TokenModel(torch.nn.Module):
+    """Embeds a token sequence, averages it, and classifies it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, EMBED)
+        self.head = torch.nn.Sequential(
+            torch.nn.Linear(EMBED, HIDDEN), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+            torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+            torch.nn.Linear(HIDDEN, CLASSES),
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens).mean(dim=1))
 
 
-def synthetic_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch ``step`` of a fixed synthetic data set (a pure function of the step)."""
-    generator = torch.Generator().manual_seed(10_000 + step)
-    inputs = torch.randn(BATCH, INPUT_SIZE, generator=generator)
-    labels = (inputs[:, :CLASSES].argmax(dim=1) + step) % CLASSES
-    return inputs, labels
+def to_tensors(batch: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.from_numpy(np.stack(batch).astype(np.int64))
+    return tokens[:, :-1], tokens[:, -1] % CLASSES
 
 
 def weights_digest(model: torch.nn.Module) -> str:
@@ -48,45 +54,53 @@ def weights_digest(model: torch.nn.Module) -> str:
     return chunk_digest("".join(parts).encode())
 
 
-def train(ckpt: str | None, steps: int, crash_at: int | None, every: int) -> dict[str, object]:
+def train(data: str, cache: str, ckpt: str | None, steps: int, crash_at: int | None,
+          every: int) -> dict[str, object]:
     torch.manual_seed(0)
     np.random.seed(0)
     random.seed(0)
-    model = build_model()
+    model = TokenModel()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    state: dict[str, object] = {"model": model, "optim": optimizer, "noise_scale": 0.0}
+    loader = ckptd.ShardLoader(ckptd.ShardDataset(data, global_batch_size=BATCH, seed=7, cache_dir=cache))
+    state: dict[str, object] = {"model": model, "optim": optimizer, "data": loader, "noise_scale": 0.0}
     manager = ckptd.CheckpointManager(ckpt, policy=ckptd.Policy(every_steps=every, keep_local=2)) if ckpt else None
     start = (manager.restore(state) or 0) if manager else 0
-    losses = []
-    for step in range(start + 1, steps + 1):
-        inputs, labels = synthetic_batch(step)
-        inputs = inputs + float(np.random.normal()) * 0.01 + random.random() * 0.01
-        loss = torch.nn.functional.cross_entropy(model(inputs), labels)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        state["noise_scale"] = float(np.random.rand())
-        if manager:
-            manager.save(step, state)
-        if crash_at is not None and step == crash_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+    step, losses, seen = start, [], []
+    while step < steps:
+        for batch in loader:
+            step += 1
+            inputs, labels = to_tensors(batch)
+            seen.append(chunk_digest(inputs.numpy().tobytes()))
+            loss = torch.nn.functional.cross_entropy(model(inputs), labels)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            state["noise_scale"] = float(np.random.rand()) + random.random()
+            if manager:
+                manager.save(step, state)
+            if crash_at is not None and step == crash_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step == steps:
+                break
     if manager:
         manager.close()
     return {"resumed_from": start, "steps": steps, "final_loss": losses[-1] if losses else None,
-            "weights_digest": weights_digest(model), "next_random": [torch.rand(1).item(), random.random(),
-                                                                     float(np.random.rand())]}
+            "weights_digest": weights_digest(model), "batch_digests": seen,
+            "next_random": [torch.rand(1).item(), random.random(), float(np.random.rand())]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--data", required=True, help="dataset manifest (see `ckptd data index`)")
+    parser.add_argument("--cache", required=True, help="shard cache directory")
     parser.add_argument("--ckpt", default=None)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--crash-at", type=int, default=None)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
-    result = train(args.ckpt, args.steps, args.crash_at, args.every)
+    result = train(args.data, args.cache, args.ckpt, args.steps, args.crash_at, args.every)
     Path(args.result).write_text(json.dumps(result))
 
 

@@ -169,6 +169,11 @@ class CheckpointManager:
         self._check_open()
         self._saver.wait()
 
+    @property
+    def upload_reports(self) -> list[Any]:
+        """One :class:`~ckptd.promotion.PromotionReport` per step promoted by this manager, in order."""
+        return list(self._remote_sync.uploader.reports) if self._remote_sync is not None else []
+
     def wait_uploads(self) -> None:
         """Block until every step queued for the object tier is promoted; re-raise an upload failure."""
         self._check_open()

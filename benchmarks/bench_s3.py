@@ -1,0 +1,175 @@
+"""Benchmark of the object tier (not part of the test run), against moto's S3 server on loopback.
+
+Measures, on the same bytes, the same server and in the same run (rounds interleave the cases, so a change
+in machine load hits every case alike; the best round of each case counts):
+
+1. promotion throughput with verification (every chunk re-hashed from the bytes sent, remote manifest
+   last) against the better of ``s3fs.put_file`` and boto3's ``upload_file`` of the rank's data file;
+2. restore from S3 into an empty local tier (``CheckpointManager.restore``, every chunk verified) against
+   the better of ``s3fs.get_file`` and boto3's ``download_file`` of the same bytes;
+3. dedup: bytes uploaded at step 2 of a fine-tuning-like workload (large frozen part, small trained part)
+   as a fraction of step 1.
+
+Usage: ``python benchmarks/bench_s3.py [--mib 256] [--repeats 2] [--quick] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import boto3
+import s3fs
+import torch
+
+import ckptd
+from ckptd.config import override
+from ckptd.embedded_s3 import EmbeddedS3
+from ckptd.format.layout import rank_data_name, step_dir
+from ckptd.promotion import promote_step
+from ckptd.tiers.local import LocalTier
+from ckptd.tiers.object import ObjectTier
+
+MIB = 1024 * 1024
+
+
+def _best_of(repeats: int, cases: dict[str, Callable[[], None]]) -> dict[str, float]:
+    best = {name: float("inf") for name in cases}
+    for _ in range(repeats):
+        for name, run in cases.items():
+            started = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - started)
+    return best
+
+
+class _Bench:
+    def __init__(self, server: EmbeddedS3, workdir: Path) -> None:
+        self.server, self.workdir = server, workdir
+        self.options = server.storage_options
+        self.client = boto3.client("s3", endpoint_url=server.endpoint_url, aws_access_key_id="testing",
+                                   aws_secret_access_key="testing", region_name="us-east-1")
+
+    def bucket(self) -> str:
+        name = f"bench-{uuid.uuid4().hex[:10]}"
+        self.server.create_bucket(name)
+        return name
+
+    def drop(self, bucket: str) -> None:
+        """Empty and delete a bucket so the server's memory does not grow round after round."""
+        paginator = self.client.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=bucket):
+            keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+            if keys:
+                self.client.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+        self.client.delete_bucket(Bucket=bucket)
+
+    def transfer(self, mib: int, repeats: int) -> dict[str, Any]:
+        state = {"weights": torch.randn(mib * MIB // 4, generator=torch.Generator().manual_seed(1))}
+        local_dir = self.workdir / "local"
+        with ckptd.CheckpointManager(local_dir, capture_rng=False) as manager:
+            manager.save(1, state)
+        local = LocalTier(local_dir)
+        data_file = local.root / step_dir(1) / rank_data_name(0)
+        size = data_file.stat().st_size
+        plain_fs = s3fs.S3FileSystem(**self.options, skip_instance_cache=True)
+        source_bucket = self.bucket()
+        self.client.upload_file(str(data_file), source_bucket, "plain.data")
+        restore_remote = ObjectTier(f"s3://{source_bucket}/ckpt", storage_options=self.options)
+        promote_step(local, restore_remote, 1)
+        out = self.workdir / "downloaded.data"
+
+        def promote() -> None:
+            bucket = self.bucket()
+            promote_step(local, ObjectTier(f"s3://{bucket}/ckpt", storage_options=self.options), 1)
+            self.drop(bucket)
+
+        def put_file() -> None:
+            bucket = self.bucket()
+            plain_fs.put_file(str(data_file), f"{bucket}/plain.data")
+            self.drop(bucket)
+
+        def upload_file() -> None:
+            bucket = self.bucket()
+            self.client.upload_file(str(data_file), bucket, "plain.data")
+            self.drop(bucket)
+
+        def restore() -> None:
+            target = {"weights": torch.zeros_like(state["weights"])}
+            empty = self.workdir / f"empty-{uuid.uuid4().hex[:6]}"
+            with ckptd.CheckpointManager(empty, remote=restore_remote.url, storage_options=self.options,
+                                         capture_rng=False) as manager:
+                if manager.restore(target) != 1 or not torch.equal(target["weights"], state["weights"]):
+                    raise RuntimeError("restore from S3 returned other bytes")
+            shutil.rmtree(empty)
+
+        def get_file() -> None:
+            plain_fs.get_file(f"{source_bucket}/plain.data", str(out))
+
+        def download_file() -> None:
+            self.client.download_file(source_bucket, "plain.data", str(out))
+
+        upload = _best_of(repeats, {"promote_verified": promote, "s3fs.put_file": put_file,
+                                    "boto3.upload_file": upload_file})
+        download = _best_of(repeats, {"restore_verified": restore, "s3fs.get_file": get_file,
+                                      "boto3.download_file": download_file})
+        self.drop(source_bucket)
+        gbps = {name: size / seconds / 1e9 for name, seconds in {**upload, **download}.items()}
+        best_put = max(gbps["s3fs.put_file"], gbps["boto3.upload_file"])
+        best_get = max(gbps["s3fs.get_file"], gbps["boto3.download_file"])
+        return {"bytes": size, "GB_per_s": {k: round(v, 4) for k, v in gbps.items()},
+                "promotion_vs_best_plain_upload": round(gbps["promote_verified"] / best_put, 3),
+                "restore_vs_best_plain_download": round(gbps["restore_verified"] / best_get, 3)}
+
+    def dedup(self, frozen_mib: int, trained_mib: int) -> dict[str, Any]:
+        bucket = self.bucket()
+        frozen = torch.randn(frozen_mib * MIB // 4, generator=torch.Generator().manual_seed(2))
+        with override(chunk_bytes=4 * MIB):
+            with ckptd.CheckpointManager(self.workdir / "dedup", remote=f"s3://{bucket}/ft",
+                                         storage_options=self.options, capture_rng=False) as manager:
+                for step in (1, 2):
+                    trained = torch.randn(trained_mib * MIB // 4, generator=torch.Generator().manual_seed(10 + step))
+                    manager.save(step, {"frozen": frozen, "trained": trained})
+                manager.wait_uploads()
+                uploaded = {report.step: report.bytes_uploaded for report in manager.upload_reports}
+        self.drop(bucket)
+        return {"bytes_uploaded": uploaded, "step2_over_step1": round(uploaded[2] / uploaded[1], 4)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=256, help="checkpoint size for the transfer cases")
+    parser.add_argument("--repeats", type=int, default=2, help="rounds per case (best counts)")
+    parser.add_argument("--quick", action="store_true", help="64 MiB, one round")
+    parser.add_argument("--json", action="store_true", help="print JSON only")
+    arguments = parser.parse_args()
+    mib, repeats = (64, 1) if arguments.quick else (arguments.mib, arguments.repeats)
+    workdir = Path(tempfile.mkdtemp(prefix="ckptd-bench-s3-"))
+    try:
+        with EmbeddedS3() as server:
+            bench = _Bench(server, workdir)
+            results = {"transfer": bench.transfer(mib, repeats), "dedup": bench.dedup(frozen_mib=64, trained_mib=1)}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if arguments.json:
+        print(json.dumps(results, indent=2))
+        return
+    transfer = results["transfer"]
+    print(f"object tier on moto (loopback), {transfer['bytes'] / MIB:.0f} MiB, best of {repeats}:")
+    for name, value in transfer["GB_per_s"].items():
+        print(f"  {name:<22} {value:.3f} GB/s")
+    print(f"  promotion (verified) / best plain upload:   {transfer['promotion_vs_best_plain_upload']:.2f} x")
+    print(f"  restore (verified) / best plain download:   {transfer['restore_vs_best_plain_download']:.2f} x")
+    dedup = results["dedup"]
+    print(f"dedup: bytes uploaded {dedup['bytes_uploaded']}, step 2 / step 1 = {dedup['step2_over_step1']:.2%}")
+
+
+if __name__ == "__main__":
+    main()
