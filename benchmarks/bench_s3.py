@@ -40,13 +40,23 @@ from ckptd.tiers.object import ObjectTier
 MIB = 1024 * 1024
 
 
-def _best_of(repeats: int, cases: dict[str, Callable[[], None]]) -> dict[str, float]:
+class _Case:
+    """One measured operation: ``prepare`` and ``clean`` run outside the timing."""
+
+    def __init__(self, run: Callable[[Any], None], prepare: Callable[[], Any] = lambda: None,
+                 clean: Callable[[Any], None] = lambda context: None) -> None:
+        self.run, self.prepare, self.clean = run, prepare, clean
+
+
+def _best_of(repeats: int, cases: dict[str, _Case]) -> dict[str, float]:
     best = {name: float("inf") for name in cases}
     for _ in range(repeats):
-        for name, run in cases.items():
+        for name, case in cases.items():
+            context = case.prepare()
             started = time.perf_counter()
-            run()
+            case.run(context)
             best[name] = min(best[name], time.perf_counter() - started)
+            case.clean(context)
     return best
 
 
@@ -86,40 +96,34 @@ class _Bench:
         promote_step(local, restore_remote, 1)
         out = self.workdir / "downloaded.data"
 
-        def promote() -> None:
-            bucket = self.bucket()
-            promote_step(local, ObjectTier(f"s3://{bucket}/ckpt", storage_options=self.options), 1)
-            self.drop(bucket)
+        def fresh_tier() -> ObjectTier:
+            return ObjectTier(f"s3://{self.bucket()}/ckpt", storage_options=self.options)
 
-        def put_file() -> None:
-            bucket = self.bucket()
-            plain_fs.put_file(str(data_file), f"{bucket}/plain.data")
-            self.drop(bucket)
+        def empty_dir() -> Path:
+            return self.workdir / f"empty-{uuid.uuid4().hex[:6]}"
 
-        def upload_file() -> None:
-            bucket = self.bucket()
-            self.client.upload_file(str(data_file), bucket, "plain.data")
-            self.drop(bucket)
-
-        def restore() -> None:
+        def restore(empty: Path) -> None:
             target = {"weights": torch.zeros_like(state["weights"])}
-            empty = self.workdir / f"empty-{uuid.uuid4().hex[:6]}"
             with ckptd.CheckpointManager(empty, remote=restore_remote.url, storage_options=self.options,
                                          capture_rng=False) as manager:
                 if manager.restore(target) != 1 or not torch.equal(target["weights"], state["weights"]):
                     raise RuntimeError("restore from S3 returned other bytes")
-            shutil.rmtree(empty)
 
-        def get_file() -> None:
-            plain_fs.get_file(f"{source_bucket}/plain.data", str(out))
-
-        def download_file() -> None:
-            self.client.download_file(source_bucket, "plain.data", str(out))
-
-        upload = _best_of(repeats, {"promote_verified": promote, "s3fs.put_file": put_file,
-                                    "boto3.upload_file": upload_file})
-        download = _best_of(repeats, {"restore_verified": restore, "s3fs.get_file": get_file,
-                                      "boto3.download_file": download_file})
+        upload_cases = {
+            "promote_verified": _Case(lambda tier: promote_step(local, tier, 1), fresh_tier,
+                                      lambda tier: self.drop(tier.bucket)),
+            "s3fs.put_file": _Case(lambda bucket: plain_fs.put_file(str(data_file), f"{bucket}/plain.data"),
+                                   self.bucket, self.drop),
+            "boto3.upload_file": _Case(lambda bucket: self.client.upload_file(str(data_file), bucket, "plain.data"),
+                                       self.bucket, self.drop),
+        }
+        download_cases = {
+            "restore_verified": _Case(restore, empty_dir, lambda empty: shutil.rmtree(empty)),
+            "s3fs.get_file": _Case(lambda _: plain_fs.get_file(f"{source_bucket}/plain.data", str(out))),
+            "boto3.download_file": _Case(lambda _: self.client.download_file(source_bucket, "plain.data", str(out))),
+        }
+        upload = _best_of(repeats, upload_cases)
+        download = _best_of(repeats, download_cases)
         self.drop(source_bucket)
         gbps = {name: size / seconds / 1e9 for name, seconds in {**upload, **download}.items()}
         best_put = max(gbps["s3fs.put_file"], gbps["boto3.upload_file"])

@@ -15,7 +15,14 @@ from ckptd.demo.runner import DemoOptions, run_demo
 @click.option("--every", type=int, default=5, show_default=True, help="Save interval in steps.")
 @click.option("--workdir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Keep checkpoints and results here (default: a temporary directory).")
-def demo(steps: int, crash_at: int, every: int, workdir: Path | None) -> None:
+@click.option("--remote", default=None, help="Object tier URL, e.g. s3://bucket/prefix (default: an embedded "
+              "S3 endpoint on 127.0.0.1).")
+@click.option("--endpoint-url", envvar="CKPTD_S3_ENDPOINT_URL", default=None,
+              help="S3-compatible endpoint for --remote. [env: CKPTD_S3_ENDPOINT_URL]")
+def demo(steps: int, crash_at: int, every: int, workdir: Path | None, remote: str | None,
+         endpoint_url: str | None) -> None:
     """Run the crash-and-resume demo; exits 1 if the resumed run differs from the uninterrupted one."""
-    if not run_demo(DemoOptions(steps=steps, crash_at=crash_at, every=every, workdir=workdir)):
+    options = DemoOptions(steps=steps, crash_at=crash_at, every=every, workdir=workdir, remote=remote,
+                          endpoint_url=endpoint_url)
+    if not run_demo(options):
         raise click.exceptions.Exit(1)

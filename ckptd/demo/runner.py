@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import click
 import numpy as np
@@ -16,6 +20,7 @@ import numpy as np
 from ckptd.data import index_dataset
 from ckptd.data.manifest import save_manifest
 from ckptd.demo.training import SEQ_LEN, VOCAB
+from ckptd.embedded_s3 import EmbeddedS3
 from ckptd.errors import CkptdError
 
 _SHARDS, _TOKENS_PER_SHARD = 6, 64 * SEQ_LEN
@@ -23,12 +28,15 @@ _SHARDS, _TOKENS_PER_SHARD = 6, 64 * SEQ_LEN
 
 @dataclass(frozen=True)
 class DemoOptions:
-    """What the demo runs: total steps, the step after which it crashes, save interval, work directory."""
+    """What the demo runs: total steps, the step after which it crashes, save interval, work directory,
+    and the object tier (an embedded S3 endpoint on loopback unless ``remote`` is given)."""
 
     steps: int = 60
     crash_at: int = 37
     every: int = 5
     workdir: Path | None = None
+    remote: str | None = None
+    endpoint_url: str | None = None
 
 
 def prepare_dataset(directory: Path) -> Path:
@@ -45,52 +53,71 @@ def prepare_dataset(directory: Path) -> Path:
     return manifest
 
 
-def _run_child(args: list[str], result: Path) -> tuple[int, dict[str, object] | None]:
+def _run_child(args: list[str], result: Path, env: dict[str, str]) -> tuple[int, dict[str, Any] | None]:
     command = [sys.executable, "-m", "ckptd.demo.training", "--result", str(result), *args]
-    completed = subprocess.run(command, check=False)
+    completed = subprocess.run(command, check=False, env={**os.environ, **env})
     data = json.loads(result.read_text()) if result.exists() else None
     return completed.returncode, data
 
 
 def run_demo(options: DemoOptions) -> bool:
-    """Run the three phases, print what happens, return whether the resumed run matches bit for bit."""
+    """Run the phases, print what happens, return whether the resumed run matches bit for bit."""
     if not 0 < options.crash_at < options.steps:
         raise CkptdError(f"--crash-at must lie between 1 and {options.steps - 1}")
-    with tempfile.TemporaryDirectory(prefix="ckptd-demo-") as scratch:
-        work = options.workdir or Path(scratch)
+    with contextlib.ExitStack() as stack:
+        work = options.workdir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckptd-demo-")))
         work.mkdir(parents=True, exist_ok=True)
-        ckpt = work / "checkpoints"
+        remote, endpoint_url = options.remote, options.endpoint_url
+        env: dict[str, str] = {}
+        if remote is None:
+            server = stack.enter_context(EmbeddedS3())
+            server.create_bucket("ckptd-demo")
+            remote, endpoint_url = "s3://ckptd-demo/run", server.endpoint_url
+            env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+            click.echo(f"[0/3] started an embedded S3 endpoint (moto) at {endpoint_url}")
         manifest = prepare_dataset(work / "data")
         click.echo(f"[0/3] wrote {_SHARDS} token shards and indexed them (xxh3 per shard) into {manifest}")
         common = ["--steps", str(options.steps), "--every", str(options.every), "--data", str(manifest),
                   "--cache", str(work / "cache")]
+        tiers = ["--remote", remote] + (["--endpoint-url", endpoint_url] if endpoint_url else [])
+        reference, resumed = _run_phases(options, work, common, tiers, remote, env)
+    return _compare(reference, resumed)
 
-        click.echo(f"[1/3] training {options.steps} steps without interruption (the reference run)")
-        code, reference = _run_child(common, work / "reference.json")
-        if code != 0 or reference is None:
-            raise CkptdError(f"the reference run failed with exit code {code}")
-        click.echo(f"      final weights xxh3-128 {reference['weights_digest']}")
 
-        click.echo(f"[2/3] training with ckptd (save every {options.every} steps) into {ckpt}; "
-                   f"the process kills itself with SIGKILL after step {options.crash_at}")
-        code, _ = _run_child(common + ["--ckpt", str(ckpt), "--crash-at", str(options.crash_at)],
-                             work / "crashed.json")
-        if code != -signal.SIGKILL:
-            raise CkptdError(f"the crashing run ended with exit code {code}, not SIGKILL")
-        committed = sorted(p.name for p in ckpt.glob("step-*") if (p / "manifest.json").exists())
-        click.echo(f"      crashed (killed by signal {signal.SIGKILL}); committed on disk: {', '.join(committed)}")
+def _run_phases(options: DemoOptions, work: Path, common: list[str], tiers: list[str], remote: str,
+                env: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    ckpt = work / "checkpoints"
+    click.echo(f"[1/3] training {options.steps} steps without interruption (the reference run)")
+    code, reference = _run_child(common, work / "reference.json", env)
+    if code != 0 or reference is None:
+        raise CkptdError(f"the reference run failed with exit code {code}")
+    click.echo(f"      final weights xxh3-128 {reference['weights_digest']}")
 
-        click.echo("[3/3] a new process restores the newest intact step and trains to the end")
-        code, resumed = _run_child(common + ["--ckpt", str(ckpt)], work / "resumed.json")
-        if code != 0 or resumed is None:
-            raise CkptdError(f"the resumed run failed with exit code {code}")
-        click.echo(f"      resumed from step {resumed['resumed_from']}; final weights xxh3-128 "
-                   f"{resumed['weights_digest']}")
+    click.echo(f"[2/3] training with ckptd: save every {options.every} steps to {ckpt}, promote to {remote}; "
+               f"the process kills itself with SIGKILL after step {options.crash_at}")
+    code, _ = _run_child(common + tiers + ["--ckpt", str(ckpt), "--crash-at", str(options.crash_at)],
+                         work / "crashed.json", env)
+    if code != -signal.SIGKILL:
+        raise CkptdError(f"the crashing run ended with exit code {code}, not SIGKILL")
+    committed = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("step-*") if (p / "manifest.json").exists())
+    click.echo(f"      crashed (killed by signal {signal.SIGKILL}); steps committed on local disk: {committed}")
 
-    start = int(resumed["resumed_from"])  # type: ignore[arg-type]
-    same_batches = resumed["batch_digests"] == reference["batch_digests"][start:]  # type: ignore[index]
+    shutil.rmtree(ckpt)
+    click.echo("[3/3] the node lost its local disk: a new process on an empty local tier restores the newest "
+               "intact step from the object tier and trains to the end")
+    code, resumed = _run_child(common + tiers + ["--ckpt", str(ckpt)], work / "resumed.json", env)
+    if code != 0 or resumed is None:
+        raise CkptdError(f"the resumed run failed with exit code {code}")
+    click.echo(f"      resumed from step {resumed['resumed_from']} (read from {resumed['restored_tier']}); "
+               f"final weights xxh3-128 {resumed['weights_digest']}")
+    return reference, resumed
+
+
+def _compare(reference: dict[str, Any], resumed: dict[str, Any]) -> bool:
+    start = int(resumed["resumed_from"])
+    same_batches = resumed["batch_digests"] == reference["batch_digests"][start:]
     click.echo(f"      batches after the resume: {'the same samples in the same order' if same_batches else 'DIFFERENT'}"
-               f" ({len(resumed['batch_digests'])} batches compared)")  # type: ignore[arg-type]
+               f" ({len(resumed['batch_digests'])} batches compared)")
     equal = same_batches and resumed["weights_digest"] == reference["weights_digest"] and \
         resumed["next_random"] == reference["next_random"]
     verdict = "EQUAL, bit for bit" if equal else "DIFFERENT"

@@ -17,6 +17,7 @@ import json
 import os
 import random
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -54,8 +55,9 @@ def weights_digest(model: torch.nn.Module) -> str:
     return chunk_digest("".join(parts).encode())
 
 
-def train(data: str, cache: str, ckpt: str | None, steps: int, crash_at: int | None,
-          every: int) -> dict[str, object]:
+def train(data: str, cache: str, ckpt: str | None, steps: int, crash_at: int | None, every: int,
+          remote: str | None = None, endpoint_url: str | None = None,
+          step_time: float = 0.0) -> dict[str, object]:
     torch.manual_seed(0)
     np.random.seed(0)
     random.seed(0)
@@ -63,8 +65,13 @@ def train(data: str, cache: str, ckpt: str | None, steps: int, crash_at: int | N
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = ckptd.ShardLoader(ckptd.ShardDataset(data, global_batch_size=BATCH, seed=7, cache_dir=cache))
     state: dict[str, object] = {"model": model, "optim": optimizer, "data": loader, "noise_scale": 0.0}
-    manager = ckptd.CheckpointManager(ckpt, policy=ckptd.Policy(every_steps=every, keep_local=2)) if ckpt else None
+    manager = None
+    if ckpt:
+        options = {"client_kwargs": {"endpoint_url": endpoint_url}} if endpoint_url else None
+        policy = ckptd.Policy(every_steps=every, keep_local=2, remote_every_steps=every, keep_remote=3)
+        manager = ckptd.CheckpointManager(ckpt, remote=remote, storage_options=options, policy=policy)
     start = (manager.restore(state) or 0) if manager else 0
+    restored_from = manager.last_restore.tier if manager and manager.last_restore else None
     step, losses, seen = start, [], []
     while step < steps:
         for batch in loader:
@@ -76,6 +83,7 @@ def train(data: str, cache: str, ckpt: str | None, steps: int, crash_at: int | N
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
+            time.sleep(step_time)  # stands in for the forward/backward time of a real model
             state["noise_scale"] = float(np.random.rand()) + random.random()
             if manager:
                 manager.save(step, state)
@@ -85,7 +93,7 @@ def train(data: str, cache: str, ckpt: str | None, steps: int, crash_at: int | N
                 break
     if manager:
         manager.close()
-    return {"resumed_from": start, "steps": steps, "final_loss": losses[-1] if losses else None,
+    return {"resumed_from": start, "restored_tier": restored_from, "steps": steps, "final_loss": losses[-1] if losses else None,
             "weights_digest": weights_digest(model), "batch_digests": seen,
             "next_random": [torch.rand(1).item(), random.random(), float(np.random.rand())]}
 
@@ -98,9 +106,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--crash-at", type=int, default=None)
     parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--remote", default=None, help="object tier URL (s3://bucket/prefix)")
+    parser.add_argument("--endpoint-url", default=None)
+    parser.add_argument("--step-time", type=float, default=0.05, help="seconds each step sleeps")
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
-    result = train(args.data, args.cache, args.ckpt, args.steps, args.crash_at, args.every)
+    result = train(args.data, args.cache, args.ckpt, args.steps, args.crash_at, args.every, args.remote,
+                   args.endpoint_url, args.step_time)
     Path(args.result).write_text(json.dumps(result))
 
 

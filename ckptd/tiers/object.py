@@ -33,8 +33,8 @@ from typing import Any
 
 from ckptd._types import Buffer
 from ckptd.config import settings
-from ckptd.errors import ConfigError, NotFoundError, PluginError, StorageError
-from ckptd.format.layout import TEMP_MARKER, parse_step_dir, step_dir
+from ckptd.errors import CkptdError, ConfigError, NotFoundError, PluginError, StorageError
+from ckptd.format.layout import MANIFEST_NAME, STEP_PREFIX, TEMP_MARKER, parse_step_dir, step_dir
 from ckptd.tiers.base import StorageTier
 
 #: Smallest part S3 accepts in a multipart upload (except the last one).
@@ -112,13 +112,6 @@ class ObjectTier(StorageTier):
         """Object key of a path relative to the tier root."""
         return f"{self.prefix}/{path}" if self.prefix else path
 
-    def _full(self, path: str) -> str:
-        return f"{self.bucket}/{self.key(path)}"
-
-    def _relative(self, full: str) -> str:
-        root = f"{self.bucket}/{self.prefix}/" if self.prefix else f"{self.bucket}/"
-        return full[len(root):] if full.startswith(root) else full
-
     @contextlib.contextmanager
     def _errors(self, what: str, path: str) -> Iterator[None]:
         """Translate s3fs/botocore failures into ckptd errors naming the file and tier."""
@@ -126,23 +119,25 @@ class ObjectTier(StorageTier):
             yield
         except (NotFoundError, StorageError):
             raise
-        except FileNotFoundError as exc:
-            raise NotFoundError("object not found", path=path, tier=self.label) from exc
-        except PermissionError as exc:
-            raise StorageError(f"access denied while {what}", path=path, tier=self.label,
-                               hint="check the credentials and the bucket policy") from exc
         except Exception as exc:  # botocore, aiohttp and asyncio errors share no useful base class
-            if "NoSuchKey" in str(exc) or "404" in str(exc):
-                raise NotFoundError("object not found", path=path, tier=self.label) from exc
-            if "NoSuchBucket" in str(exc):
-                raise NotFoundError(f"bucket {self.bucket!r} does not exist", path=path, tier=self.label,
-                                    hint="create it or fix the URL") from exc
-            if "Credentials" in type(exc).__name__:
-                raise StorageError(f"no credentials for the object store while {what}", path=path,
-                                   tier=self.label, hint="set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or "
-                                   "AWS_PROFILE, or pass key/secret in storage_options") from exc
-            raise StorageError(f"{what} failed after the retry budget (s3_retries={settings().s3_retries}): "
-                               f"{type(exc).__name__}: {exc}", path=path, tier=self.label, hint=_RETRY_HINT) from exc
+            raise self._translate(exc, what, path) from exc
+
+    def _translate(self, exc: Exception, what: str, path: str) -> CkptdError:
+        text = str(exc)
+        if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
+            return NotFoundError(f"bucket {self.bucket!r} does not exist", path=path, tier=self.label,
+                                 hint="create it or fix the URL")
+        if isinstance(exc, FileNotFoundError) or "NoSuchKey" in text or "404" in text:
+            return NotFoundError("object not found", path=path, tier=self.label)
+        if isinstance(exc, PermissionError):
+            return StorageError(f"access denied while {what}", path=path, tier=self.label,
+                                hint="check the credentials and the bucket policy")
+        if "Credentials" in type(exc).__name__:
+            return StorageError(f"no credentials for the object store while {what}", path=path, tier=self.label,
+                                hint="set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or pass "
+                                "key/secret in storage_options")
+        return StorageError(f"{what} failed after the retry budget (s3_retries={settings().s3_retries}): "
+                            f"{type(exc).__name__}: {exc}", path=path, tier=self.label, hint=_RETRY_HINT)
 
     def _sync(self, coroutine: Any) -> Any:
         from fsspec.asyn import sync
@@ -209,36 +204,47 @@ class ObjectTier(StorageTier):
             return False
         return True
 
-    def _list_names(self, directory: str) -> list[str]:
-        with self._errors("listing", directory or "/"):
-            try:
-                entries = self.fs.ls(self._full(directory).rstrip("/"), detail=False, refresh=True)
-            except FileNotFoundError:
-                return []
-        return [entry.rstrip("/").rsplit("/", 1)[-1] for entry in entries]
+    def _list(self, prefix: str) -> list[StoredObject]:
+        """Objects whose path relative to the root starts with ``prefix``: one paginated LIST."""
+        arguments: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.key(prefix)}
+        skip = len(self.key(""))
+        found = []
+        with self._errors("listing", prefix or "/"):
+            while True:
+                page = self.fs.call_s3("list_objects_v2", **arguments)
+                for item in page.get("Contents", []):
+                    modified = item.get("LastModified")
+                    stamp = modified.timestamp() if hasattr(modified, "timestamp") else time.time()
+                    found.append(StoredObject(item["Key"][skip:], int(item.get("Size", 0)), stamp))
+                if not page.get("IsTruncated"):
+                    return found
+                arguments["ContinuationToken"] = page["NextContinuationToken"]
+
+    def _step_files(self) -> dict[int, set[str]]:
+        """Every step directory and the file names in it, from one listing."""
+        steps: dict[int, set[str]] = {}
+        for obj in self._list(STEP_PREFIX):
+            directory, _, name = obj.path.partition("/")
+            step = parse_step_dir(directory)
+            if step is not None and name and "/" not in name:
+                steps.setdefault(step, set()).add(name)
+        return steps
 
     def list_step_numbers(self) -> list[int]:
-        steps = (parse_step_dir(name) for name in self._list_names(""))
-        return sorted({step for step in steps if step is not None})
+        return sorted(self._step_files())
+
+    def committed_steps(self) -> list[int]:
+        """Committed steps, ascending, from one listing (a step is committed when its manifest exists)."""
+        return sorted(step for step, names in self._step_files().items() if MANIFEST_NAME in names)
 
     def list_files(self, step: int) -> list[str]:
-        return sorted(name for name in self._list_names(step_dir(step)) if TEMP_MARKER not in name)
+        directory = f"{step_dir(step)}/"
+        names = (obj.path[len(directory):] for obj in self._list(directory))
+        return sorted(name for name in names if name and "/" not in name and TEMP_MARKER not in name)
 
     def list_objects(self, directory: str) -> list[StoredObject]:
         """Every object under ``directory`` (relative to the root), recursively, with size and time."""
-        with self._errors("listing", directory):
-            try:
-                found = self.fs.find(self._full(directory), detail=True, refresh=True)
-            except FileNotFoundError:
-                return []
-        objects = []
-        for full, info in found.items():
-            if info.get("type") != "file":
-                continue
-            modified = info.get("LastModified")
-            stamp = modified.timestamp() if hasattr(modified, "timestamp") else time.time()
-            objects.append(StoredObject(self._relative(full), int(info.get("size", 0)), stamp))
-        return objects
+        return self._list(f"{directory.rstrip('/')}/" if directory else "")
 
     # --- writing -------------------------------------------------------------------------------
     def write_bytes(self, path: str, data: Buffer) -> None:
@@ -249,7 +255,8 @@ class ObjectTier(StorageTier):
         view = memoryview(data).cast("B")
         with self._errors("uploading", path):
             if len(view) <= part_bytes:
-                self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key(path), Body=bytes(view))
+                body = data if isinstance(data, bytes) else bytes(view)  # no copy of bytes already whole
+                self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key(path), Body=body)
             else:
                 self._sync(self._multipart(self.key(path), view, part_bytes, max(1, tunables.s3_concurrency)))
 

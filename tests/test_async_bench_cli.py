@@ -1,0 +1,29 @@
+"""`ckptd bench` runs end to end on a tiny state and reports every ratio (figures are not asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from ckptd.bench.runner import young_daly_interval_s
+from ckptd.cli.main import cli
+
+
+def test_young_daly_interval() -> None:
+    assert young_daly_interval_s(2.0, 3600.0) == math.sqrt(2 * 2.0 * 3600.0)
+    assert young_daly_interval_s(-1.0, 3600.0) == 0.0
+
+
+def test_bench_json_on_a_tiny_state(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["bench", "--size", "4MiB", "--tensor-size", "1MiB", "--repeats", "1",
+                                      "--dir", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["state_bytes"] == 4 << 20
+    for key in ("stall_vs_copy", "durable_speedup_vs_best", "restore_speedup_vs_best", "loop_ratio_ckptd",
+                "loop_ratio_dcp_async", "young_daly_interval_s"):
+        assert report["ratios"][key] > 0, key
+    assert list(tmp_path.iterdir()) == []  # scratch space removed
