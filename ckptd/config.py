@@ -40,6 +40,8 @@ class Settings:
     s3_concurrency: int = 8
     #: Object tier: multipart part size.
     s3_part_bytes: int = 16 * 1024 * 1024
+    #: Object tier: I/O threads (each with its own s3fs client) that parallel transfers are spread over.
+    s3_io_threads: int = 2
     #: Object tier: chunks fetched ahead of the reader during a restore (0: as many as s3_concurrency).
     s3_read_ahead: int = 0
     #: Promotion: seconds a GC lease on the object tier stays valid (a crashed GC is ignored after it).
@@ -54,7 +56,7 @@ class Settings:
     close_timeout_s: float = 600.0
     #: Nice value added to ckptd's background threads (writer, hashing, reading) on Linux, so that the
     #: training thread wins contended cores; 0 leaves their priority alone.
-    background_nice: int = 10
+    background_nice: int = 5
     #: Log level for ckptd's loggers.
     log_level: str = "WARNING"
     #: Data shards: local cache directory ("" means ~/.cache/ckptd/shards).

@@ -12,11 +12,10 @@ import zstandard
 from ckptd.config import override
 from ckptd.errors import IntegrityError
 from ckptd.format import codecs
-from ckptd.format.rank_writer import RankWriter, tensor_bytes
-from ckptd.format.records import DTYPES
-from ckptd.format.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index
-from ckptd.format.records import Manifest
 from ckptd.format.layout import MANIFEST_NAME, step_file
+from ckptd.format.rank_writer import RankWriter, tensor_bytes
+from ckptd.format.records import DTYPES, Manifest
+from ckptd.format.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index
 from ckptd.tiers.local import LocalTier
 
 

@@ -4,6 +4,7 @@ with parallel parts that are aborted on failure, read-ahead, clear errors."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 
 import pytest
@@ -45,11 +46,17 @@ def test_endpoint_and_credentials_from_the_environment(variable, s3_server, s3_b
     assert tier.read_bytes("hello.bin") == b"from the environment"
 
 
+def _wrap_calls(tier: ObjectTier, wrapper) -> None:
+    """Route every lane's S3 calls through ``wrapper(original, method, *args, **kwargs)``."""
+    for lane in tier.lanes:
+        lane._call_s3 = functools.partial(wrapper, lane._call_s3)
+
+
 def test_multipart_upload_sends_parts_in_parallel(s3_bucket, s3_options):
     tier = object_tier(s3_bucket, s3_options)
-    original, active, peak = tier.fs._call_s3, [0], [0]
+    active, peak = [0], [0]
 
-    async def counting(method, *args, **kwargs):
+    async def counting(original, method, *args, **kwargs):
         if method == "upload_part":
             active[0] += 1
             peak[0] = max(peak[0], active[0])
@@ -60,7 +67,7 @@ def test_multipart_upload_sends_parts_in_parallel(s3_bucket, s3_options):
                 active[0] -= 1
         return await original(method, *args, **kwargs)
 
-    tier.fs._call_s3 = counting
+    _wrap_calls(tier, counting)
     data = os.urandom(4 * _PART + 10)
     with override(s3_part_bytes=_PART, s3_concurrency=4):
         tier.write_bytes("big.bin", data)
@@ -70,20 +77,35 @@ def test_multipart_upload_sends_parts_in_parallel(s3_bucket, s3_options):
 
 def test_a_failed_multipart_upload_is_aborted(s3_bucket, s3_options):
     tier = object_tier(s3_bucket, s3_options)
-    original = tier.fs._call_s3
 
-    async def failing(method, *args, **kwargs):
+    async def failing(original, method, *args, **kwargs):
         if method == "upload_part" and kwargs.get("PartNumber") == 2:
             raise ConnectionError("injected: part 2 lost")
         return await original(method, *args, **kwargs)
 
-    tier.fs._call_s3 = failing
+    _wrap_calls(tier, failing)
     with override(s3_part_bytes=_PART, s3_concurrency=2), pytest.raises(StorageError) as caught:
         tier.write_bytes("chunks/ab/doomed.raw", os.urandom(3 * _PART))
     assert "chunks/ab/doomed.raw" in str(caught.value) and "part 2 lost" in str(caught.value)
-    tier.fs._call_s3 = original
     assert tier.incomplete_uploads() == []
     assert not tier.exists("chunks/ab/doomed.raw")
+
+
+def test_transfers_are_spread_over_the_io_threads(s3_bucket, s3_options):
+    with override(s3_io_threads=3):
+        tier = object_tier(s3_bucket, s3_options)
+    assert len({id(lane.loop) for lane in tier.lanes}) == 3
+    used = []
+
+    async def recording(original, method, *args, **kwargs):
+        if method == "put_object":
+            used.append(asyncio.get_running_loop())
+        return await original(method, *args, **kwargs)
+
+    _wrap_calls(tier, recording)
+    for index in range(6):
+        tier.write_bytes(f"chunks/0{index}/x.raw", b"x")
+    assert len(set(map(id, used))) == 3
 
 
 def test_read_ahead_serves_hinted_objects(s3_bucket, s3_options):

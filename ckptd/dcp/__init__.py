@@ -6,7 +6,21 @@ with FSDP2/DTensor state and load into a different world size. The CheckpointMan
 format and reshards through the reader.
 """
 
-from ckptd.dcp.reader import CkptdStorageReader
-from ckptd.dcp.writer import CkptdStorageWriter
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["CkptdStorageReader", "CkptdStorageWriter"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: torch.distributed.checkpoint is heavy and `import ckptd` should stay light.
+    if name == "CkptdStorageReader":
+        from ckptd.dcp.reader import CkptdStorageReader
+
+        return CkptdStorageReader
+    if name == "CkptdStorageWriter":
+        from ckptd.dcp.writer import CkptdStorageWriter
+
+        return CkptdStorageWriter
+    raise AttributeError(f"module 'ckptd.dcp' has no attribute {name!r}")

@@ -24,15 +24,15 @@ from collections import defaultdict
 from typing import Any
 
 import torch
-from torch.futures import Future
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
 
 from ckptd.dcp.index_values import parse_values
 from ckptd.dcp.metadata import PieceKey, StoredPiece, derive_metadata
-from ckptd.dcp.writer import split_checkpoint_id
+from ckptd.dcp.writer import CkptdStorageWriter, split_checkpoint_id
 from ckptd.errors import CkptdError, ConfigError, NotFoundError, PickleRefusedError
 from ckptd.format.layout import step_dir
 from ckptd.format.records import Manifest
@@ -149,8 +149,6 @@ class CkptdStorageReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        from ckptd.dcp.writer import CkptdStorageWriter
-
         return CkptdStorageWriter.validate_checkpoint_id(checkpoint_id)
 
     # --- internals ----------------------------------------------------------------------------

@@ -15,11 +15,8 @@ from collections.abc import Callable, MutableMapping
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ckptd.dcp.index_values import parse_values
-from ckptd.dcp.reader import CkptdStorageReader
 from ckptd.errors import ResumeMismatchError
 from ckptd.state.tree import flatten, skeleton_tensor_names
 from ckptd.tiers.base import StorageTier
@@ -34,6 +31,11 @@ def resharded_source(tiers: list[StorageTier], step: int, live: MutableMapping[s
 
     ``live`` is the state being restored into (used to load shards in place into live DTensors).
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from ckptd.dcp.reader import CkptdStorageReader
+
     reader = CkptdStorageReader(list(tiers), step, allow_pickle=allow_pickle)
     reader.read_metadata()
     saved_world = reader.manifest.world_size  # type: ignore[union-attr]

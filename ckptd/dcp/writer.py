@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.futures import Future
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
 
 from ckptd.config import settings
 from ckptd.dcp.index_values import SavedValues, ShardPlacement

@@ -12,13 +12,20 @@ reports the step as skipped; the step then fails quietly on every rank (:class:`
 Restore uses the same store, on the training thread, through :meth:`StoreCoordinator.exchange`: every
 rank publishes a JSON value and reads everyone's (see :mod:`ckptd.manager.restoring`).
 
-Thread: commit rounds (:meth:`agree`) run on the writer thread, exchange rounds on the training thread;
+After the agreement every rank writes the manifest into its local tier and confirms it through the store
+(:meth:`StoreCoordinator.confirm`), so a step counts as committed locally only when it is committed in
+every rank's directory (and a shared directory is never touched by a rank's cleanup while another rank
+still commits into it).
+
+Thread: commit rounds (:meth:`agree`, :meth:`confirm`) run on the writer thread, exchange rounds on the
+training thread;
 each kind has its own round counter and key prefix, and each is called in the same order on all ranks.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
@@ -32,6 +39,8 @@ SKIPPED = "skipped: the previous save was still being written"
 class SkippedStep(CommitError):
     """A step was skipped by at least one rank (back-pressure); nothing was committed, nothing failed."""
 from ckptd.format.records import Manifest, RankEntry
+
+log = logging.getLogger("ckptd.commit")
 
 
 class CommitCoordinator(Protocol):
@@ -48,6 +57,10 @@ class CommitCoordinator(Protocol):
     def exchange(self, kind: str, value: Any) -> list[Any]:
         """Publish a JSON value and return every rank's value, by rank (training thread only)."""
 
+    def confirm(self, step: int, error: str | None) -> dict[int, str]:
+        """After :meth:`agree` and the local manifest write (writer thread): report whether this rank
+        wrote its manifest and wait for every rank; returns the ranks that could not, with why."""
+
 
 class SingleProcessCoordinator:
     """The coordinator for one process (no process group)."""
@@ -63,6 +76,9 @@ class SingleProcessCoordinator:
 
     def exchange(self, kind: str, value: Any) -> list[Any]:
         return [value]
+
+    def confirm(self, step: int, error: str | None) -> dict[int, str]:
+        return {0: error} if error is not None else {}
 
 
 class StoreCoordinator:
@@ -87,7 +103,19 @@ class StoreCoordinator:
             missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
             raise CommitError(f"ranks {missing} did not answer the {kind!r} round within {self.timeout}",
                               hint="a rank may have died; the supervisor will restart it") from exc
-        return [json.loads(self.store.get(key)) for key in keys]
+        values = [json.loads(self.store.get(key)) for key in keys]
+        self._leave(base)
+        return values
+
+    def _leave(self, base: str) -> None:
+        """End a round: rank 0 (which usually hosts the store) waits until every rank has read what it
+        needed, so that it never exits while another rank still reads from the store."""
+        self.store.set(f"{base}/left/{self.rank}", "1")
+        if self.rank == 0:
+            try:
+                self.store.wait([f"{base}/left/{rank}" for rank in range(self.world_size)], self.timeout)
+            except Exception:  # noqa: BLE001 - a rank that died no longer needs the store
+                log.warning("not every rank left store round %s within %s", base, self.timeout)
 
     def agree(self, step: int, entry: RankEntry | None, error: str | None,
               build: Callable[[list[RankEntry]], Manifest]) -> bytes:
@@ -104,12 +132,27 @@ class StoreCoordinator:
                               hint="rank 0 may have died; the supervisor will restart it") from exc
         outcome = json.loads(self.store.get(f"{base}/outcome"))
         if outcome["failures"]:
+            self._leave(base)
             failures = {int(rank): why for rank, why in outcome["failures"].items()}
             if all(why == SKIPPED for why in failures.values()):
                 raise SkippedStep(f"step {step} was skipped by busy rank(s) {sorted(failures)}", step=step)
             raise WorkerError(f"step {step} failed on {len(failures)} rank(s); nothing was committed",
                               failures, step=step)
         return outcome["manifest"].encode()
+
+    def confirm(self, step: int, error: str | None) -> dict[int, str]:
+        base = f"{self.prefix}/commit/{self._round}/written"
+        self.store.set(f"{base}/{self.rank}", json.dumps(error))
+        keys = [f"{base}/{rank}" for rank in range(self.world_size)]
+        try:
+            self.store.wait(keys, self.timeout)
+        except Exception as exc:  # c10d raises a plain RuntimeError/DistStoreError on timeout
+            missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
+            raise CommitError(f"ranks {missing} did not confirm writing the manifest of step {step}",
+                              step=step, hint="a rank may have died; the supervisor will restart it") from exc
+        reports = [json.loads(self.store.get(key)) for key in keys]
+        self._leave(base)
+        return {rank: why for rank, why in enumerate(reports) if why is not None}
 
     def _decide(self, step: int, base: str, build: Callable[[list[RankEntry]], Manifest]) -> None:
         keys = [f"{base}/rank/{rank}" for rank in range(self.world_size)]

@@ -8,7 +8,7 @@ from the training thread: :meth:`Saver.save` per saved step (same steps, same or
 Stager`'s reusable host buffers, then returns; the state may be modified from then on. One named
 writer thread per Saver (``ckptd-writer-rank<r>``) then hashes, encodes and writes the staged copy
 (:class:`~ckptd.format.rank_writer.RankWriter`), agrees on the commit with the other ranks through the
-c10d Store (never a collective) and writes the manifest last.
+c10d Store (never a collective), writes the manifest last and confirms it through the store.
 
 Back-pressure: the buffers hold one copy of the state. When a save is requested while the previous one
 is still being written, ``Policy.on_busy`` decides: ``"wait"`` blocks until the writer is done,
@@ -225,7 +225,18 @@ class Saver:
         manifest_bytes = self.coordinator.agree(job.step, entry, error, self._manifest_builder(job.step))
         if error is not None:  # the coordinator raises first; kept for coordinators that do not
             raise WorkerError(f"step {job.step} failed", {self.rank: error}, step=job.step)
-        self.local.write_bytes(step_file(job.step, MANIFEST_NAME), manifest_bytes)
+        written: str | None = None
+        try:
+            self.local.write_bytes(step_file(job.step, MANIFEST_NAME), manifest_bytes)
+        except CkptdError as exc:
+            written = str(exc)
+        failed = self.coordinator.confirm(job.step, written)
+        if written is not None:
+            raise WorkerError(f"step {job.step} is committed on the other ranks but not on rank {self.rank}",
+                              failed, step=job.step)
+        if failed:
+            log.warning("step %d could not be committed locally on rank(s) %s: %s", job.step, sorted(failed),
+                        failed)
         self.last_commit = (job.step, time.monotonic())
         self._committed_steps = {job.step}
         self._committed(job.step)

@@ -72,6 +72,10 @@ class ReadWriteConformance:
         assert tier.size(path) == len(data)
         assert tier.read_bytes(path) == data
         assert tier.read_bytes(path, 6 * 1024 * 1024, 1024) == data[6 * 1024 * 1024:6 * 1024 * 1024 + 1024]
+        with override(s3_part_bytes=5 * 1024 * 1024, s3_concurrency=3):  # reads split into parts, too
+            assert tier.read_bytes(path) == data
+            assert tier.read_bytes(path, 1000, 7 * 1024 * 1024) == data[1000:1000 + 7 * 1024 * 1024]
+            assert tier.read_bytes(path, 10 * 1024 * 1024) == data[10 * 1024 * 1024:]
 
     def test_memoryview_input(self, tier: StorageTier) -> None:
         path = step_file(1, "view.data")

@@ -9,7 +9,10 @@ Where the connection settings come from, first match wins:
   (environment, ``~/.aws/credentials``, instance roles).
 
 Timeouts and retries come from :mod:`ckptd.config` (``s3_connect_timeout_s``, ``s3_read_timeout_s``,
-``s3_retries``); botocore retries throttling, 5xx and connection errors, s3fs retries truncated bodies.
+``s3_retries``): botocore retries throttling, 5xx, connection errors and read timeouts, s3fs retries
+what botocore lets through, and a GET whose body arrives truncated is repeated here. Parallel transfers
+(``s3_concurrency`` requests, spread over ``s3_io_threads`` event-loop threads, each with its own s3fs
+client) keep request signing and checksums of concurrent transfers off a single thread.
 
 Commit protocol for object stores: a PUT (or a completed multipart upload) is atomic, so there are no
 temporary names; a step's indexes and chunks are uploaded first and ``manifest.json`` last. A step
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import threading
 import time
@@ -76,6 +80,33 @@ def _storage_options(options: dict[str, Any] | None) -> dict[str, Any]:
     return merged
 
 
+_IO_LOOPS: list[asyncio.AbstractEventLoop] = []
+_IO_LOOPS_LOCK = threading.Lock()
+
+
+def _io_loops(count: int) -> list[asyncio.AbstractEventLoop]:
+    """``count`` event loops, each running on its own daemon thread, shared by every object tier."""
+    with _IO_LOOPS_LOCK:
+        while len(_IO_LOOPS) < max(1, count):
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name=f"ckptd-s3-io-{len(_IO_LOOPS)}", daemon=True).start()
+            _IO_LOOPS.append(loop)
+        return _IO_LOOPS[:max(1, count)]
+
+
+def _past_the_end(exc: BaseException) -> bool:
+    """Whether a GET failed only because its range starts at or past the end of the object (HTTP 416)."""
+    chain = [exc, exc.__cause__, exc.__context__]
+    return any(link is not None and ("InvalidRange" in str(link) or "not satisfiable" in str(link))
+               for link in chain)
+
+
+def _total_size(response: dict[str, Any], fallback: int) -> int:
+    """Object size from a ranged GET's ``Content-Range: bytes a-b/total``."""
+    _, _, total = str(response.get("ContentRange") or "").rpartition("/")
+    return int(total) if total.isdigit() else fallback
+
+
 def _split_url(url: str) -> tuple[str, str]:
     if not url.startswith("s3://"):
         raise ConfigError(f"{url!r} is not an s3:// URL", hint="name the object tier as s3://bucket/prefix")
@@ -88,8 +119,8 @@ def _split_url(url: str) -> tuple[str, str]:
 class ObjectTier(StorageTier):
     """Checkpoints under an ``s3://bucket/prefix`` URL.
 
-    Thread safety: every method may be called from several threads; the requests run on s3fs's event
-    loop thread, so concurrent callers share one connection pool.
+    Thread safety: every method may be called from several threads; requests run on the shared I/O
+    threads (see the module docstring), whose connection pools all callers share.
     """
 
     kind = "object"
@@ -103,8 +134,15 @@ class ObjectTier(StorageTier):
         except ImportError as exc:
             raise PluginError("the object tier needs s3fs", hint="install it with: pip install 'ckptd[s3]'") \
                 from exc
-        self.fs = s3fs.S3FileSystem(**_storage_options(storage_options))
-        self.fs.retries = max(1, settings().s3_retries)  # s3fs's own retries (truncated bodies, SlowDown)
+        options = _storage_options(storage_options)
+        #: One s3fs client per I/O thread; data transfers are spread over them (:meth:`_lane`), so
+        #: request signing, checksums and socket work of parallel transfers do not queue on one thread.
+        self.lanes = [s3fs.S3FileSystem(loop=loop, **options) for loop in _io_loops(settings().s3_io_threads)]
+        for lane in self.lanes:
+            lane.retries = max(1, settings().s3_retries)  # s3fs's own retries (truncated bodies, SlowDown)
+        #: The client for listings and other small requests.
+        self.fs = self.lanes[0]
+        self._turn = itertools.count()
         self._read_ahead = _ReadAhead(self)
 
     # --- naming --------------------------------------------------------------------------------
@@ -139,10 +177,19 @@ class ObjectTier(StorageTier):
         return StorageError(f"{what} failed after the retry budget (s3_retries={settings().s3_retries}): "
                             f"{type(exc).__name__}: {exc}", path=path, tier=self.label, hint=_RETRY_HINT)
 
-    def _sync(self, coroutine: Any) -> Any:
+    def _lane(self) -> Any:
+        """The client for the next data transfer (round robin over the I/O threads)."""
+        return self.lanes[next(self._turn) % len(self.lanes)]
+
+    def _call(self, lane: Any, method: str, **arguments: Any) -> Any:
+        """One S3 API call on a lane, from a caller's thread (retried by botocore and s3fs)."""
+        return self._sync(lane, lane._call_s3(method, **arguments))
+
+    @staticmethod
+    def _sync(lane: Any, coroutine: Any) -> Any:
         from fsspec.asyn import sync
 
-        return sync(self.fs.loop, lambda: coroutine)
+        return sync(lane.loop, lambda: coroutine)
 
     # --- reading -------------------------------------------------------------------------------
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
@@ -154,29 +201,46 @@ class ObjectTier(StorageTier):
         if length == 0:
             return b""
         with self._errors("reading", path):
-            try:
-                return self._sync(self._get(self.key(path), offset, length))
-            except OSError as exc:
-                if "InvalidRange" in str(exc) or "416" in str(exc):
-                    return b""
-                raise
+            lane = self._lane()
+            return self._sync(lane, self._get(lane, self.key(path), offset, length))
 
-    async def _get(self, key: str, offset: int = 0, length: int | None = None) -> bytes:
-        """One GET (ranged when asked). The request itself is retried by botocore and s3fs; a body that
-        arrives truncated or stalls is retried here, up to ``s3_retries`` times."""
-        extra = {}
-        if offset or length is not None:
-            extra["Range"] = f"bytes={offset}-{'' if length is None else offset + length - 1}"
+    async def _get(self, lane: Any, key: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes of an object from ``offset`` (``length`` None: to its end; past the end: empty). A read
+        longer than ``s3_part_bytes`` becomes parallel ranged GETs (at most ``s3_concurrency`` at once)."""
+        part = max(MIN_PART_BYTES, settings().s3_part_bytes)
+        first, total = await self._get_range(lane, key, offset, part if length is None else min(length, part))
+        end = total if length is None else min(total, offset + length)
+        if offset + len(first) >= end:
+            return first
+        gate = asyncio.Semaphore(max(1, settings().s3_concurrency))
+
+        async def piece(start: int) -> bytes:
+            async with gate:
+                data, _ = await self._get_range(lane, key, start, min(part, end - start))
+                return data
+
+        rest = await asyncio.gather(*[piece(start) for start in range(offset + len(first), end, part)])
+        return b"".join([first, *rest])
+
+    async def _get_range(self, lane: Any, key: str, start: int, length: int) -> tuple[bytes, int]:
+        """One ranged GET and the object's total size. The request is retried by botocore and s3fs; a
+        body that arrives truncated or stalls is retried here, up to ``s3_retries`` times."""
         attempts = max(1, settings().s3_retries)
         for attempt in range(attempts):
-            response = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=key, **extra)
+            try:
+                response = await lane._call_s3("get_object", Bucket=self.bucket, Key=key,
+                                               Range=f"bytes={start}-{start + length - 1}")
+            except OSError as exc:
+                if _past_the_end(exc):
+                    return b"", start
+                raise
             body = response["Body"]
             try:
                 data = await body.read()
                 expected = response.get("ContentLength")
                 if expected is not None and len(data) != expected:
                     raise ConnectionError(f"body truncated: {len(data)} of {expected} bytes")
-                return bytes(data)
+                return bytes(data), _total_size(response, start + len(data))
             except Exception:  # aiohttp/botocore streaming errors: retry the whole GET
                 if attempt + 1 == attempts:
                     raise
@@ -195,7 +259,7 @@ class ObjectTier(StorageTier):
 
     def _head(self, path: str) -> dict[str, Any]:
         with self._errors("looking up", path):
-            return self.fs.call_s3("head_object", Bucket=self.bucket, Key=self.key(path))
+            return self._call(self.fs, "head_object", Bucket=self.bucket, Key=self.key(path))
 
     def exists(self, path: str) -> bool:
         try:
@@ -211,7 +275,7 @@ class ObjectTier(StorageTier):
         found = []
         with self._errors("listing", prefix or "/"):
             while True:
-                page = self.fs.call_s3("list_objects_v2", **arguments)
+                page = self._call(self.fs, "list_objects_v2", **arguments)
                 for item in page.get("Contents", []):
                     modified = item.get("LastModified")
                     stamp = modified.timestamp() if hasattr(modified, "timestamp") else time.time()
@@ -256,19 +320,21 @@ class ObjectTier(StorageTier):
         with self._errors("uploading", path):
             if len(view) <= part_bytes:
                 body = data if isinstance(data, bytes) else bytes(view)  # no copy of bytes already whole
-                self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key(path), Body=body)
+                self._call(self._lane(), "put_object", Bucket=self.bucket, Key=self.key(path), Body=body)
             else:
-                self._sync(self._multipart(self.key(path), view, part_bytes, max(1, tunables.s3_concurrency)))
+                lane = self._lane()
+                self._sync(lane, self._multipart(lane, self.key(path), view, part_bytes,
+                                                 max(1, tunables.s3_concurrency)))
 
-    async def _multipart(self, key: str, data: memoryview, part_bytes: int, concurrency: int) -> None:
-        created = await self.fs._call_s3("create_multipart_upload", Bucket=self.bucket, Key=key)
+    async def _multipart(self, lane: Any, key: str, data: memoryview, part_bytes: int, concurrency: int) -> None:
+        created = await lane._call_s3("create_multipart_upload", Bucket=self.bucket, Key=key)
         upload_id = created["UploadId"]
         gate = asyncio.Semaphore(concurrency)
 
         async def upload_part(number: int, start: int) -> dict[str, Any]:
             async with gate:
                 body = bytes(data[start:start + part_bytes])
-                answer = await self.fs._call_s3("upload_part", Bucket=self.bucket, Key=key, UploadId=upload_id,
+                answer = await lane._call_s3("upload_part", Bucket=self.bucket, Key=key, UploadId=upload_id,
                                                 PartNumber=number, Body=body)
                 return {"PartNumber": number, "ETag": answer["ETag"]}
 
@@ -276,14 +342,14 @@ class ObjectTier(StorageTier):
                  for number, start in enumerate(range(0, len(data), part_bytes), start=1)]
         try:
             parts = await asyncio.gather(*tasks)
-            await self.fs._call_s3("complete_multipart_upload", Bucket=self.bucket, Key=key,
+            await lane._call_s3("complete_multipart_upload", Bucket=self.bucket, Key=key,
                                    UploadId=upload_id, MultipartUpload={"Parts": list(parts)})
         except BaseException:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             with contextlib.suppress(Exception):
-                await self.fs._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=key,
+                await lane._call_s3("abort_multipart_upload", Bucket=self.bucket, Key=key,
                                        UploadId=upload_id)
             raise
 
@@ -294,7 +360,7 @@ class ObjectTier(StorageTier):
         arguments: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.key("")}
         with self._errors("listing multipart uploads", "/"):
             while True:
-                page = self.fs.call_s3("list_multipart_uploads", **arguments)
+                page = self._call(self.fs, "list_multipart_uploads", **arguments)
                 for upload in page.get("Uploads", []):
                     started = upload.get("Initiated")
                     stamp = started.timestamp() if hasattr(started, "timestamp") else 0.0
@@ -312,7 +378,7 @@ class ObjectTier(StorageTier):
             if time.time() - started < older_than_s:
                 continue
             with self._errors("aborting a multipart upload", path):
-                self.fs.call_s3("abort_multipart_upload", Bucket=self.bucket, Key=self.key(path),
+                self._call(self.fs, "abort_multipart_upload", Bucket=self.bucket, Key=self.key(path),
                                 UploadId=upload_id)
             count += 1
         return count
@@ -322,7 +388,7 @@ class ObjectTier(StorageTier):
             batch = paths[start:start + _DELETE_BATCH]
             request = {"Objects": [{"Key": self.key(path)} for path in batch], "Quiet": True}
             with self._errors("deleting", batch[0]):
-                answer = self.fs.call_s3("delete_objects", Bucket=self.bucket, Delete=request)
+                answer = self._call(self.fs, "delete_objects", Bucket=self.bucket, Delete=request)
             failed = [error for error in answer.get("Errors", []) if error.get("Code") != "NoSuchKey"]
             if failed:
                 raise StorageError(f"could not delete {len(failed)} object(s): {failed[0].get('Message')}",
@@ -367,5 +433,6 @@ class _ReadAhead:
         window = settings().s3_read_ahead or settings().s3_concurrency
         while self._pending and len(self._fetching) < window:
             path = self._pending.pop(0)
-            coroutine = self.tier._get(self.tier.key(path))
-            self._fetching[path] = asyncio.run_coroutine_threadsafe(coroutine, self.tier.fs.loop)
+            lane = self.tier._lane()
+            coroutine = self.tier._get(lane, self.tier.key(path))
+            self._fetching[path] = asyncio.run_coroutine_threadsafe(coroutine, lane.loop)
