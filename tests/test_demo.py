@@ -13,5 +13,5 @@ def test_demo_crashes_resumes_and_matches(tmp_path: Path) -> None:
          "--workdir", str(tmp_path)], capture_output=True, text=True, check=False, timeout=240)
     assert completed.returncode == 0, completed.stdout + completed.stderr
     assert "killed by signal 9" in completed.stdout
-    assert "resumed from step 12" in completed.stdout
+    assert "resumed from step" in completed.stdout and "read from object" in completed.stdout
     assert "EQUAL, bit for bit" in completed.stdout

@@ -69,9 +69,9 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = lambda _:
             runs["ckptd_first_stall"].append(ckptd_saver.save(state).stall)
             for round_number in range(1, repeats + 1):
                 progress(f"round {round_number}/{repeats}: saves")
-                runs["copy"].append(copy())
                 runs["torch_save"].append(c.torch_save(state, c.fresh(root / "torch")).durable)
                 runs["dcp_save"].append(c.dcp_save(state, c.fresh(root / "dcp")).durable)
+                runs["copy"].append(copy())  # right before the stalls it is compared with
                 durable = ckptd_saver.save(state)
                 runs["ckptd_stall"].append(durable.stall)
                 runs["ckptd_durable"].append(durable.durable)

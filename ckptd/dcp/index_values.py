@@ -1,21 +1,21 @@
 """What a rank index stores besides its tensors: the JSON ``values`` shared by every writer.
 
 One layout serves :class:`~ckptd.manager.manager.CheckpointManager` and the DCP storage plugins, so a
-step written by either is read by both:
+step written by either is read by both. ``values`` is the root node of the manager's state skeleton
+(:mod:`ckptd.state.tree`: ``{"dict": [...], "ordered": ...}``, so code that reads it as a skeleton keeps
+working) with these keys added after the skeleton's own:
 
-``{"layout": "ckptd-state/1", "skeleton": <state skeleton or null>, "shards": {name: [fqn,
-global_shape, offsets]}, "objects": {fqn: <skeleton of a non-tensor value>}, "pickled": [names]}``
-
-- ``skeleton``: the manager's state skeleton (:mod:`ckptd.state.tree`); null for DCP-written steps.
-- ``shards``: for a tensor stored under ``name`` that is a piece of a larger tensor (a DTensor shard or
-  a DCP write item), the fully qualified name of the whole tensor, its global shape and the offsets of
-  the piece. A tensor without an entry is whole: its fqn is its name and its offsets are zero.
-- ``objects``: non-tensor values DCP asked to save, kept as JSON skeletons (never pickled).
+- ``layout``: ``"ckptd-state/1"``; ``source``: ``"manager"`` or ``"dcp"`` (a DCP-written step has an
+  empty skeleton: its state is described by the tensor names and ``objects``).
+- ``shards``: ``{name: [fqn, global_shape, offsets]}`` for a tensor stored under ``name`` that is a
+  piece of a larger tensor (a DTensor shard or a DCP write item). A tensor without an entry is whole:
+  its fqn is its name and its offsets are zero.
+- ``objects``: ``{fqn: skeleton}`` for non-tensor values DCP asked to save, kept as JSON (never pickled).
 - ``pickled``: names of uint8 tensors holding DCP's pickled bytes for values JSON cannot hold; written
   and read only when the caller opted in with ``allow_pickle=True``.
 
 DCP's ``Metadata`` is derived from these records by :mod:`ckptd.dcp.metadata`; nothing is pickled.
-An index whose values are not in this layout (written before it existed) is read as a bare skeleton.
+An index whose values lack ``layout`` (written before it existed) is read as a bare skeleton.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptd.errors import FormatError
+from ckptd.errors import FormatError, ResumeMismatchError
 
 STATE_LAYOUT = "ckptd-state/1"
+_EXTRA_KEYS = frozenset({"layout", "source", "shards", "objects", "pickled"})
 
 
 @dataclass(frozen=True)
@@ -46,14 +47,18 @@ class SavedValues:
     pickled: frozenset[str] = frozenset()
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        if self.skeleton is not None and not (isinstance(self.skeleton, dict) and "dict" in self.skeleton):
+            raise FormatError("the state skeleton must be a mapping node")
+        body: dict[str, Any] = dict(self.skeleton) if self.skeleton is not None else {"dict": [], "ordered": False}
+        body.update({
             "layout": STATE_LAYOUT,
-            "skeleton": self.skeleton,
+            "source": "dcp" if self.skeleton is None else "manager",
             "shards": {name: [fqn, list(p.global_shape), list(p.offsets)]
                        for name, (fqn, p) in self.shards.items()},
             "objects": self.objects,
             "pickled": sorted(self.pickled),
-        }
+        })
+        return body
 
     def placement(self, name: str, shape: tuple[int, ...]) -> tuple[str, ShardPlacement]:
         """The fqn and placement of a stored tensor (whole tensors map to themselves)."""
@@ -85,5 +90,16 @@ def parse_values(values: Any, *, path: str | None = None, step: int | None = Non
     pickled = values.get("pickled") or []
     if not isinstance(objects, dict) or not isinstance(pickled, list):
         fail("'objects' or 'pickled' has the wrong type")
-    return SavedValues(skeleton=values.get("skeleton"), shards=shards, objects=objects,
-                       pickled=frozenset(str(n) for n in pickled))
+    skeleton = None
+    if values.get("source") == "manager":
+        skeleton = {key: value for key, value in values.items() if key not in _EXTRA_KEYS}
+    return SavedValues(skeleton=skeleton, shards=shards, objects=objects, pickled=frozenset(str(n) for n in pickled))
+
+
+def manager_skeleton(values: SavedValues, *, step: int) -> Any:
+    """The state skeleton of a step a CheckpointManager wrote; ResumeMismatchError for a DCP-written one."""
+    if values.skeleton is None:
+        raise ResumeMismatchError("this step was written with dcp.save, not by a CheckpointManager", step=step,
+                                  hint="load it with torch.distributed.checkpoint.load and "
+                                  "ckptd.dcp.CkptdStorageReader")
+    return values.skeleton

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from ckptd.dcp.index_values import parse_values
-from ckptd.errors import ResumeMismatchError
+from ckptd.dcp.index_values import manager_skeleton, parse_values
 from ckptd.state.tree import flatten, skeleton_tensor_names
 from ckptd.tiers.base import StorageTier
 
@@ -41,13 +40,10 @@ def resharded_source(tiers: list[StorageTier], step: int, live: MutableMapping[s
     saved_world = reader.manifest.world_size  # type: ignore[union-attr]
     own = reader.step_reader(rank if rank < saved_world else 0)
     values = parse_values(own.index.values)
-    if values.skeleton is None:
-        raise ResumeMismatchError("this step was written with dcp.save, not by a CheckpointManager",
-                                  step=step, hint="load it with torch.distributed.checkpoint.load and "
-                                  "ckptd.dcp.CkptdStorageReader")
+    skeleton = manager_skeleton(values, step=step)
     live_tensors = flatten(dict(live), allow_pickle=True).tensors
     targets: dict[str, torch.Tensor] = {}
-    for name in skeleton_tensor_names(values.skeleton):
+    for name in skeleton_tensor_names(skeleton):
         if name not in values.shards:
             continue
         fqn, placement = values.shards[name]
@@ -72,7 +68,7 @@ def resharded_source(tiers: list[StorageTier], step: int, live: MutableMapping[s
             out.copy_(loaded)
         return out
 
-    return values.skeleton, read
+    return skeleton, read
 
 
 def live_reader(read: TensorReader) -> TensorReader:

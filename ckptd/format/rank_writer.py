@@ -7,9 +7,12 @@ only later, when the manifest is written (see :mod:`ckptd.manager.commit`).
 
 Chunks with the same digest inside one rank are stored once (zeroed optimizer moments, tied values).
 
-Performance: the chunks of a tensor are hashed and encoded on the shared ``ckptd-write`` thread pool
-(:func:`io_pool`; xxhash, zstd and ``os.write`` release the GIL), a bounded window ahead of the calling
-thread, which appends them to the data file in order. Nothing here issues collectives.
+Performance: each chunk is hashed, encoded and written by a task on the shared ``ckptd-write`` thread
+pool (:func:`io_pool`; xxhash, zstd and ``pwrite`` release the GIL): the task claims the next range of
+the data file (:meth:`~ckptd.tiers.local.AtomicFile.reserve`) and writes it with ``pwrite``, so several
+chunks reach the disk at once (on the development machine one 1 GiB stream took 3.5 s, four parallel
+``pwrite`` streams 1.7 s). At most ``2 x CKPTD_IO_THREADS`` chunks are in flight. Chunks therefore lie
+in the data file in completion order; each record says where. Nothing here issues collectives.
 """
 
 from __future__ import annotations
@@ -67,10 +70,6 @@ def io_pool(purpose: str = "write") -> ThreadPoolExecutor:
         return pool
 
 
-def _hash_and_encode(raw: memoryview, codec_id: str) -> tuple[str, Any]:
-    return chunk_digest(raw), codecs.encode(codec_id, raw)
-
-
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without copying."""
     flat = tensor.reshape(-1)
@@ -87,56 +86,75 @@ class RankWriter:
         self.codec, self.chunk_bytes = codec, max(16, chunk_bytes - chunk_bytes % 16)
         self.data_name = rank_data_name(rank)
         self._file: AtomicFile | None = tier.open_file(step_file(step, self.data_name))
-        self._tensors: dict[str, TensorRecord] = {}
+        self._tensors: dict[str, tuple[torch.dtype, tuple[int, ...], list[Future[ChunkRecord]]]] = {}
         self._written: dict[tuple[str, str], ChunkRecord] = {}
+        self._lock = threading.Lock()
+        self._in_flight: deque[Future[ChunkRecord]] = deque()
         self.raw_bytes = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> TensorRecord:
-        """Append a contiguous CPU tensor as chunks; returns its record."""
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue a contiguous CPU tensor's chunks for writing. The tensor must not change until
+        :meth:`finish` or :meth:`abort` returns. Raises the error of an earlier chunk, if any."""
         if self._file is None:
             raise RuntimeError("RankWriter is already finished")
         codec_id = codecs.codec_id_for(self.codec, floating=tensor.is_floating_point(),
                                        itemsize=tensor.element_size())
         data = tensor_bytes(tensor)
-        chunks = []
-        pieces = [data[start:start + self.chunk_bytes] for start in range(0, len(data), self.chunk_bytes)]
-        if len(pieces) <= 1:
-            chunks = [self._add_chunk(piece, *_hash_and_encode(piece, codec_id), codec_id) for piece in pieces]
-        else:
-            pool, window = io_pool(), 2 * max(1, settings().io_threads)
-            pending: deque[tuple[memoryview, Future[tuple[str, Any]]]] = deque()
-            for piece in pieces:
-                pending.append((piece, pool.submit(_hash_and_encode, piece, codec_id)))
-                if len(pending) >= window:
-                    done, future = pending.popleft()
-                    chunks.append(self._add_chunk(done, *future.result(), codec_id))
-            while pending:
-                done, future = pending.popleft()
-                chunks.append(self._add_chunk(done, *future.result(), codec_id))
-        record = TensorRecord(dtype=dtype_name(tensor.dtype), shape=tuple(tensor.shape), chunks=tuple(chunks))
-        self._tensors[name] = record
+        pool, window = io_pool(), 2 * max(1, settings().io_threads)
+        futures = []
+        for start in range(0, len(data), self.chunk_bytes):
+            while len(self._in_flight) >= window:
+                self._in_flight.popleft().result()
+            future = pool.submit(self._store_chunk, data[start:start + self.chunk_bytes], codec_id)
+            self._in_flight.append(future)
+            futures.append(future)
+        self._tensors[name] = (tensor.dtype, tuple(tensor.shape), futures)
         self.raw_bytes += len(data)
-        return record
 
-    def _add_chunk(self, raw: memoryview, digest: str, stored: Any, codec_id: str) -> ChunkRecord:
-        known = self._written.get((digest, codec_id))
+    def _store_chunk(self, raw: memoryview, codec_id: str) -> ChunkRecord:
+        """On a pool thread: hash, encode, and write the chunk unless an identical one is stored."""
+        digest = chunk_digest(raw)
+        with self._lock:
+            known = self._written.get((digest, codec_id))
         if known is not None and known.raw_length == len(raw):
             return known
-        offset = self._file.write(stored)  # type: ignore[union-attr]
-        record = ChunkRecord(offset=offset, length=len(stored), raw_length=len(raw), codec=codec_id,
-                             digest=digest)
-        self._written[(digest, codec_id)] = record
+        stored = codecs.encode(codec_id, raw)
+        with self._lock:
+            known = self._written.get((digest, codec_id))
+            if known is not None and known.raw_length == len(raw):
+                return known
+            offset = self._file.reserve(len(stored))  # type: ignore[union-attr]
+            record = ChunkRecord(offset=offset, length=len(stored), raw_length=len(raw), codec=codec_id,
+                                 digest=digest)
+            self._written[(digest, codec_id)] = record
+        self._file.write_at(offset, stored)  # type: ignore[union-attr]
         return record
+
+    def _drain(self) -> None:
+        """Wait for every queued chunk; raises the first error after all have stopped."""
+        first_error: BaseException | None = None
+        while self._in_flight:
+            future = self._in_flight.popleft()
+            try:
+                future.result()
+            except BaseException as error:  # noqa: BLE001 - re-raised below, after the rest stopped
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
 
     def finish(self, values: Any) -> RankEntry:
         """Commit the data file, then write the index; returns the manifest's entry for this rank."""
         if self._file is None:
             raise RuntimeError("RankWriter is already finished")
+        self._drain()
+        tensors = {name: TensorRecord(dtype=dtype_name(dtype), shape=shape,
+                                      chunks=tuple(f.result() for f in futures))
+                   for name, (dtype, shape, futures) in self._tensors.items()}
         data_size = self._file.size
         self._file.commit()
         self._file = None
         index = RankIndex(step=self.step, rank=self.rank, data_file=self.data_name, data_size=data_size,
-                          tensors=self._tensors, values=values)
+                          tensors=tensors, values=values)
         raw_index = index.to_json_bytes()
         index_name = rank_index_name(self.rank)
         self.tier.write_bytes(step_file(self.step, index_name), raw_index)
@@ -144,7 +162,11 @@ class RankWriter:
                          index_digest=chunk_digest(raw_index), data_file=self.data_name, data_size=data_size)
 
     def abort(self) -> None:
-        """Drop everything written so far."""
+        """Wait for chunks still being written, then drop everything written so far."""
+        try:
+            self._drain()
+        except BaseException:  # noqa: BLE001 - the caller is already handling the failure
+            pass
         if self._file is not None:
             self._file.abort()
             self._file = None

@@ -138,11 +138,15 @@ class CheckpointManager:
         NoIntactCheckpointError is raised and ``state`` may hold values of a partly read step.
 
         Every rank must call it (training thread): the ranks agree through the store on the newest step
-        intact on all of them. Pending saves are waited for first. A step this process saved itself is
-        read from the memory tier (its staged copy); a step saved by another world size is resharded.
+        intact on all of them. Pending saves are waited for first (an error of one is logged, not
+        raised). A step this process saved itself is read from the memory tier (its staged copy); a
+        step saved by another world size is resharded through DCP.
         """
         self._check_open()
-        self._saver.wait()
+        try:
+            self._saver.wait()
+        except CkptdError as error:  # a failed save must not prevent recovery; restore picks another step
+            log.warning("an earlier background save failed on rank %d: %s", self.rank, error)
         if self._remote_sync is not None:
             self._remote_sync.before_restore(step)
         result = restore_state(self.tiers, state, rank=self.rank, world_size=self.world_size, step=step,

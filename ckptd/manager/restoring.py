@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ckptd.dcp.index_values import parse_values
+from ckptd.dcp.index_values import manager_skeleton, parse_values
 from ckptd.dcp.resharding import TensorReader, live_reader, resharded_source
 from ckptd.errors import CkptdError, NoIntactCheckpointError, NotFoundError, ResumeMismatchError
 from ckptd.format.step_reader import ChunkSource, FallbackEvent, StepReader, load_manifest, load_rank_index
@@ -159,11 +159,7 @@ def _source(tiers: list[StorageTier], step: int, state: MutableMapping[str, Any]
         return memory.values.skeleton, live_reader(from_memory)
     reader = StepReader(_sources(tiers, step, rank, world_size))
     result.tier, result.events = reader.sources[0].tier.label, reader.events
-    values = parse_values(reader.index.values)
-    if values.skeleton is None:
-        raise ResumeMismatchError("this step was written with dcp.save, not by a CheckpointManager", step=step,
-                                  hint="load it with torch.distributed.checkpoint.load and ckptd.dcp.CkptdStorageReader")
-    return values.skeleton, live_reader(reader.read_tensor)
+    return manager_skeleton(parse_values(reader.index.values), step=step), live_reader(reader.read_tensor)
 
 
 def _saved_world_size(tiers: list[StorageTier], step: int) -> int:

@@ -216,24 +216,26 @@ class Saver:
                 for name, tensor in job.staged.tensors.items():
                     writer.add(name, tensor)
                 entry = writer.finish(job.values)
-            except CkptdError as exc:
+            except Exception as exc:  # reported to every rank, so that none waits for this one in vain
                 if writer is not None:
                     writer.abort()
                 if self.world_size == 1:
                     raise
-                error = str(exc)
+                error = str(exc) if isinstance(exc, CkptdError) else f"{type(exc).__name__}: {exc}"
         manifest_bytes = self.coordinator.agree(job.step, entry, error, self._manifest_builder(job.step))
         if error is not None:  # the coordinator raises first; kept for coordinators that do not
             raise WorkerError(f"step {job.step} failed", {self.rank: error}, step=job.step)
-        written: str | None = None
+        written: CkptdError | None = None
         try:
             self.local.write_bytes(step_file(job.step, MANIFEST_NAME), manifest_bytes)
         except CkptdError as exc:
-            written = str(exc)
-        failed = self.coordinator.confirm(job.step, written)
+            written = exc
+        failed = self.coordinator.confirm(job.step, None if written is None else str(written))
         if written is not None:
+            if self.world_size == 1:
+                raise written
             raise WorkerError(f"step {job.step} is committed on the other ranks but not on rank {self.rank}",
-                              failed, step=job.step)
+                              failed, step=job.step) from written
         if failed:
             log.warning("step %d could not be committed locally on rank(s) %s: %s", job.step, sorted(failed),
                         failed)

@@ -5,8 +5,9 @@ thread: :meth:`~BackgroundUploader.on_commit` after each local commit (the saver
 callback), :meth:`~BackgroundUploader.wait` to block until every queued step is promoted, and
 :meth:`~BackgroundUploader.close` at the end. Failures do not stop training: the step stays pinned
 locally (and is retried on the next start), the error is logged and kept, and ``wait``/``close``
-re-raise the first one. After each promotion rank 0 applies ``keep_remote`` and collects garbage on the
-object tier, on the same thread, so in-process promotion and GC never overlap.
+re-raise the first one. When no promotion is queued, rank 0 applies ``keep_remote`` and collects garbage
+on the object tier, on the same thread, so in-process promotion and GC never overlap and a backlog of
+steps is promoted before any collection.
 
 The node daemon reuses this class with its own queue of steps.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
 
 from ckptd.errors import CkptdError
 from ckptd.format.layout import MANIFEST_NAME, rank_data_name, rank_index_name
@@ -47,6 +49,7 @@ class BackgroundUploader:
         self.errors: list[CkptdError] = []
         self._queue: queue.Queue[int] = queue.Queue()
         self._queued: set[int] = set()
+        self._collection_due = False
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="ckptd-uploader", daemon=True)
         self._thread.start()
@@ -104,12 +107,16 @@ class BackgroundUploader:
         self._queue.put(step)
 
     def _run(self) -> None:
+        self._guard(None, self.remote.connect)
         while True:
             step = self._queue.get()
             try:
+                if step != _STOP:
+                    self._guard(step, lambda: self._promote(step))
+                if self._queue.empty() or step == _STOP:  # GC waits until no promotion is queued
+                    self._guard(None, self._collect_if_due)
                 if step == _STOP:
                     return
-                self._promote(step)
             finally:
                 with self._lock:
                     self._queued.discard(step)
@@ -117,18 +124,27 @@ class BackgroundUploader:
 
     def _promote(self, step: int) -> None:
         ranks = None if self.world_size == 1 else [self.rank]
+        report = self.promoter.promote(step, ranks=ranks)
+        self.reports.append(report)
+        self.pins.unpin(step, None if ranks is None else self._own_files())
+        self._collection_due = self.rank == 0 and self.policy.keep_remote is not None
+
+    def _collect_if_due(self) -> None:
+        if self._collection_due:
+            self._collection_due = False
+            collect_garbage(self.remote, retention=self.policy.remote_retention)
+
+    def _guard(self, step: int | None, work: Callable[[], None]) -> None:
+        """Run work on the uploader thread; keep (and log) its failure instead of dying."""
         try:
-            report = self.promoter.promote(step, ranks=ranks)
-            self.reports.append(report)
-            self.pins.unpin(step, None if ranks is None else self._own_files())
-            if self.rank == 0 and self.policy.keep_remote is not None:
-                collect_garbage(self.remote, retention=self.policy.remote_retention)
+            work()
         except CkptdError as error:
-            log.warning("promotion of step %d to %s failed; the local copy stays and is retried on the next "
-                        "start: %s", step, self.remote.label, error)
+            what = f"promotion of step {step}" if step is not None else "object-tier upkeep"
+            log.warning("%s on %s failed; local copies stay and pinned steps are retried on the next start: %s",
+                        what, self.remote.label, error)
             with self._lock:
                 self.errors.append(error)
         except Exception as error:  # a bug must not kill the thread silently
-            log.exception("promotion of step %d crashed", step)
+            log.exception("the uploader crashed")
             with self._lock:
-                self.errors.append(CkptdError(f"promotion crashed: {error!r}", step=step, tier=self.remote.label))
+                self.errors.append(CkptdError(f"uploader crashed: {error!r}", step=step, tier=self.remote.label))

@@ -137,7 +137,15 @@ def _arm(kill_at: KillAt) -> None:
         if paths:
             reached("retention")
 
+    original_write_at = local.AtomicFile.write_at
+
+    def write_at(self: local.AtomicFile, offset: int, data: Any) -> None:
+        original_write_at(self, offset, data)
+        if kind(self) == "data":
+            reached("data-write")
+
     local.AtomicFile.write = write  # type: ignore[method-assign]
+    local.AtomicFile.write_at = write_at  # type: ignore[method-assign]
     local.AtomicFile.commit = commit  # type: ignore[method-assign]
     local.LocalTier.delete_files = delete_files  # type: ignore[method-assign]
 

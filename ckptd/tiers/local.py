@@ -12,6 +12,7 @@ import errno
 import fcntl
 import os
 import socket
+import threading
 import uuid
 from pathlib import Path
 
@@ -51,13 +52,16 @@ def fsync_directory(directory: Path) -> None:
 class AtomicFile:
     """A file written piece by piece under a temporary name and renamed into place on :meth:`commit`.
 
-    Not thread-safe: one writer thread per file.
+    :meth:`write` appends from one thread. For parallel writing, threads claim ranges with
+    :meth:`reserve` and fill them with :meth:`write_at` (both thread-safe); the owner calls
+    :meth:`commit` or :meth:`abort` only after every :meth:`write_at` has returned.
     """
 
     def __init__(self, final: Path) -> None:
         self.final = final
         self.temporary = final.with_name(f"{final.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}")
         self.size = 0
+        self._reserve_lock = threading.Lock()
         try:
             self._fd: int | None = os.open(self.temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as exc:
@@ -76,6 +80,25 @@ class AtomicFile:
             self.abort()
             raise _storage_error(exc, self.final, "writing") from exc
         return offset
+
+    def reserve(self, length: int) -> int:
+        """Claim ``length`` bytes at the end of the file for :meth:`write_at`; returns their offset."""
+        with self._reserve_lock:
+            offset = self.size
+            self.size += length
+        return offset
+
+    def write_at(self, offset: int, data: Buffer) -> None:
+        """Write bytes into a range claimed with :meth:`reserve`. Several threads may write different
+        ranges at once; on failure the file is left for the owner to :meth:`abort`."""
+        view = memoryview(data).cast("B")
+        try:
+            while view:
+                written = os.pwrite(self._fd, view[:_WRITE_SLICE], offset)  # type: ignore[arg-type]
+                view = view[written:]
+                offset += written
+        except OSError as exc:
+            raise _storage_error(exc, self.final, "writing") from exc
 
     def commit(self) -> None:
         """fsync, rename over the final name, fsync the directory."""

@@ -191,6 +191,12 @@ class ObjectTier(StorageTier):
 
         return sync(lane.loop, lambda: coroutine)
 
+    def connect(self) -> None:
+        """Open the client of every I/O thread now (the first request does it otherwise)."""
+        for lane in self.lanes:
+            with self._errors("connecting", "/"):
+                self._sync(lane, lane.set_session())
+
     # --- reading -------------------------------------------------------------------------------
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         if offset == 0 and length is None:
