@@ -44,6 +44,14 @@ class BenchReport:
     writers: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
+def _ckptd_durable(saver: c.CkptdContender, state: dict[str, Any], copy: Callable[[], float],
+                   runs: dict[str, list[float]]) -> None:
+    runs["copy"].append(copy())  # right before the stall it is compared with
+    durable = saver.save(state)
+    runs["ckptd_stall"].append(durable.stall)
+    runs["ckptd_durable"].append(durable.durable)
+
+
 def _with_loop(loop: ComputeLoop, seconds: float, save: Callable[[float], c.SaveRun]) -> c.SaveRun:
     baseline = loop.run_for(seconds).rate
     return save(baseline)
@@ -69,12 +77,15 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = lambda _:
             runs["ckptd_first_stall"].append(ckptd_saver.save(state).stall)
             for round_number in range(1, repeats + 1):
                 progress(f"round {round_number}/{repeats}: saves")
-                runs["torch_save"].append(c.torch_save(state, c.fresh(root / "torch")).durable)
-                runs["dcp_save"].append(c.dcp_save(state, c.fresh(root / "dcp")).durable)
-                runs["copy"].append(copy())  # right before the stalls it is compared with
-                durable = ckptd_saver.save(state)
-                runs["ckptd_stall"].append(durable.stall)
-                runs["ckptd_durable"].append(durable.durable)
+                # The durable savers take turns going first: a save right after another one competes
+                # with the disk's write-back of the previous files.
+                savers = [
+                    lambda: runs["torch_save"].append(c.torch_save(state, c.fresh(root / "torch")).durable),
+                    lambda: runs["dcp_save"].append(c.dcp_save(state, c.fresh(root / "dcp")).durable),
+                    lambda: _ckptd_durable(ckptd_saver, state, copy, runs),
+                ]
+                for index in range(len(savers)):
+                    savers[(index + round_number) % len(savers)]()
                 plain_async = c.dcp_async_save(state, c.fresh(root / "dcp_async"), None, None)
                 runs["dcp_async_stall"].append(plain_async.stall)
                 runs["dcp_async_durable"].append(plain_async.durable)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import sys
 
 import click
 
@@ -53,13 +52,7 @@ def cli() -> None:
 
 def _register() -> None:
     for module_name, attribute in _SUBCOMMANDS:
-        try:
-            module = importlib.import_module(f"ckptd.cli.{module_name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"ckptd.cli.{module_name}":
-                continue
-            raise
-        cli.add_command(getattr(module, attribute))
+        cli.add_command(getattr(importlib.import_module(f"ckptd.cli.{module_name}"), attribute))
 
 
 _register()
@@ -72,4 +65,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    sys.exit(0)

@@ -23,7 +23,8 @@ import torch
 
 from ckptd.dcp.index_values import manager_skeleton, parse_values
 from ckptd.dcp.resharding import TensorReader, live_reader, resharded_source
-from ckptd.errors import CkptdError, NoIntactCheckpointError, NotFoundError, ResumeMismatchError
+from ckptd.errors import CkptdError, NoIntactCheckpointError, NotFoundError, PickleRefusedError, \
+    ResumeMismatchError
 from ckptd.format.step_reader import ChunkSource, FallbackEvent, StepReader, load_manifest, load_rank_index
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator
 from ckptd.manager.saving import MemoryCopy
@@ -48,6 +49,8 @@ class RestoreResult:
 def _sources(tiers: list[StorageTier], step: int, rank: int, world_size: int) -> list[ChunkSource]:
     sources, errors = [], []
     for tier in tiers:
+        if not tier.is_committed(step):
+            continue
         try:
             manifest = load_manifest(tier, step)
             if manifest.world_size != world_size:
@@ -110,6 +113,10 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
         if not failures:
             result.step = agreed
             return result
+        refused = {r: why["error"] for r, why in failures.items() if why["pickle"]}
+        if refused:
+            raise PickleRefusedError(" | ".join(f"rank {r}: {why}" for r, why in sorted(refused.items())),
+                                     step=agreed)
         mismatched = {r: why["error"] for r, why in failures.items() if why["mismatch"]}
         if mismatched:
             raise ResumeMismatchError("the saved state does not fit the live state: " + " | ".join(
@@ -135,7 +142,8 @@ def _try_load(tiers: list[StorageTier], step: int, state: MutableMapping[str, An
                                  allow_pickle=allow_pickle, memory=memory)
         _load(skeleton, read, state, allow_pickle=allow_pickle, restore_rng=restore_rng)
     except CkptdError as error:
-        return {"error": str(error), "mismatch": isinstance(error, ResumeMismatchError)}
+        return {"error": str(error), "mismatch": isinstance(error, ResumeMismatchError),
+                "pickle": isinstance(error, PickleRefusedError)}
     return None
 
 

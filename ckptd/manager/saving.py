@@ -33,7 +33,7 @@ from typing import Any
 from ckptd.config import settings
 from ckptd.dcp.index_values import SavedValues
 from ckptd.errors import CkptdError, CommitError, ConfigError, WorkerError
-from ckptd.format.layout import MANIFEST_NAME, step_file
+from ckptd.format.layout import MANIFEST_NAME, rank_data_name, rank_index_name, step_file
 from ckptd.format.rank_writer import RankWriter, lower_thread_priority
 from ckptd.format.records import Manifest, RankEntry
 from ckptd.manager.commit import SKIPPED, CommitCoordinator, SkippedStep
@@ -195,6 +195,7 @@ class Saver:
                 log.info("%s", skipped)
             except BaseException as error:  # stored, re-raised on the training thread
                 log.warning("save of step %d failed on rank %d: %s", job.step, self.rank, error)
+                self._discard_uncommitted(job.step)
                 self._error = error if isinstance(error, CkptdError) else CommitError(
                     f"save failed on rank {self.rank}: {error!r}", step=job.step)
                 if not isinstance(error, CkptdError):
@@ -242,6 +243,16 @@ class Saver:
         self.last_commit = (job.step, time.monotonic())
         self._committed_steps = {job.step}
         self._committed(job.step)
+
+    def _discard_uncommitted(self, step: int) -> None:
+        """Free the space of this rank's files of a step that failed before it was committed."""
+        if self.local.is_committed(step):
+            return
+        own = [step_file(step, rank_data_name(self.rank)), step_file(step, rank_index_name(self.rank))]
+        try:
+            self.local.delete_files(own)
+        except CkptdError as error:
+            log.warning("could not delete the files of failed step %d: %s", step, error)
 
     def _committed(self, step: int) -> None:
         if self.rank == 0:
