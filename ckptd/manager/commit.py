@@ -94,14 +94,18 @@ class StoreCoordinator:
 
     def exchange(self, kind: str, value: Any) -> list[Any]:
         self._exchanges += 1
-        base = f"{self.prefix}/exchange/{self._exchanges}/{kind}"
+        return self._gather(f"{self.prefix}/exchange/{self._exchanges}/{kind}", value,
+                            what=f"answer the {kind!r} round")
+
+    def _gather(self, base: str, value: Any, *, what: str, step: int | None = None) -> list[Any]:
+        """Publish this rank's JSON value under ``base``, wait for every rank's, return them by rank."""
         self.store.set(f"{base}/{self.rank}", json.dumps(value))
         keys = [f"{base}/{rank}" for rank in range(self.world_size)]
         try:
             self.store.wait(keys, self.timeout)
         except Exception as exc:  # c10d raises a plain RuntimeError/DistStoreError on timeout
             missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
-            raise CommitError(f"ranks {missing} did not answer the {kind!r} round within {self.timeout}",
+            raise CommitError(f"ranks {missing} did not {what} within {self.timeout}", step=step,
                               hint="a rank may have died; the supervisor will restart it") from exc
         values = [json.loads(self.store.get(key)) for key in keys]
         self._leave(base)
@@ -141,17 +145,8 @@ class StoreCoordinator:
         return outcome["manifest"].encode()
 
     def confirm(self, step: int, error: str | None) -> dict[int, str]:
-        base = f"{self.prefix}/commit/{self._round}/written"
-        self.store.set(f"{base}/{self.rank}", json.dumps(error))
-        keys = [f"{base}/{rank}" for rank in range(self.world_size)]
-        try:
-            self.store.wait(keys, self.timeout)
-        except Exception as exc:  # c10d raises a plain RuntimeError/DistStoreError on timeout
-            missing = [rank for rank, key in enumerate(keys) if not self.store.check([key])]
-            raise CommitError(f"ranks {missing} did not confirm writing the manifest of step {step}",
-                              step=step, hint="a rank may have died; the supervisor will restart it") from exc
-        reports = [json.loads(self.store.get(key)) for key in keys]
-        self._leave(base)
+        reports = self._gather(f"{self.prefix}/commit/{self._round}/written", error, step=step,
+                               what=f"confirm writing the manifest of step {step}")
         return {rank: why for rank, why in enumerate(reports) if why is not None}
 
     def _decide(self, step: int, base: str, build: Callable[[list[RankEntry]], Manifest]) -> None:
