@@ -1,4 +1,5 @@
-"""The CLI on the object tier: `promote`, `gc` (both tiers, `--dry-run`, `--json`), and `ls`, `verify`, `restore` of s3:// URLs."""
+"""The CLI on the object tier: ``promote``, ``gc`` (both tiers, ``--dry-run``, ``--json``), and
+``ls``, ``verify`` and ``restore`` of ``s3://`` URLs."""
 
 from __future__ import annotations
 
