@@ -3,7 +3,11 @@ steps protected, the GC lease, abandoned steps, dry runs."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,7 +21,7 @@ from ckptd.format.step_reader import verify_step
 from ckptd.manager.policy import KeepLatest
 from ckptd.promotion import GcReport, Promoter, collect_garbage, promote_step, stored_chunks
 from ckptd.promotion.contents import read_step_contents
-from ckptd.promotion.lease import gc_lease
+from ckptd.promotion.lease import LEASE_PATH, gc_lease, lease_is_fresh
 from test_promotion_support import model_state, object_tier, save_local
 
 pytestmark = pytest.mark.s3
@@ -104,3 +108,32 @@ def test_local_gc_keeps_the_save_in_progress(tmp_path):
     assert rehearsal == GcReport(**{**report.to_json(), "dry_run": True})
     assert report.deleted_steps == (1,) and report.abandoned_steps == (2,) and report.in_flight_steps == (5,)
     assert local.list_step_numbers() == [3, 5] and local.committed_steps() == [3]
+
+
+_HOLD_LEASE = """
+import json, sys, time
+from ckptd.promotion.lease import LEASE_PATH, gc_lease, lease_is_fresh
+from ckptd.tiers.object import ObjectTier
+remote = ObjectTier(sys.argv[1], storage_options=json.loads(sys.argv[2]))
+with gc_lease(remote):
+    print("held", flush=True)
+    time.sleep(120)
+"""
+
+
+def test_a_lease_left_by_a_killed_collector_on_this_host_does_not_block(s3_bucket, s3_options):
+    """A collector SIGKILLed while holding the lease leaves it behind; its own host sees the owner is
+    gone and promotes without waiting for the lease to expire."""
+    url = f"s3://{s3_bucket}/lease"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_LEASE, url, json.dumps(s3_options)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        remote = object_tier(s3_bucket, s3_options, "lease")
+        assert lease_is_fresh(remote), "a live collector's lease holds promoters back"
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+        assert remote.exists(LEASE_PATH), "the killed collector left its lease behind"
+        assert not lease_is_fresh(remote)
+    finally:
+        holder.kill()

@@ -10,7 +10,8 @@ Protocol (S3 is strongly consistent for PUT, GET and LIST):
 
 Either the collector's lease is visible to the promoter (which waits), or the promoter's marker was
 written before the lease and is therefore seen by the collector's mark phase. A lease older than
-``gc_lease_s`` belongs to a crashed collector and is ignored.
+``gc_lease_s`` belongs to a crashed collector and is ignored; so is a lease whose owner ran on this host
+and is no longer alive (a collector killed with SIGKILL must not hold up the restarted job's uploads).
 """
 
 from __future__ import annotations
@@ -31,10 +32,25 @@ LEASE_PATH = "gc.lease"
 _POLL_S = 0.2
 
 
+def _owner_is_dead(body: dict[str, object]) -> bool:
+    """Whether the lease's owner ran on this host and has exited (a pid reused since counts as alive)."""
+    if body.get("host") != socket.gethostname() or not isinstance(body.get("pid"), int):
+        return False
+    try:
+        os.kill(int(body["pid"]), 0)  # type: ignore[call-overload]
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
 def _lease_age(tier: StorageTier) -> float | None:
-    """Seconds since the current lease was taken, or None when there is none (or it is unreadable)."""
+    """Seconds since the current lease was taken, or None when there is none, or its owner is dead."""
     try:
         body = json.loads(tier.read_bytes(LEASE_PATH))
+        if _owner_is_dead(body):
+            return None
         return max(0.0, time.time() - float(body["created"]))
     except NotFoundError:
         return None
@@ -63,7 +79,8 @@ def gc_lease(tier: StorageTier) -> Iterator[None]:
         raise LockedError("another garbage collection is running on this tier", path=LEASE_PATH,
                           tier=tier.label, hint=f"wait for it, or delete {LEASE_PATH} if it crashed")
     owner = f"pid {os.getpid()} on {socket.gethostname()}"
-    tier.write_bytes(LEASE_PATH, json.dumps({"owner": owner, "created": time.time()}).encode())
+    body = {"owner": owner, "host": socket.gethostname(), "pid": os.getpid(), "created": time.time()}
+    tier.write_bytes(LEASE_PATH, json.dumps(body).encode())
     try:
         yield
     finally:
