@@ -8,12 +8,13 @@ STAMP := $(VENV)/.ckptd-installed
 
 setup: $(STAMP)
 
-# torch: the CPU build 2.13.0 when the venv has no torch (pyproject accepts any 2.x that 2.13 satisfies).
+# torch: the CPU build 2.13.0 when the venv has no torch (pyproject accepts a range 2.13 satisfies);
+# the torch found or installed is then pinned, so that resolving the other packages never swaps it.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev]' "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 	touch $(STAMP)
 
 demo: setup

@@ -19,7 +19,8 @@ import queue
 import threading
 from collections.abc import Callable
 
-from ckptd.errors import CkptdError
+from ckptd.config import settings
+from ckptd.errors import CkptdError, StorageError
 from ckptd.format.layout import MANIFEST_NAME, rank_data_name, rank_index_name
 from ckptd.manager.policy import Policy
 from ckptd.promotion.gc import collect_garbage
@@ -87,10 +88,16 @@ class BackgroundUploader:
             raise errors[0]
 
     def close(self) -> None:
-        """Finish queued promotions, stop the thread, re-raise the first failure."""
+        """Finish queued promotions, stop the thread, re-raise the first failure. Gives up after
+        ``CKPTD_CLOSE_TIMEOUT_S``: the local copies stay pinned and promotion resumes at the next start."""
         if self._thread.is_alive():
             self._queue.put(_STOP)
-            self._thread.join()
+            self._thread.join(timeout=settings().close_timeout_s)
+            if self._thread.is_alive():
+                raise StorageError(
+                    f"uploads to the object tier did not finish within {settings().close_timeout_s:.0f} s",
+                    tier=self.remote.label, hint="the local steps stay pinned; promotion resumes when a "
+                    "manager or `ckptd promote` starts again")
         self.remote.close()
         self.wait()
 
