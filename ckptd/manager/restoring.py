@@ -15,7 +15,7 @@ coordinator's c10d Store; resharding through DCP issues collectives on the defau
 from __future__ import annotations
 
 import logging
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,7 @@ from ckptd.dcp.index_values import manager_skeleton, parse_values
 from ckptd.dcp.resharding import TensorReader, live_reader, resharded_source
 from ckptd.errors import CkptdError, NoIntactCheckpointError, NotFoundError, PickleRefusedError, \
     ResumeMismatchError
+from ckptd.format.records import Manifest, RankIndex
 from ckptd.format.step_reader import ChunkSource, FallbackEvent, StepReader, load_manifest, load_rank_index
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator
 from ckptd.manager.saving import MemoryCopy
@@ -46,17 +47,44 @@ class RestoreResult:
     resharded: bool = False
 
 
-def _sources(tiers: list[StorageTier], step: int, rank: int, world_size: int) -> list[ChunkSource]:
+class _Metadata:
+    """Manifests and rank indexes read during one restore, each read and parsed at most once (failures
+    are remembered too): choosing a step and then loading it look at the same files."""
+
+    def __init__(self) -> None:
+        self._seen: dict[tuple[int, int, int | None], Manifest | RankIndex | CkptdError] = {}
+
+    def _get(self, key: tuple[int, int, int | None], read: Callable[[], Manifest | RankIndex]) -> Any:
+        if key not in self._seen:
+            try:
+                self._seen[key] = read()
+            except CkptdError as error:
+                self._seen[key] = error
+        found = self._seen[key]
+        if isinstance(found, CkptdError):
+            raise found
+        return found
+
+    def manifest(self, tier: StorageTier, step: int) -> Manifest:
+        return self._get((id(tier), step, None), lambda: load_manifest(tier, step))
+
+    def rank_index(self, tier: StorageTier, step: int, rank: int) -> RankIndex:
+        return self._get((id(tier), step, rank),
+                         lambda: load_rank_index(tier, self.manifest(tier, step), rank))
+
+
+def _sources(metadata: _Metadata, tiers: list[StorageTier], step: int, rank: int,
+             world_size: int) -> list[ChunkSource]:
     sources, errors = [], []
     for tier in tiers:
         if not tier.is_committed(step):
             continue
         try:
-            manifest = load_manifest(tier, step)
+            manifest = metadata.manifest(tier, step)
             if manifest.world_size != world_size:
                 raise ResumeMismatchError(f"step {step} was saved by {manifest.world_size} rank(s), "
                                           f"this job has {world_size}", step=step, tier=tier.label)
-            sources.append(ChunkSource(tier, load_rank_index(tier, manifest, rank)))
+            sources.append(ChunkSource(tier, metadata.rank_index(tier, step, rank)))
         except CkptdError as error:
             errors.append(str(error))
             log.warning("step %d unusable on %s: %s", step, tier.label, error)
@@ -66,14 +94,14 @@ def _sources(tiers: list[StorageTier], step: int, rank: int, world_size: int) ->
     return sources
 
 
-def _restorable(tiers: list[StorageTier], step: int, rank: int, world_size: int) -> str | None:
+def _restorable(metadata: _Metadata, tiers: list[StorageTier], step: int, rank: int,
+                world_size: int) -> str | None:
     """None when this rank could try ``step``; otherwise why not (metadata only, no data read)."""
     errors = []
     for tier in tiers:
         try:
-            manifest = load_manifest(tier, step)
-            if manifest.world_size == world_size:
-                load_rank_index(tier, manifest, rank)
+            if metadata.manifest(tier, step).world_size == world_size:
+                metadata.rank_index(tier, step, rank)
             return None
         except CkptdError as error:
             errors.append(str(error))
@@ -85,6 +113,7 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
                   coordinator: CommitCoordinator | None = None, memory: MemoryCopy | None = None) -> RestoreResult:
     """Load the newest step intact on every rank (or ``step``) into ``state``; see the module docstring."""
     coordinator = coordinator or SingleProcessCoordinator()
+    metadata = _Metadata()
     committed = sorted({s for tier in tiers for s in tier.committed_steps()}, reverse=True)
     if step is not None:
         if step not in committed:
@@ -94,7 +123,7 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
     result = RestoreResult(step=None)
     candidates = []
     for candidate in committed:
-        why = _restorable(tiers, candidate, rank, world_size)
+        why = _restorable(metadata, tiers, candidate, rank, world_size)
         if why is None:
             candidates.append(candidate)
         else:
@@ -106,7 +135,7 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
         if not common:
             break
         agreed = max(common)
-        error = _try_load(tiers, agreed, state, result, rank=rank, world_size=world_size,
+        error = _try_load(metadata, tiers, agreed, state, result, rank=rank, world_size=world_size,
                           allow_pickle=allow_pickle, restore_rng=restore_rng, memory=memory)
         outcomes = coordinator.exchange("restore-outcome", error)
         failures = {r: why for r, why in enumerate(outcomes) if why is not None}
@@ -133,12 +162,12 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
     return result
 
 
-def _try_load(tiers: list[StorageTier], step: int, state: MutableMapping[str, Any], result: RestoreResult, *,
+def _try_load(metadata: _Metadata, tiers: list[StorageTier], step: int, state: MutableMapping[str, Any], result: RestoreResult, *,
               rank: int, world_size: int, allow_pickle: bool, restore_rng: bool,
               memory: MemoryCopy | None) -> dict[str, Any] | None:
     """None on success, else ``{"error": text, "mismatch": bool}`` (JSON, for the outcome exchange)."""
     try:
-        skeleton, read = _source(tiers, step, state, result, rank=rank, world_size=world_size,
+        skeleton, read = _source(metadata, tiers, step, state, result, rank=rank, world_size=world_size,
                                  allow_pickle=allow_pickle, memory=memory)
         _load(skeleton, read, state, allow_pickle=allow_pickle, restore_rng=restore_rng)
     except CkptdError as error:
@@ -147,9 +176,9 @@ def _try_load(tiers: list[StorageTier], step: int, state: MutableMapping[str, An
     return None
 
 
-def _source(tiers: list[StorageTier], step: int, state: MutableMapping[str, Any], result: RestoreResult, *,
+def _source(metadata: _Metadata, tiers: list[StorageTier], step: int, state: MutableMapping[str, Any], result: RestoreResult, *,
             rank: int, world_size: int, allow_pickle: bool, memory: MemoryCopy | None) -> tuple[Any, TensorReader]:
-    saved_world = _saved_world_size(tiers, step)
+    saved_world = _saved_world_size(metadata, tiers, step)
     if saved_world != world_size:
         result.resharded, result.tier = True, tiers[0].label
         return resharded_source(tiers, step, state, rank=rank, allow_pickle=allow_pickle)
@@ -165,16 +194,16 @@ def _source(tiers: list[StorageTier], step: int, state: MutableMapping[str, Any]
             return out
 
         return memory.values.skeleton, live_reader(from_memory)
-    reader = StepReader(_sources(tiers, step, rank, world_size))
+    reader = StepReader(_sources(metadata, tiers, step, rank, world_size))
     result.tier, result.events = reader.sources[0].tier.label, reader.events
     return manager_skeleton(parse_values(reader.index.values), step=step), live_reader(reader.read_tensor)
 
 
-def _saved_world_size(tiers: list[StorageTier], step: int) -> int:
+def _saved_world_size(metadata: _Metadata, tiers: list[StorageTier], step: int) -> int:
     errors = []
     for tier in tiers:
         try:
-            return load_manifest(tier, step).world_size
+            return metadata.manifest(tier, step).world_size
         except CkptdError as error:
             errors.append(str(error))
     raise NotFoundError(f"no tier has a readable manifest of step {step}: " + " | ".join(errors), step=step)

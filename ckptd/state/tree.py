@@ -76,7 +76,9 @@ class _Flattener:
         if isinstance(value, np.ndarray) and value.dtype != np.dtype(object):
             name = self._name(path)
             contiguous = np.ascontiguousarray(value)
-            self.tensors[name] = torch.from_numpy(contiguous.reshape(-1).view(np.uint8).copy())
+            raw = contiguous.reshape(-1).view(np.uint8)
+            # no copy here: saving stages every tensor into its own buffer before it returns
+            self.tensors[name] = torch.from_numpy(raw if raw.flags.writeable else raw.copy())
             # the shape of ``value``: np.ascontiguousarray turns a 0-d array into a 1-d one
             return {"ndarray": name, "dtype": contiguous.dtype.str, "shape": list(value.shape)}
         if isinstance(value, np.generic) and not isinstance(value, np.object_):
