@@ -26,8 +26,15 @@ class Settings:
     codec: str = "raw"
     #: zstd level for the zstd and byteplane codecs.
     zstd_level: int = 1
-    #: Threads that hash/encode/write chunks in the background (and read them on restore).
+    #: Threads that hash/encode/write chunks in the background (and read them on restore); also the
+    #: number of data files a rank's large chunks are written to in parallel.
     io_threads: int = 2
+    #: Write large chunks with direct I/O (O_DIRECT), bypassing the page cache, where the file system
+    #: allows it.
+    direct_io: bool = True
+    #: Chunks of at least this many stored bytes go to the parallel (direct-I/O) data files; smaller ones
+    #: are packed into the rank's first data file through the page cache (no padding to 4 KiB).
+    direct_io_min_bytes: int = 256 * 1024
     #: Seconds a rank waits for the others to agree on a commit before failing the step.
     commit_timeout_s: float = 300.0
     #: Seconds after which a temporary file left in a tier is considered abandoned.

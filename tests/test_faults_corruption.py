@@ -36,7 +36,8 @@ def two_steps(request: pytest.FixtureRequest, manager_factory: ManagerFactory, c
 
 
 def middle_chunk(root: Path) -> list[object]:
-    records = tamper.chunk_records(root, BAD_STEP)
+    """The middle chunk of the first data file (the one every rank has)."""
+    records = tamper.chunk_records(root, BAD_STEP, part=0)
     return records[len(records) // 2][1]
 
 
@@ -64,7 +65,7 @@ def replace_by_directory(root: Path) -> None:
 
 def zero_data(root: Path) -> str:
     zero(tamper.data_path(root, BAD_STEP))
-    return str(tamper.chunk_records(root, BAD_STEP)[0][1][4])
+    return str(tamper.chunk_records(root, BAD_STEP, part=0)[0][1][4])
 
 
 @dataclass(frozen=True)

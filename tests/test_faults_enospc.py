@@ -17,7 +17,7 @@ from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory, mounted_tmpfs  # noqa: F401
 from ckptd.testing.workloads import synthetic_state, synthetic_template
-from ckptd.tiers import local
+from ckptd.tiers import direct_io, local
 
 SMALL, LARGE = 2 * 1024 * 1024, 12 * 1024 * 1024
 KEEP_ONE = Policy(keep_local=1)
@@ -53,6 +53,12 @@ class DiskWithBudget:
         done = os.pwrite(fd, view[:self._allowed(len(view))], offset)
         self.written += done
         return done
+
+
+def use_disk(monkeypatch: pytest.MonkeyPatch, disk: DiskWithBudget) -> None:
+    """Route the local tier's writes (buffered and direct) through ``disk``."""
+    monkeypatch.setattr(local, "os", disk)
+    monkeypatch.setattr(direct_io, "os", disk)
 
 
 def check_only_step_committed(manager_factory: ManagerFactory, root: Path, step: int, nbytes: int) -> None:
@@ -97,7 +103,7 @@ def test_saving_into_a_full_tmpfs_fails_cleanly(tmp_path: Path, manager_factory:
 def measure_step_writes(manager_factory: ManagerFactory, root: Path, monkeypatch: pytest.MonkeyPatch) -> int:
     """Bytes the local tier writes to save step 2 (into a scratch directory)."""
     counter = DiskWithBudget(None)
-    monkeypatch.setattr(local, "os", counter)
+    use_disk(monkeypatch, counter)
     save_step(manager_factory, root, 2, SMALL)
     monkeypatch.undo()
     assert counter.written > SMALL, "the local tier no longer writes through os.write/os.pwrite; update the test"
@@ -118,7 +124,7 @@ def test_disk_full_at_any_point_of_a_save_commits_nothing(checkpoint_dir: Path, 
     total = measure_step_writes(manager_factory, tmp_path / "scratch", monkeypatch)
     save_step(manager_factory, checkpoint_dir, 1, SMALL)
     fraction, short = BUDGETS[where]
-    monkeypatch.setattr(local, "os", DiskWithBudget(int(total * fraction) - short))
+    use_disk(monkeypatch, DiskWithBudget(int(total * fraction) - short))
     save_fails_with_disk_full(manager_factory, checkpoint_dir, 2, SMALL)
     monkeypatch.undo()
     # the failed step gives its space back: neither its index nor its data file is left behind

@@ -67,8 +67,8 @@ def edit_index(**changes: Any) -> Callable[[Path], None]:
     return forge
 
 
-def edit_chunk(position: int, field: int, value: Any) -> Callable[[Path], None]:
-    """Set one field of the ``position``-th chunk (in file order) of the step's index."""
+def edit_chunk(position: int, field: int, value: Any, *more: tuple[int, Any]) -> Callable[[Path], None]:
+    """Set fields of the ``position``-th chunk (in file order) of the step's index."""
     def forge(root: Path) -> None:
         _, target = tamper.chunk_records(root, FORGED_STEP)[position]
 
@@ -76,7 +76,8 @@ def edit_chunk(position: int, field: int, value: Any) -> Callable[[Path], None]:
             for tensor in body["tensors"].values():
                 for chunk in tensor["chunks"]:
                     if chunk == target:
-                        chunk[field] = value
+                        for index, replacement in ((field, value), *more):
+                            chunk[index] = replacement
         tamper.rewrite_index(root, FORGED_STEP, change)
     return forge
 
@@ -88,15 +89,29 @@ def edit_tensor(**changes: Any) -> Callable[[Path], None]:
 
 
 def overlap_second_chunk(root: Path) -> None:
+    """Move the second chunk into the first one's data file, one byte past the first one's start."""
     first = tamper.chunk_records(root, FORGED_STEP)[0][1]
-    edit_chunk(1, 0, first[0] + 1)(root)
+    edit_chunk(1, 0, first[0] + 1, (5, first[5]))(root)
 
 
-def grow_data_size(root: Path) -> None:
-    """Claim a larger data file than the one on disk, consistently in index and manifest."""
-    size = tamper.data_path(root, FORGED_STEP).stat().st_size + 4096
-    tamper.rewrite_index(root, FORGED_STEP, lambda body: body.update(data_size=size))
-    tamper.rewrite_manifest(root, FORGED_STEP, lambda body: body["ranks"][0].update(data_size=size))
+def set_data_files(files: Callable[[list[list[Any]]], list[list[Any]]], *,
+                   in_index: bool = True, in_manifest: bool = True) -> Callable[[Path], None]:
+    """Replace rank 0's ``data_files`` list ([name, size] pairs) by ``files(current list)``."""
+    def forge(root: Path) -> None:
+        current = tamper.read_json(tamper.index_path(root, FORGED_STEP))["data_files"]
+        if in_index:
+            tamper.rewrite_index(root, FORGED_STEP, lambda body: body.update(data_files=files(current)))
+        if in_manifest:
+            tamper.rewrite_manifest(root, FORGED_STEP, lambda body: body["ranks"][0].update(data_files=files(current)))
+    return forge
+
+
+def first_file_as(name: str | None = None, size: int | None = None) -> Callable[[list[list[Any]]], list[list[Any]]]:
+    """The data file list with the first file's name or size replaced (size: added to the true one)."""
+    def change(files: list[list[Any]]) -> list[list[Any]]:
+        first = [files[0][0] if name is None else name, files[0][1] + (size or 0)]
+        return [first, *files[1:]]
+    return change
 
 
 @dataclass(frozen=True)
@@ -108,16 +123,26 @@ class Forgery:
 
 FORGERIES: dict[str, Forgery] = {
     "manifest-index-parent-path": Forgery(edit_rank_entry(index_file="../" + INDEX), UnsafePathError, MANIFEST),
-    "manifest-data-absolute-path": Forgery(edit_rank_entry(data_file="/etc/passwd"), UnsafePathError, MANIFEST),
+    "manifest-data-absolute-path": Forgery(set_data_files(first_file_as("/etc/passwd"), in_index=False),
+                                           UnsafePathError, MANIFEST),
+    "manifest-data-file-twice": Forgery(set_data_files(lambda files: files + files[:1], in_index=False),
+                                        FormatError, MANIFEST),
+    "manifest-data-files-not-pairs": Forgery(edit_rank_entry(data_files=[DATA]), FormatError, MANIFEST),
     "manifest-index-nested-path": Forgery(edit_rank_entry(index_file="sub/" + INDEX), UnsafePathError, MANIFEST),
     "manifest-unknown-version": Forgery(edit_manifest(format_version=99), FormatVersionError, MANIFEST),
-    "manifest-negative-data-size": Forgery(edit_rank_entry(data_size=-1), FormatError, MANIFEST),
+    "manifest-negative-data-size": Forgery(edit_rank_entry(data_files=[[DATA, -1]]), FormatError, MANIFEST),
     "manifest-huge-index-size": Forgery(edit_rank_entry(index_size=2**62), IntegrityError, INDEX),
     "manifest-wrong-world-size": Forgery(edit_manifest(world_size=3), FormatError, MANIFEST),
     "manifest-other-step": Forgery(edit_manifest(step=7), FormatError, MANIFEST),
-    "index-data-parent-path": Forgery(edit_index(data_file="../" + DATA), UnsafePathError, INDEX),
-    "index-data-absolute-path": Forgery(edit_index(data_file="/dev/zero"), UnsafePathError, INDEX),
-    "index-unknown-version": Forgery(edit_index(format_version=2), FormatVersionError, INDEX),
+    "index-data-parent-path": Forgery(set_data_files(first_file_as("../" + DATA), in_manifest=False),
+                                      UnsafePathError, INDEX),
+    "index-data-absolute-path": Forgery(set_data_files(first_file_as("/dev/zero"), in_manifest=False),
+                                        UnsafePathError, INDEX),
+    "index-data-files-differ-from-manifest": Forgery(set_data_files(first_file_as(size=1), in_manifest=False),
+                                                     IntegrityError, INDEX),
+    "index-unknown-version": Forgery(edit_index(format_version=3), FormatVersionError, INDEX),
+    "index-chunk-in-unlisted-file": Forgery(edit_chunk(0, 5, 99), FormatError, INDEX),
+    "index-chunk-without-file-number": Forgery(edit_chunk(0, 5, None), FormatError, INDEX),
     "index-negative-offset": Forgery(edit_chunk(1, 0, -4096), FormatError, INDEX),
     "index-huge-offset": Forgery(edit_chunk(1, 0, 2**62), FormatError, INDEX),
     "index-negative-length": Forgery(edit_chunk(0, 1, -1), FormatError, INDEX),
@@ -129,7 +154,7 @@ FORGERIES: dict[str, Forgery] = {
     "index-shape-not-chunk-bytes": Forgery(edit_tensor(shape=[1]), FormatError, INDEX),
     "index-negative-dimension": Forgery(edit_tensor(shape=[-6144]), FormatError, INDEX),
     "index-unknown-dtype": Forgery(edit_tensor(dtype="float128"), FormatError, INDEX),
-    "data-size-not-file-size": Forgery(grow_data_size, IntegrityError, DATA),
+    "data-size-not-file-size": Forgery(set_data_files(first_file_as(size=4096)), IntegrityError, DATA),
 }
 
 

@@ -11,10 +11,10 @@ from click.testing import CliRunner
 import ckptd
 from ckptd.cli.main import cli
 from ckptd.errors import IntegrityError
-from ckptd.format.layout import rank_data_name, step_dir
 from ckptd.format.step_reader import load_manifest, load_rank_index
 from ckptd.promotion import promote_step
-from test_promotion_support import SMALL_CHUNK, flip_bit, model_state, object_tier, s3_client, same_bytes, \
+from ckptd.testing import tamper
+from test_promotion_support import flip_bit, model_state, object_tier, s3_client, same_bytes, \
     save_local, zero_like
 
 pytestmark = pytest.mark.s3
@@ -30,7 +30,8 @@ def test_flipped_bit_in_a_local_chunk_is_repaired_from_s3(tmp_path, s3_bucket, s
     local = save_local(tmp_path / "local", {1: state})
     remote = object_tier(s3_bucket, s3_options)
     promote_step(local, remote, 1)
-    flip_bit(local.root / step_dir(1) / rank_data_name(0), SMALL_CHUNK + 100)  # inside the 2nd chunk
+    data_file, offset, _ = tamper.chunk_location(local.root, 1, "frozen", 1)
+    flip_bit(data_file, offset + 100)  # inside the 2nd chunk
     restored = zero_like(state)
     with ckptd.CheckpointManager(tmp_path / "local", remote=remote.url, storage_options=s3_options,
                                  capture_rng=False) as manager:
@@ -41,7 +42,7 @@ def test_flipped_bit_in_a_local_chunk_is_repaired_from_s3(tmp_path, s3_bucket, s
     assert len(result.events) == 1, "only the bad chunk is fetched from the next tier"
     event = result.events[0]
     assert event.tier == local.label and event.step == 1 and event.tensor == "frozen"
-    assert rank_data_name(0) in event.error and event.chunk in event.error
+    assert data_file.name in event.error and event.chunk in event.error
 
 
 def test_flipped_bit_in_the_s3_copy_is_detected_by_verify_and_on_restore(tmp_path, s3_server, s3_bucket,

@@ -11,9 +11,10 @@ import torch
 import ckptd
 from ckptd.config import override
 from ckptd.errors import CommitError, IntegrityError
-from ckptd.format.layout import MANIFEST_NAME, rank_data_name, step_dir, step_file
+from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
 from ckptd.format.step_reader import verify_step
 from ckptd.promotion import Promoter, promote_step
+from ckptd.testing import tamper
 from test_promotion_support import (SMALL_CHUNK, flip_bit, model_state, object_tier, s3_client, same_bytes,
                                     save_local, zero_like)
 
@@ -60,6 +61,12 @@ def test_manager_promotes_in_background_and_an_empty_node_restores_from_s3(tmp_p
         assert manager.last_restore.tier == manager.remote.label
         assert manager.local.committed_steps() == [6], "the local tier was re-populated"
         assert list(verify_step(manager.local, 6)) == []
+    original, pulled = tmp_path / "node-a" / step_dir(6), tmp_path / "node-b" / step_dir(6)
+    names = sorted(path.name for path in original.iterdir())
+    assert len([name for name in names if name.endswith(".data")]) > 1, "several data files per rank"
+    assert names == sorted(path.name for path in pulled.iterdir())
+    assert all((original / name).read_bytes() == (pulled / name).read_bytes() for name in names), \
+        "re-populated files are byte for byte the promoted ones"
     assert same_bytes(restored, state)
     again = zero_like(state)
     with ckptd.CheckpointManager(tmp_path / "node-b", capture_rng=False) as manager:
@@ -89,12 +96,13 @@ def test_a_different_step_with_the_same_number_is_refused(tmp_path, s3_bucket, s
 
 def test_a_corrupt_local_chunk_is_never_promoted(tmp_path, s3_bucket, s3_options):
     local = save_local(tmp_path / "local", {1: model_state(1)})
-    flip_bit(local.root / step_dir(1) / rank_data_name(0), SMALL_CHUNK + 7)
+    data_file, offset, _ = tamper.chunk_location(local.root, 1, "frozen", 1)
+    flip_bit(data_file, offset + 7)
     remote = object_tier(s3_bucket, s3_options)
     with pytest.raises(IntegrityError) as caught:
         promote_step(local, remote, 1)
     message = str(caught.value)
-    assert rank_data_name(0) in message and "step 1" in message and "local" in message
+    assert data_file.name in message and "step 1" in message and "local" in message
     assert remote.committed_steps() == []
 
 

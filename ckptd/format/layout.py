@@ -1,9 +1,9 @@
 """Names of things inside a checkpoint root, and the guard that keeps paths inside it.
 
 A root holds one directory per step, ``step-<12-digit step>/``. A step directory holds, per rank,
-``rank-<5-digit rank>.data`` (chunks, on tiers that keep data files) and
-``rank-<5-digit rank>.index.json``, and one ``manifest.json``, written last: a step is committed
-exactly when its manifest exists.
+its data files ``rank-<5-digit rank>.data``, ``rank-<5-digit rank>.1.data``, ... (chunks, on tiers
+that keep data files; one per parallel writer) and ``rank-<5-digit rank>.index.json``, and one
+``manifest.json``, written last: a step is committed exactly when its manifest exists.
 """
 
 from __future__ import annotations
@@ -32,8 +32,19 @@ def parse_step_dir(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def rank_data_name(rank: int) -> str:
-    return f"rank-{rank:05d}.data"
+def rank_file_prefix(rank: int) -> str:
+    """The start of the name of every file of one rank in a step directory."""
+    return f"rank-{rank:05d}."
+
+
+def rank_files(names: list[str], rank: int) -> list[str]:
+    """The names among ``names`` that belong to ``rank`` (its data files and its index)."""
+    return [name for name in names if name.startswith(rank_file_prefix(rank))]
+
+
+def rank_data_name(rank: int, part: int = 0) -> str:
+    """Name of a rank's data file number ``part`` (``rank-NNNNN.data``, then ``rank-NNNNN.<part>.data``)."""
+    return f"{rank_file_prefix(rank)}data" if part == 0 else f"{rank_file_prefix(rank)}{part}.data"
 
 
 def rank_index_name(rank: int) -> str:

@@ -1,23 +1,29 @@
-"""Writing one rank's share of a step to the local tier: its data file, then its index.
+"""Writing one rank's share of a step to the local tier: its data files, then its index.
 
 Call order (one thread): :meth:`RankWriter.add` for every tensor, then :meth:`RankWriter.finish`,
-which commits the data file and the index atomically and returns the :class:`RankEntry` the manifest
+which commits the data files and the index atomically and returns the :class:`RankEntry` the manifest
 needs; or :meth:`RankWriter.abort` on failure, which leaves nothing behind. The step becomes committed
 only later, when the manifest is written (see :mod:`ckptd.manager.commit`).
 
 Chunks with the same digest inside one rank are stored once (zeroed optimizer moments, tied values).
 
 Performance: each chunk is hashed, encoded and written by a task on the shared ``ckptd-write`` thread
-pool (:func:`io_pool`; xxhash, zstd and ``pwrite`` release the GIL): the task claims the next range of
-the data file (:meth:`~ckptd.tiers.local.AtomicFile.reserve`) and writes it with ``pwrite``, so several
-chunks reach the disk at once (on the development machine one 1 GiB stream took 3.5 s, four parallel
-``pwrite`` streams 1.7 s). At most ``2 x CKPTD_IO_THREADS`` chunks are in flight. Chunks therefore lie
-in the data file in completion order; each record says where. Nothing here issues collectives.
+pool (:func:`io_pool`; xxhash, zstd and ``pwrite`` release the GIL). Small chunks (under
+``CKPTD_DIRECT_IO_MIN_BYTES``) are packed into the rank's first data file through the page cache. A
+large chunk's task takes a data file no other task is writing (opening another one, up to
+``CKPTD_IO_THREADS`` of them, when all are busy), appends the chunk with direct I/O (see
+:mod:`ckptd.tiers.direct_io`) and hands the file back. Measured on the development machine, 1 GiB of
+16 MiB ``pwrite`` calls plus fsync: 1.25-3.9 s from four threads into one buffered file (buffered writes
+to one file are serialised by its inode lock, and one file's fsync is one writeback stream), 0.68-2.2 s
+into two or four buffered files, 0.42-0.49 s with direct I/O. Files are fsynced in parallel on commit.
+At most ``2 x CKPTD_IO_THREADS`` chunks are in flight; chunks lie in completion order and each record
+says which file and where. Nothing here issues collectives.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,12 +31,13 @@ from typing import Any
 
 import torch
 
+from ckptd._types import Buffer
 from ckptd.config import settings
 
 from ckptd.format import codecs
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.layout import rank_data_name, rank_index_name, step_file
-from ckptd.format.records import ChunkRecord, RankEntry, RankIndex, TensorRecord, dtype_name
+from ckptd.format.records import ChunkRecord, DataFile, RankEntry, RankIndex, TensorRecord, dtype_name
 from ckptd.tiers.local import AtomicFile, LocalTier
 
 
@@ -79,13 +86,18 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 
 class RankWriter:
-    """Writes one rank's tensors of one step as chunks into ``rank-NNNNN.data`` and its index."""
+    """Writes one rank's tensors of one step as chunks into its data files (``rank-NNNNN.data``,
+    ``rank-NNNNN.1.data``, ...) and its index."""
 
     def __init__(self, tier: LocalTier, step: int, rank: int, *, codec: str, chunk_bytes: int) -> None:
         self.tier, self.step, self.rank = tier, step, rank
         self.codec, self.chunk_bytes = codec, max(16, chunk_bytes - chunk_bytes % 16)
-        self.data_name = rank_data_name(rank)
-        self._file: AtomicFile | None = tier.open_file(step_file(step, self.data_name))
+        self.max_parallel_files = max(1, settings().io_threads)
+        self.direct, self.direct_min_bytes = settings().direct_io, settings().direct_io_min_bytes
+        self._files: list[AtomicFile] = []
+        self._open_next_file(direct=False)  # number 0: packs the small chunks
+        self._free_files: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._open = True
         self._tensors: dict[str, tuple[torch.dtype, tuple[int, ...], list[Future[ChunkRecord]]]] = {}
         self._written: dict[tuple[str, str], ChunkRecord] = {}
         self._lock = threading.Lock()
@@ -95,7 +107,7 @@ class RankWriter:
     def add(self, name: str, tensor: torch.Tensor) -> None:
         """Queue a contiguous CPU tensor's chunks for writing. The tensor must not change until
         :meth:`finish` or :meth:`abort` returns. Raises the error of an earlier chunk, if any."""
-        if self._file is None:
+        if not self._open:
             raise RuntimeError("RankWriter is already finished")
         codec_id = codecs.codec_id_for(self.codec, floating=tensor.is_floating_point(),
                                        itemsize=tensor.element_size())
@@ -119,16 +131,45 @@ class RankWriter:
         if known is not None and known.raw_length == len(raw):
             return known
         stored = codecs.encode(codec_id, raw)
+        if len(stored) < self.direct_min_bytes:
+            return self._append(0, stored, raw, digest, codec_id)
+        number = self._take_file()
+        try:
+            return self._append(number, stored, raw, digest, codec_id)
+        finally:
+            self._free_files.put(number)
+
+    def _append(self, number: int, stored: Buffer, raw: memoryview, digest: str,
+                codec_id: str) -> ChunkRecord:
+        """Store a chunk at the end of data file ``number``, unless an identical one was stored meanwhile."""
         with self._lock:
             known = self._written.get((digest, codec_id))
             if known is not None and known.raw_length == len(raw):
                 return known
-            offset = self._file.reserve(len(stored))  # type: ignore[union-attr]
+            offset = self._files[number].reserve(len(stored))
             record = ChunkRecord(offset=offset, length=len(stored), raw_length=len(raw), codec=codec_id,
-                                 digest=digest)
+                                 digest=digest, file=number)
             self._written[(digest, codec_id)] = record
-        self._file.write_at(offset, stored)  # type: ignore[union-attr]
+        self._files[number].write_at(offset, stored)
         return record
+
+    def _open_next_file(self, *, direct: bool) -> int:
+        number = len(self._files)
+        path = step_file(self.step, rank_data_name(self.rank, number))
+        self._files.append(self.tier.open_file(path, direct=direct))
+        return number
+
+    def _take_file(self) -> int:
+        """A parallel data file no other task is writing: a free one, a new one while fewer than
+        ``max_parallel_files`` exist, or else the next one handed back."""
+        try:
+            return self._free_files.get_nowait()
+        except queue.Empty:
+            pass
+        with self._lock:
+            if len(self._files) - 1 < self.max_parallel_files:
+                return self._open_next_file(direct=self.direct)
+        return self._free_files.get()
 
     def _drain(self) -> None:
         """Wait for every queued chunk; raises the first error after all have stopped."""
@@ -143,23 +184,28 @@ class RankWriter:
             raise first_error
 
     def finish(self, values: Any) -> RankEntry:
-        """Commit the data file, then write the index; returns the manifest's entry for this rank."""
-        if self._file is None:
+        """Commit the data files (fsynced in parallel), then write the index (whose commit fsyncs the
+        directory); returns the manifest's entry for this rank."""
+        if not self._open:
             raise RuntimeError("RankWriter is already finished")
         self._drain()
         tensors = {name: TensorRecord(dtype=dtype_name(dtype), shape=shape,
                                       chunks=tuple(f.result() for f in futures))
                    for name, (dtype, shape, futures) in self._tensors.items()}
-        data_size = self._file.size
-        self._file.commit()
-        self._file = None
-        index = RankIndex(step=self.step, rank=self.rank, data_file=self.data_name, data_size=data_size,
-                          tensors=tensors, values=values)
+        data_files = tuple(DataFile(name=handle.final.name, size=handle.size) for handle in self._files)
+        commits = [io_pool().submit(handle.commit, sync_directory=False) for handle in self._files]
+        self._open = False
+        errors = [future.exception() for future in commits]
+        first_error = next((error for error in errors if error is not None), None)
+        if first_error is not None:
+            self._abort_files()
+            raise first_error
+        index = RankIndex(step=self.step, rank=self.rank, data_files=data_files, tensors=tensors, values=values)
         raw_index = index.to_json_bytes()
         index_name = rank_index_name(self.rank)
         self.tier.write_bytes(step_file(self.step, index_name), raw_index)
         return RankEntry(rank=self.rank, index_file=index_name, index_size=len(raw_index),
-                         index_digest=chunk_digest(raw_index), data_file=self.data_name, data_size=data_size)
+                         index_digest=chunk_digest(raw_index), data_files=data_files)
 
     def abort(self) -> None:
         """Wait for chunks still being written, then drop everything written so far."""
@@ -167,6 +213,12 @@ class RankWriter:
             self._drain()
         except BaseException:  # noqa: BLE001 - the caller is already handling the failure
             pass
-        if self._file is not None:
-            self._file.abort()
-            self._file = None
+        if self._open:
+            self._open = False
+            self._abort_files()
+
+    def _abort_files(self) -> None:
+        """Delete every data file of this writer, committed or not."""
+        for handle in self._files:
+            handle.abort()
+            handle.final.unlink(missing_ok=True)

@@ -2,13 +2,19 @@
 
 Three records describe a step:
 
-- :class:`ChunkRecord`: one stored piece of a tensor (where, how long, codec, digest of the raw bytes).
-- :class:`RankIndex`: everything one rank saved: its tensors (each a list of chunks) and its JSON values.
+- :class:`ChunkRecord`: one stored piece of a tensor (which data file, where, how long, codec, digest of
+  the raw bytes).
+- :class:`RankIndex`: everything one rank saved: its data files, its tensors (each a list of chunks) and
+  its JSON values.
 - :class:`Manifest`: the commit record, written last: format version, step, world size, and for each rank
-  the size and digest of its index and data file, so that a reader can check every byte.
+  the size and digest of its index and the names and sizes of its data files, so that a reader can check
+  every byte.
+
+Format version 2 lets a rank spread its chunks over several data files (:class:`DataFile`), written in
+parallel; version 1 (one ``data_file`` per rank, chunk records without a file number) is still read.
 
 Parsing validates everything a reader relies on, so the rest of ckptd can trust a parsed record: known
-format version, safe file names, non-negative and non-overlapping extents inside the data file, sizes
+format version, safe file names, non-negative and non-overlapping extents inside each data file, sizes
 that add up, known codecs and dtypes. Each failure is a :class:`~ckptd.errors.FormatError` naming the
 file and step.
 """
@@ -31,9 +37,9 @@ from ckptd.format.hashing import CHUNK_DIGEST_ALGORITHM, chunk_digest
 from ckptd.format.layout import safe_name
 
 #: Version of the on-disk checkpoint format written by this ckptd.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: Versions this ckptd can read.
-READABLE_FORMAT_VERSIONS = frozenset({1})
+READABLE_FORMAT_VERSIONS = frozenset({1, 2})
 FORMAT_NAME = "ckptd-checkpoint"
 #: Largest raw chunk a reader accepts (guards allocations driven by a corrupt index).
 MAX_CHUNK_BYTES = 1 << 31
@@ -61,16 +67,18 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class ChunkRecord:
-    """One stored piece of a tensor. ``digest`` is the xxh3-128 of the raw (decoded) bytes."""
+    """One stored piece of a tensor: ``length`` stored bytes at ``offset`` in the rank's data file number
+    ``file``. ``digest`` is the xxh3-128 of the raw (decoded) bytes."""
 
     offset: int
     length: int
     raw_length: int
     codec: str
     digest: str
+    file: int = 0
 
     def to_json(self) -> list[Any]:
-        return [self.offset, self.length, self.raw_length, self.codec, self.digest]
+        return [self.offset, self.length, self.raw_length, self.codec, self.digest, self.file]
 
     @property
     def object_key(self) -> str:
@@ -99,16 +107,35 @@ class TensorRecord:
 
 
 @dataclass(frozen=True)
+class DataFile:
+    """One data file of a rank: its name inside the step directory and its size in bytes."""
+
+    name: str
+    size: int
+
+    def to_json(self) -> list[Any]:
+        return [self.name, self.size]
+
+
+@dataclass(frozen=True)
 class RankIndex:
     """Everything one rank saved at one step."""
 
     step: int
     rank: int
-    data_file: str
-    data_size: int
+    data_files: tuple[DataFile, ...]
     tensors: dict[str, TensorRecord]
     values: Any = None
     format_version: int = FORMAT_VERSION
+
+    @property
+    def data_size(self) -> int:
+        """Bytes in all data files together."""
+        return sum(data_file.size for data_file in self.data_files)
+
+    def data_file(self, chunk: ChunkRecord) -> str:
+        """Name of the data file that holds ``chunk``."""
+        return self.data_files[chunk.file].name
 
     def to_json_bytes(self) -> bytes:
         body = {
@@ -117,8 +144,7 @@ class RankIndex:
             "kind": "rank-index",
             "step": self.step,
             "rank": self.rank,
-            "data_file": self.data_file,
-            "data_size": self.data_size,
+            "data_files": [data_file.to_json() for data_file in self.data_files],
             "tensors": {name: record.to_json() for name, record in self.tensors.items()},
             "values": self.values,
         }
@@ -132,24 +158,23 @@ class RankIndex:
     def from_json_bytes(cls, raw: bytes, *, path: str, step: int, tier: str | None = None) -> RankIndex:
         body = _load_json(raw, path=path, step=step, tier=tier, kind="rank-index")
         problems = _Problems(path=path, step=step, tier=tier)
-        data_file = safe_name(body.get("data_file"), step=step, path=path)
-        data_size = problems.non_negative_int(body.get("data_size"), "data_size")
+        version = body["format_version"]
+        data_files = _parse_data_files(body, problems, step)
         tensors_json = body.get("tensors")
         if not isinstance(tensors_json, dict):
             problems.fail("'tensors' is not an object")
         tensors = {
-            problems.text(name, "tensor name"): _parse_tensor(name, value, data_size, problems)
+            problems.text(name, "tensor name"): _parse_tensor(name, value, data_files, version, problems)
             for name, value in tensors_json.items()
         }
         _check_extents(tensors, problems)
         return cls(
             step=problems.non_negative_int(body.get("step"), "step"),
             rank=problems.non_negative_int(body.get("rank"), "rank"),
-            data_file=data_file,
-            data_size=data_size,
+            data_files=data_files,
             tensors=tensors,
             values=body.get("values"),
-            format_version=body["format_version"],
+            format_version=version,
         )
 
 
@@ -161,11 +186,21 @@ class RankEntry:
     index_file: str
     index_size: int
     index_digest: str
-    data_file: str
-    data_size: int
+    data_files: tuple[DataFile, ...]
+
+    @property
+    def data_size(self) -> int:
+        return sum(data_file.size for data_file in self.data_files)
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {"rank": self.rank, "index_file": self.index_file, "index_size": self.index_size,
+                "index_digest": self.index_digest,
+                "data_files": [data_file.to_json() for data_file in self.data_files]}
+
+    @classmethod
+    def from_json(cls, item: Any, *, step: int, path: str) -> RankEntry:
+        """Parse and check an entry as :meth:`to_json` writes it."""
+        return _parse_entry(item, _Problems(path=path, step=step, tier=None), step)
 
 
 @dataclass(frozen=True)
@@ -302,12 +337,28 @@ def _parse_entry(item: Any, problems: _Problems, step: int) -> RankEntry:
         index_file=safe_name(item.get("index_file"), step=step, path=problems.path),
         index_size=problems.non_negative_int(item.get("index_size"), "index_size"),
         index_digest=digest,
-        data_file=safe_name(item.get("data_file"), step=step, path=problems.path),
-        data_size=problems.non_negative_int(item.get("data_size"), "data_size"),
+        data_files=_parse_data_files(item, problems, step),
     )
 
 
-def _parse_tensor(name: str, value: Any, data_size: int, problems: _Problems) -> TensorRecord:
+def _parse_data_files(body: dict[str, Any], problems: _Problems, step: int) -> tuple[DataFile, ...]:
+    """The data files of a rank entry or index: ``data_files`` (version 2) or ``data_file`` and
+    ``data_size`` (version 1)."""
+    if "data_files" not in body:
+        return (DataFile(name=safe_name(body.get("data_file"), step=step, path=problems.path),
+                         size=problems.non_negative_int(body.get("data_size"), "data_size")),)
+    listed = body["data_files"]
+    if not isinstance(listed, list) or not all(isinstance(item, list) and len(item) == 2 for item in listed):
+        problems.fail("'data_files' is not a list of [name, size] pairs")
+    files = tuple(DataFile(name=safe_name(name, step=step, path=problems.path),
+                           size=problems.non_negative_int(size, "data file size")) for name, size in listed)
+    if len({data_file.name for data_file in files}) != len(files):
+        problems.fail("a data file is listed twice")
+    return files
+
+
+def _parse_tensor(name: str, value: Any, data_files: tuple[DataFile, ...], version: int,
+                  problems: _Problems) -> TensorRecord:
     if not isinstance(value, dict):
         problems.fail(f"tensor {name!r} is not an object")
     dtype = value.get("dtype")
@@ -320,7 +371,7 @@ def _parse_tensor(name: str, value: Any, data_size: int, problems: _Problems) ->
     chunks_json = value.get("chunks")
     if not isinstance(chunks_json, list):
         problems.fail(f"tensor {name!r} has no chunk list")
-    chunks = tuple(_parse_chunk(name, item, data_size, problems) for item in chunks_json)
+    chunks = tuple(_parse_chunk(name, item, data_files, version, problems) for item in chunks_json)
     expected = math.prod(shape) * DTYPES[dtype].itemsize
     record = TensorRecord(dtype=dtype, shape=shape, chunks=chunks)
     if record.nbytes != expected:
@@ -328,30 +379,41 @@ def _parse_tensor(name: str, value: Any, data_size: int, problems: _Problems) ->
     return record
 
 
-def _parse_chunk(name: str, item: Any, data_size: int, problems: _Problems) -> ChunkRecord:
-    if not isinstance(item, list) or len(item) != 5:
+def _parse_chunk(name: str, item: Any, data_files: tuple[DataFile, ...], version: int,
+                 problems: _Problems) -> ChunkRecord:
+    if not isinstance(item, list) or len(item) != (5 if version == 1 else 6):
         problems.fail(f"tensor {name!r} has a malformed chunk record")
     offset, length, raw_length = (problems.non_negative_int(v, f"chunk extent of {name!r}") for v in item[:3])
     codec_id, digest = item[3], item[4]
+    file = 0 if version == 1 else problems.non_negative_int(item[5], f"data file number of {name!r}")
+    if file >= len(data_files):
+        problems.fail(f"chunk of {name!r} names data file {file} but the rank has {len(data_files)}")
+    data_file = data_files[file]
     if codec_id not in codecs.KNOWN_CODEC_IDS:
         problems.fail(f"tensor {name!r} uses unknown codec {codec_id!r}")
     if not isinstance(digest, str) or not _DIGEST.match(digest):
         problems.fail(f"tensor {name!r} has a malformed digest {digest!r}")
-    if offset + length > data_size:
-        problems.fail(f"chunk of {name!r} at {offset}+{length} ends past the data file size {data_size}")
+    if offset + length > data_file.size:
+        problems.fail(f"chunk of {name!r} at {offset}+{length} ends past the size {data_file.size} of "
+                      f"{data_file.name}")
     if raw_length > MAX_CHUNK_BYTES or (codec_id == codecs.RAW and raw_length != length):
         problems.fail(f"chunk of {name!r} has an impossible raw length {raw_length}")
-    return ChunkRecord(offset=offset, length=length, raw_length=raw_length, codec=codec_id, digest=digest)
+    return ChunkRecord(offset=offset, length=length, raw_length=raw_length, codec=codec_id, digest=digest,
+                       file=file)
 
 
 def _check_extents(tensors: dict[str, TensorRecord], problems: _Problems) -> None:
     """Chunks may share an extent only when they are the same chunk (deduplicated); never overlap."""
-    extents = sorted({(c.offset, c.length, c.digest) for r in tensors.values() for c in r.chunks})
-    previous_end, previous = 0, None
-    for offset, length, digest in extents:
-        if previous is not None and offset < previous_end and (offset, length) != previous[:2]:
-            problems.fail(f"chunk extents overlap at offset {offset}")
-        if previous is not None and (offset, length) == previous[:2] and digest != previous[2]:
-            problems.fail(f"two chunks with different digests share offset {offset}")
+    extents = sorted({(c.file, c.offset, c.length, c.digest) for r in tensors.values() for c in r.chunks})
+    previous: tuple[int, int, int, str] | None = None
+    previous_end = 0
+    for file, offset, length, digest in extents:
+        if previous is not None and previous[0] == file:
+            if offset < previous_end and (offset, length) != previous[1:3]:
+                problems.fail(f"chunk extents overlap at offset {offset} of data file {file}")
+            if (offset, length) == previous[1:3] and digest != previous[3]:
+                problems.fail(f"two chunks with different digests share offset {offset} of data file {file}")
+        else:
+            previous_end = 0
         previous_end = max(previous_end, offset + length)
-        previous = (offset, length, digest)
+        previous = (file, offset, length, digest)

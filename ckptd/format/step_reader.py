@@ -61,16 +61,16 @@ def load_rank_index(tier: StorageTier, manifest: Manifest, rank: int) -> RankInd
                              tier=tier.label, expected=entry.index_digest, actual=chunk_digest(raw),
                              hint="the index is corrupt; restore another tier or an older step")
     index = RankIndex.from_json_bytes(raw, path=path, step=manifest.step, tier=tier.label)
-    if index.step != manifest.step or index.rank != rank or index.data_file != entry.data_file \
-            or index.data_size != entry.data_size:
-        raise IntegrityError("rank index disagrees with the manifest on step, rank or data file", path=path,
+    if index.step != manifest.step or index.rank != rank or index.data_files != entry.data_files:
+        raise IntegrityError("rank index disagrees with the manifest on step, rank or data files", path=path,
                              step=manifest.step, tier=tier.label)
     if not tier.stores_chunks_by_digest:
-        data_path = step_file(manifest.step, index.data_file)
-        actual = tier.size(data_path)
-        if actual != index.data_size:
-            raise IntegrityError("data file size differs from the index", path=data_path, step=manifest.step,
-                                 tier=tier.label, expected=str(index.data_size), actual=str(actual))
+        for data_file in index.data_files:
+            data_path = step_file(manifest.step, data_file.name)
+            actual = tier.size(data_path)
+            if actual != data_file.size:
+                raise IntegrityError("data file size differs from the index", path=data_path, step=manifest.step,
+                                     tier=tier.label, expected=str(data_file.size), actual=str(actual))
     return index
 
 
@@ -100,7 +100,7 @@ def read_chunk(source: ChunkSource, chunk: ChunkRecord, out: memoryview, *, tens
         path = tier.chunk_path(chunk.object_key)
         stored = tier.read_bytes(path)
     else:
-        path = step_file(index.step, index.data_file)
+        path = step_file(index.step, index.data_file(chunk))
         if chunk.codec == codecs.RAW:
             tier.read_into(path, chunk.offset, out)
             stored = None
@@ -217,6 +217,6 @@ def verify_step(tier: StorageTier, step: int,
                 try:
                     read_chunk(source, chunk, buffer, tensor=name)
                 except CkptdError as error:
-                    yield VerifyProblem(step, entry.rank, error.path or index.data_file, str(error))
+                    yield VerifyProblem(step, entry.rank, error.path or index.data_file(chunk), str(error))
                 if progress is not None:
                     progress(chunk.raw_length)

@@ -162,6 +162,7 @@ class StoreCoordinator:
         failures = {rank: r["error"] for rank, r in enumerate(reports) if r["entry"] is None}
         manifest = None
         if not failures:
-            entries = [RankEntry(**r["entry"]) for r in reports]
+            entries = [RankEntry.from_json(r["entry"], step=step, path=f"{base}/rank/{rank}")
+                       for rank, r in enumerate(reports)]
             manifest = build(entries).to_json_bytes().decode()
         self.store.set(f"{base}/outcome", json.dumps({"failures": failures, "manifest": manifest}))

@@ -15,7 +15,7 @@ from typing import Any
 from ckptd.config import settings
 from ckptd.errors import CkptdError, ConfigError
 from ckptd.format import codecs
-from ckptd.format.layout import MANIFEST_NAME, rank_data_name, rank_index_name
+from ckptd.format.layout import MANIFEST_NAME, rank_file_prefix
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator, StoreCoordinator
 from ckptd.manager.policy import Policy
 from ckptd.manager.restoring import RestoreResult, restore_state
@@ -84,7 +84,7 @@ class CheckpointManager:
         self.rank, self.world_size = self.coordinator.rank, self.coordinator.world_size
         self.local = LocalTier(local)
         self.local.acquire_lock(self.rank)
-        self._own_prefixes = (rank_data_name(self.rank), rank_index_name(self.rank)) + \
+        self._own_prefixes = (rank_file_prefix(self.rank),) + \
             ((MANIFEST_NAME,) if self.rank == 0 else ())
         removed = self.local.remove_temporaries(self._own_prefixes)
         if removed:

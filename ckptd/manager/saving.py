@@ -33,7 +33,7 @@ from typing import Any
 from ckptd.config import settings
 from ckptd.dcp.index_values import SavedValues
 from ckptd.errors import CkptdError, CommitError, ConfigError, WorkerError
-from ckptd.format.layout import MANIFEST_NAME, rank_data_name, rank_index_name, step_file
+from ckptd.format.layout import MANIFEST_NAME, rank_files, step_file
 from ckptd.format.rank_writer import RankWriter, lower_thread_priority
 from ckptd.format.records import Manifest, RankEntry
 from ckptd.manager.commit import SKIPPED, CommitCoordinator, SkippedStep
@@ -248,7 +248,7 @@ class Saver:
         """Free the space of this rank's files of a step that failed before it was committed."""
         if self.local.is_committed(step):
             return
-        own = [step_file(step, rank_data_name(self.rank)), step_file(step, rank_index_name(self.rank))]
+        own = [step_file(step, name) for name in rank_files(self.local.list_files(step), self.rank)]
         try:
             self.local.delete_files(own)
         except CkptdError as error:

@@ -4,6 +4,7 @@ A :class:`Stager` owns one host buffer per tensor name. The first save allocates
 CUDA is present and ``CKPTD_PIN_STAGING`` is on, so device-to-host copies run at full bandwidth); later
 saves copy into the same memory, which costs a fraction of a fresh allocation. A buffer is
 reallocated only when the shape or dtype under a name changes, and names that disappear are dropped.
+Buffers start on a page boundary, so the writer sends them to disk with direct I/O without a copy.
 
 The staged copy is the **memory tier**: it stays valid until the next :meth:`Stager.stage`, so a
 process can restore from it without reading disk. The background writer reads the buffers; the
@@ -17,6 +18,7 @@ with the shard's place in the global tensor (see :class:`ShardPlacement`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +28,7 @@ import torch
 from ckptd.config import settings
 from ckptd.dcp.index_values import ShardPlacement
 from ckptd.errors import ConfigError
+from ckptd.tiers.direct_io import ALIGNMENT
 
 
 def local_view(tensor: torch.Tensor) -> tuple[torch.Tensor, ShardPlacement | None]:
@@ -110,7 +113,10 @@ class Stager:
         existing = self._buffers.get(name)
         if existing is not None and existing.shape == source.shape and existing.dtype == source.dtype:
             return existing
-        buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=self.pin)
+        if self.pin:  # pinned host memory is page-aligned
+            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=True)
+        else:
+            buffer = aligned_empty(source.shape, source.dtype)
         self._buffers[name] = buffer
         self.allocations += 1
         return buffer
@@ -118,6 +124,15 @@ class Stager:
     def release(self) -> None:
         """Drop every buffer (the memory tier is gone afterwards)."""
         self._buffers.clear()
+
+
+def aligned_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor whose memory starts on a :data:`~ckptd.tiers.direct_io.ALIGNMENT`
+    boundary, so that its chunks can be written with direct I/O without a bounce copy."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
+    skip = -raw.data_ptr() % ALIGNMENT
+    return raw[skip:skip + nbytes].view(dtype).view(shape)
 
 
 def stage_tree(stager: Stager, tree: Any) -> Any:

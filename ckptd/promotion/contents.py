@@ -85,7 +85,7 @@ def stored_chunk_path(tier: StorageTier, share: RankShare, chunk: ChunkRecord) -
     """Where a chunk's stored bytes live on a tier (content address, or the rank's data file)."""
     if tier.stores_chunks_by_digest:
         return tier.chunk_path(chunk.object_key)
-    return step_file(share.index.step, share.index.data_file)
+    return step_file(share.index.step, share.index.data_file(chunk))
 
 
 def read_stored_chunk(tier: StorageTier, share: RankShare, chunk: ChunkRecord) -> bytes:

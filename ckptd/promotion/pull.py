@@ -2,7 +2,7 @@
 
 :func:`prefetch_step` tells the object tier which chunks one rank's restore will read, in the order it
 reads them, so they are fetched by parallel requests ahead of the reader. :func:`pull_step` rebuilds a
-rank's data file and index on the local tier from the verified chunks (byte for byte the files that were
+rank's data files and index on the local tier from the verified chunks (byte for byte the files that were
 promoted) and writes the manifest once every rank's share is there, so the next restore is local.
 """
 
@@ -13,7 +13,8 @@ import logging
 from ckptd.errors import CkptdError, IntegrityError
 from ckptd.format.layout import MANIFEST_NAME, step_file
 from ckptd.format.step_reader import load_manifest, load_rank_index
-from ckptd.promotion.contents import read_step_contents, read_stored_chunk
+from ckptd.format.records import ChunkRecord, DataFile
+from ckptd.promotion.contents import RankShare, read_step_contents, read_stored_chunk
 from ckptd.state.tree import skeleton_tensor_names
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
@@ -44,24 +45,11 @@ def pull_step(remote: ObjectTier, local: LocalTier, step: int, *, ranks: list[in
     written = 0
     for share in contents.shares:
         index = share.index
-        chunks = sorted({chunk.offset: chunk for chunk in index.chunks}.values(), key=lambda c: c.offset)
-        remote.read_ahead([remote.chunk_path(chunk.object_key) for chunk in chunks])
-        data_path = step_file(step, index.data_file)
-        handle = local.open_file(data_path)
-        try:
-            for chunk in chunks:
-                if chunk.offset < handle.size:
-                    raise IntegrityError("rank index has overlapping chunks", path=data_path, step=step,
-                                         tier=remote.label)
-                if chunk.offset > handle.size:
-                    handle.write(bytes(chunk.offset - handle.size))
-                handle.write(read_stored_chunk(remote, share, chunk))
-            if handle.size < index.data_size:
-                handle.write(bytes(index.data_size - handle.size))
-            handle.commit()
-        except BaseException:
-            handle.abort()
-            raise
+        placed = sorted({(chunk.file, chunk.offset): chunk for chunk in index.chunks}.values(),
+                        key=lambda c: (c.file, c.offset))
+        remote.read_ahead([remote.chunk_path(chunk.object_key) for chunk in placed])
+        for number, data_file in enumerate(index.data_files):
+            _rebuild_data_file(remote, local, share, data_file, [c for c in placed if c.file == number])
         local.write_bytes(step_file(step, share.index_name), share.index_bytes)
         written += index.data_size + len(share.index_bytes)
     everyone = all(local.exists(step_file(step, entry.index_file)) for entry in contents.manifest.ranks)
@@ -70,3 +58,24 @@ def pull_step(remote: ObjectTier, local: LocalTier, step: int, *, ranks: list[in
         written += len(contents.manifest_bytes)
     log.info("re-populated step %d on %s from %s (%d bytes)", step, local.label, remote.label, written)
     return written
+
+
+def _rebuild_data_file(remote: ObjectTier, local: LocalTier, share: RankShare, data_file: DataFile,
+                       chunks: list[ChunkRecord]) -> None:
+    """Write one data file of a rank from its chunks (sorted by offset), zero-filling any gaps."""
+    data_path = step_file(share.index.step, data_file.name)
+    handle = local.open_file(data_path)
+    try:
+        for chunk in chunks:
+            if chunk.offset < handle.size:
+                raise IntegrityError("rank index has overlapping chunks", path=data_path, step=share.index.step,
+                                     tier=remote.label)
+            if chunk.offset > handle.size:
+                handle.write(bytes(chunk.offset - handle.size))
+            handle.write(read_stored_chunk(remote, share, chunk))
+        if handle.size < data_file.size:
+            handle.write(bytes(data_file.size - handle.size))
+        handle.commit()
+    except BaseException:
+        handle.abort()
+        raise

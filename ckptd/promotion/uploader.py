@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from ckptd.config import settings
 from ckptd.errors import CkptdError, StorageError
-from ckptd.format.layout import MANIFEST_NAME, rank_data_name, rank_index_name
+from ckptd.format.layout import MANIFEST_NAME, rank_files, rank_index_name
 from ckptd.manager.policy import Policy
 from ckptd.promotion.gc import collect_garbage
 from ckptd.promotion.pinning import PinnedSteps
@@ -67,7 +67,7 @@ class BackgroundUploader:
 
     def submit(self, step: int) -> None:
         """Pin a committed local step and queue its promotion."""
-        self.pins.pin(step, self._own_files())
+        self.pins.pin(step, self._own_files(self.pins.local, step))
         self._enqueue(step)
 
     def resume_pending(self) -> list[int]:
@@ -102,9 +102,9 @@ class BackgroundUploader:
         self.wait()
 
     # --- the uploader thread ----------------------------------------------------------------------
-    def _own_files(self) -> list[str]:
-        names = [rank_data_name(self.rank), rank_index_name(self.rank)]
-        return names + [MANIFEST_NAME]
+    def _own_files(self, tier: LocalTier, step: int) -> list[str]:
+        """This rank's files of a step on ``tier``, and the manifest."""
+        return rank_files(tier.list_files(step), self.rank) + [MANIFEST_NAME]
 
     def _enqueue(self, step: int) -> None:
         with self._lock:
@@ -133,7 +133,7 @@ class BackgroundUploader:
         ranks = None if self.world_size == 1 else [self.rank]
         report = self.promoter.promote(step, ranks=ranks)
         self.reports.append(report)
-        self.pins.unpin(step, None if ranks is None else self._own_files())
+        self.pins.unpin(step, None if ranks is None else self._own_files(self.pins.tier, step))
         self._collection_due = self.rank == 0 and self.policy.keep_remote is not None
 
     def _collect_if_due(self) -> None:

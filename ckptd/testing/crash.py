@@ -126,9 +126,9 @@ def _arm(kill_at: KillAt) -> None:
             reached("data-write")
         return offset
 
-    def commit(self: local.AtomicFile) -> None:
+    def commit(self: local.AtomicFile, **options: Any) -> None:
         reached(f"{kind(self)}-commit")
-        original_commit(self)
+        original_commit(self, **options)
         if kind(self) == "manifest":
             reached("committed")
 

@@ -30,8 +30,9 @@ def index_path(root: Path, step: int, rank: int = 0) -> Path:
     return step_path(root, step) / rank_index_name(rank)
 
 
-def data_path(root: Path, step: int, rank: int = 0) -> Path:
-    return step_path(root, step) / rank_data_name(rank)
+def data_path(root: Path, step: int, rank: int = 0, part: int = 0) -> Path:
+    """A rank's data file number ``part`` (every rank has part 0)."""
+    return step_path(root, step) / rank_data_name(rank, part)
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -68,12 +69,20 @@ def rewrite_index(root: Path, step: int, edit: JsonEdit, rank: int = 0) -> None:
     rewrite_manifest(root, step, record)
 
 
-def chunk_records(root: Path, step: int, rank: int = 0) -> list[tuple[str, list[Any]]]:
-    """Every (tensor name, chunk record) of a rank, in file order; a record is
-    ``[offset, length, raw_length, codec, digest]``."""
+def chunk_records(root: Path, step: int, rank: int = 0, part: int | None = None) -> list[tuple[str, list[Any]]]:
+    """Every (tensor name, chunk record) of a rank (in data file ``part`` only, when given), in file
+    order; a record is ``[offset, length, raw_length, codec, digest, data file number]``."""
     tensors = read_json(index_path(root, step, rank))["tensors"]
-    found = [(name, chunk) for name, tensor in tensors.items() for chunk in tensor["chunks"]]
-    return sorted(found, key=lambda item: item[1][0])
+    found = [(name, chunk) for name, tensor in tensors.items() for chunk in tensor["chunks"]
+             if part is None or chunk[5] == part]
+    return sorted(found, key=lambda item: (item[1][5], item[1][0]))
+
+
+def chunk_location(root: Path, step: int, tensor: str, position: int = 0, rank: int = 0) -> tuple[Path, int, int]:
+    """Where the ``position``-th chunk of a saved tensor lies: (data file, offset, stored length)."""
+    index = read_json(index_path(root, step, rank))
+    offset, length, *_, part = index["tensors"][tensor]["chunks"][position]
+    return step_path(root, step) / index["data_files"][part][0], offset, length
 
 
 def flip_bit(path: Path, offset: int, bit: int = 0) -> None:

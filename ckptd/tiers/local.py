@@ -21,6 +21,7 @@ import fsspec
 from ckptd._types import Buffer
 from ckptd.errors import ConfigError, DiskFullError, LockedError, NotFoundError, StorageError
 from ckptd.format.layout import TEMP_MARKER, parse_step_dir, step_dir
+from ckptd.tiers import direct_io
 from ckptd.tiers.base import StorageTier
 
 _WRITE_SLICE = 64 * 1024 * 1024
@@ -55,20 +56,32 @@ class AtomicFile:
     :meth:`write` appends from one thread. For parallel writing, threads claim ranges with
     :meth:`reserve` and fill them with :meth:`write_at` (both thread-safe); the owner calls
     :meth:`commit` or :meth:`abort` only after every :meth:`write_at` has returned.
+
+    With ``direct=True`` the file is written with direct I/O where the file system allows it (see
+    :mod:`ckptd.tiers.direct_io`): only through :meth:`reserve` and :meth:`write_at`, every range
+    reserved in multiples of :data:`~ckptd.tiers.direct_io.ALIGNMENT` and zero-padded to its end.
     """
 
-    def __init__(self, final: Path) -> None:
+    def __init__(self, final: Path, *, direct: bool = False) -> None:
         self.final = final
         self.temporary = final.with_name(f"{final.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}")
         self.size = 0
+        self.aligned = direct
         self._reserve_lock = threading.Lock()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
         try:
-            self._fd: int | None = os.open(self.temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._fd: int | None
+            if direct:
+                self._fd, self.direct = direct_io.open_direct(self.temporary, flags)
+            else:
+                self._fd, self.direct = os.open(self.temporary, flags, 0o644), False
         except OSError as exc:
             raise _storage_error(exc, final, "creating a file") from exc
 
     def write(self, data: Buffer) -> int:
         """Append bytes; returns the offset they start at."""
+        if self.aligned:
+            raise RuntimeError("a direct-I/O file is written with reserve() and write_at()")
         offset = self.size
         view = memoryview(data).cast("B")
         try:
@@ -82,7 +95,10 @@ class AtomicFile:
         return offset
 
     def reserve(self, length: int) -> int:
-        """Claim ``length`` bytes at the end of the file for :meth:`write_at`; returns their offset."""
+        """Claim ``length`` bytes (rounded up to the alignment on a direct file) at the end of the file
+        for :meth:`write_at`; returns their offset."""
+        if self.aligned:
+            length = direct_io.align_up(length)
         with self._reserve_lock:
             offset = self.size
             self.size += length
@@ -91,6 +107,15 @@ class AtomicFile:
     def write_at(self, offset: int, data: Buffer) -> None:
         """Write bytes into a range claimed with :meth:`reserve`. Several threads may write different
         ranges at once; on failure the file is left for the owner to :meth:`abort`."""
+        if self.direct:
+            try:
+                direct_io.pwrite_direct(self._fd, data, offset)  # type: ignore[arg-type]
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise _storage_error(exc, self.final, "writing") from exc
+                direct_io.stop_direct(self._fd)  # type: ignore[arg-type]
+                self.direct = False
         view = memoryview(data).cast("B")
         try:
             while view:
@@ -100,14 +125,18 @@ class AtomicFile:
         except OSError as exc:
             raise _storage_error(exc, self.final, "writing") from exc
 
-    def commit(self) -> None:
-        """fsync, rename over the final name, fsync the directory."""
+    def commit(self, *, sync_directory: bool = True) -> None:
+        """fsync, rename over the final name, fsync the directory (unless the caller syncs it once after
+        committing several files)."""
         try:
+            if self.aligned:  # the last range may have been written unpadded, through the page cache
+                os.ftruncate(self._fd, self.size)  # type: ignore[arg-type]
             os.fsync(self._fd)  # type: ignore[arg-type]
             os.close(self._fd)  # type: ignore[arg-type]
             self._fd = None
             os.replace(self.temporary, self.final)
-            fsync_directory(self.final.parent)
+            if sync_directory:
+                fsync_directory(self.final.parent)
         except OSError as exc:
             self.abort()
             raise _storage_error(exc, self.final, "committing") from exc
@@ -191,14 +220,15 @@ class LocalTier(StorageTier):
             return []
         return sorted(name for name in os.listdir(directory) if TEMP_MARKER not in name)
 
-    def open_file(self, path: str) -> AtomicFile:
-        """Start writing a file that becomes visible only on :meth:`AtomicFile.commit`."""
+    def open_file(self, path: str, *, direct: bool = False) -> AtomicFile:
+        """Start writing a file that becomes visible only on :meth:`AtomicFile.commit` (with direct I/O
+        where possible when ``direct``; see :class:`AtomicFile`)."""
         target = self._path(path)
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise _storage_error(exc, target.parent, "creating a step directory") from exc
-        return AtomicFile(target)
+        return AtomicFile(target, direct=direct)
 
     def write_bytes(self, path: str, data: Buffer) -> None:
         handle = self.open_file(path)

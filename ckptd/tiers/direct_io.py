@@ -1,0 +1,94 @@
+"""Direct I/O (``O_DIRECT``) for large data-file writes: the device reads the bytes straight from the
+caller's memory, with no copy into the page cache.
+
+On the development machine (2 cores, ext4 on a virtual disk) 1 GiB written as 16 MiB ``pwrite`` calls
+and fsynced took 0.42-0.49 s with ``O_DIRECT`` from one, two, four or eight threads alike, against
+0.68-2.2 s through the page cache, and the buffered path spends a core on copying while a training
+loop wants it. ``O_DIRECT`` needs the memory address, the file offset and the length to be multiples of
+:data:`ALIGNMENT`: aligned pieces are written in place, anything else goes through a per-thread aligned
+bounce buffer, padded with zeros to the next multiple (the caller reserves file space in multiples of
+:data:`ALIGNMENT`). File systems without ``O_DIRECT`` (tmpfs, some FUSE mounts) refuse it with
+``EINVAL``; then the file is written through the page cache instead.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import threading
+
+import numpy as np
+
+from ckptd._types import Buffer
+
+#: Alignment of memory, offsets and lengths for direct I/O (the page size; enough for 4 KiB sectors).
+ALIGNMENT = mmap.PAGESIZE
+_BOUNCE_BYTES = 16 * 1024 * 1024
+_bounce = threading.local()
+
+#: Whether this platform has O_DIRECT at all (Linux does; macOS does not).
+AVAILABLE = hasattr(os, "O_DIRECT")
+
+
+def align_up(length: int) -> int:
+    """``length`` rounded up to a multiple of :data:`ALIGNMENT`."""
+    return -(-length // ALIGNMENT) * ALIGNMENT
+
+
+def address(view: memoryview) -> int:
+    """The memory address of a buffer's first byte (read-only buffers too)."""
+    if len(view) == 0:
+        return 0
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def open_direct(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> tuple[int, bool]:
+    """Open with ``O_DIRECT`` added when the platform and file system allow it; returns the descriptor
+    and whether it is direct."""
+    if AVAILABLE:
+        try:
+            return os.open(path, flags | os.O_DIRECT, mode), True
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, mode), False
+
+
+def stop_direct(fd: int) -> None:
+    """Turn a descriptor's ``O_DIRECT`` off (for a file system that accepted the open but refuses the
+    writes)."""
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+
+
+def _bounce_buffer() -> memoryview:
+    buffer = getattr(_bounce, "buffer", None)
+    if buffer is None:
+        buffer = _bounce.buffer = memoryview(mmap.mmap(-1, _BOUNCE_BYTES))  # page-aligned
+    return buffer
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    while view:
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
+
+
+def pwrite_direct(fd: int, data: Buffer, offset: int) -> None:
+    """Write ``data`` at ``offset`` (a multiple of :data:`ALIGNMENT`) of a direct descriptor, padding
+    the end with zeros up to the next multiple of :data:`ALIGNMENT`."""
+    view = memoryview(data).cast("B")
+    if address(view) % ALIGNMENT == 0:
+        whole = len(view) - len(view) % ALIGNMENT
+        if whole:
+            _pwrite_all(fd, view[:whole], offset)
+        view, offset = view[whole:], offset + whole
+    bounce = _bounce_buffer()
+    while view:
+        piece = min(len(view), len(bounce))
+        padded = align_up(piece)
+        bounce[:piece] = view[:piece]
+        bounce[piece:padded] = bytes(padded - piece)
+        _pwrite_all(fd, bounce[:padded], offset)
+        view, offset = view[piece:], offset + padded

@@ -1,0 +1,192 @@
+"""Several data files per rank and direct I/O: large chunks go to parallel data files written with
+O_DIRECT (aligned, zero-padded), small ones are packed into the first file; a file system that refuses
+direct I/O gets buffered writes instead; checkpoints of format version 1 (one data file) still read."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptd.config import override
+from ckptd.format.hashing import chunk_digest
+from ckptd.format.records import FORMAT_VERSION
+from ckptd.format.step_reader import verify_step
+from ckptd.manager.staging import aligned_empty
+from ckptd.testing import tamper
+from ckptd.testing.compare import assert_same_state
+from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
+from ckptd.tiers import direct_io
+from ckptd.tiers.local import AtomicFile, LocalTier
+
+CHUNK = 1024 * 1024
+STEP = 3
+
+
+def mixed_state(seed: int) -> dict[str, torch.Tensor]:
+    """Large tensors with unaligned tails, a bf16 one, small ones and a zero-dim counter."""
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "big": torch.randn(3 * CHUNK // 4 + 333, generator=generator),  # 3 chunks + an unaligned tail
+        "bf16": torch.randn(CHUNK + 77, generator=generator).to(torch.bfloat16),
+        "bytes": torch.randint(0, 256, (2 * CHUNK + 5,), dtype=torch.uint8, generator=generator),
+        "bias": torch.randn(17, generator=generator),
+        "step": torch.tensor(seed, dtype=torch.int64),
+    }
+
+
+def zeros_like(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+
+
+def save_one(manager_factory: ManagerFactory, state: dict[str, torch.Tensor], **manager_options: Any) -> None:
+    manager = manager_factory(**manager_options)
+    manager.save(STEP, state, force=True)
+    manager.wait()
+    manager.close()
+
+
+def index_of(root: Path) -> dict[str, Any]:
+    return tamper.read_json(tamper.index_path(root, STEP))
+
+
+@pytest.mark.parametrize("codec", ["raw", "zstd"])
+def test_large_chunks_go_to_parallel_aligned_files_and_small_ones_are_packed(
+        manager_factory: ManagerFactory, checkpoint_dir: Path, codec: str) -> None:
+    state = mixed_state(1)
+    with override(chunk_bytes=CHUNK, io_threads=3, direct_io_min_bytes=64 * 1024):
+        save_one(manager_factory, state, codec=codec)
+    index = index_of(checkpoint_dir)
+    assert index["format_version"] == FORMAT_VERSION == 2
+    files = index["data_files"]
+    assert 2 <= len(files) <= 4, "file 0 for small chunks and up to io_threads parallel files"
+    for name, size in files:
+        assert (tamper.step_path(checkpoint_dir, STEP) / name).stat().st_size == size
+    for tensor, record in index["tensors"].items():
+        for offset, length, *_, part in record["chunks"]:
+            if length >= 64 * 1024:
+                assert part >= 1 and offset % direct_io.ALIGNMENT == 0, f"{tensor}: large chunk in a parallel file"
+            else:
+                assert part == 0, f"{tensor}: small chunk packed into the first file"
+    assert list(verify_step(LocalTier(checkpoint_dir), STEP)) == []
+    restored = zeros_like(state)
+    assert manager_factory().restore(restored) == STEP
+    assert_same_state(restored, state)
+
+
+def test_every_chunk_direct_pads_each_one_to_the_alignment(manager_factory: ManagerFactory,
+                                                           checkpoint_dir: Path) -> None:
+    state = mixed_state(2)
+    with override(chunk_bytes=CHUNK, io_threads=2, direct_io_min_bytes=0):
+        save_one(manager_factory, state)
+    index = index_of(checkpoint_dir)
+    assert index["data_files"][0][1] == 0, "nothing is packed when every chunk goes direct"
+    chunks = [chunk for record in index["tensors"].values() for chunk in record["chunks"]]
+    assert all(offset % direct_io.ALIGNMENT == 0 for offset, *_ in chunks)
+    restored = zeros_like(state)
+    assert manager_factory().restore(restored) == STEP
+    assert_same_state(restored, state)
+
+
+def test_direct_write_of_unaligned_memory_and_length_pads_with_zeros(tmp_path: Path) -> None:
+    payload = os.urandom(3 * direct_io.ALIGNMENT + 123)
+    backing = bytearray(len(payload) + 1)
+    backing[1:] = payload
+    unaligned = memoryview(backing)[1:]  # starts one byte past wherever bytearray put it
+    aligned = aligned_empty((len(payload),), torch.uint8)
+    aligned.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    assert direct_io.address(memoryview(aligned.numpy())) % direct_io.ALIGNMENT == 0
+
+    handle = AtomicFile(tmp_path / "data", direct=True)
+    first = handle.reserve(len(payload))
+    second = handle.reserve(len(payload))
+    handle.write_at(second, memoryview(aligned.numpy()))
+    handle.write_at(first, unaligned)
+    handle.commit()
+    stored = (tmp_path / "data").read_bytes()
+    padded = direct_io.align_up(len(payload))
+    assert (first, second) == (0, padded) and len(stored) == 2 * padded
+    assert stored[:len(payload)] == payload == stored[padded:padded + len(payload)]
+    assert stored[len(payload):padded] == bytes(padded - len(payload))
+
+
+def test_file_system_that_refuses_direct_open_gets_buffered_files(manager_factory: ManagerFactory,
+                                                                  checkpoint_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open, refused = os.open, []
+
+    def open_like_tmpfs(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & getattr(os, "O_DIRECT", 0):
+            refused.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_like_tmpfs)
+    state = mixed_state(3)
+    with override(chunk_bytes=CHUNK, io_threads=2, direct_io_min_bytes=0):
+        save_one(manager_factory, state)
+    monkeypatch.undo()
+    assert refused or not direct_io.AVAILABLE
+    restored = zeros_like(state)
+    assert manager_factory().restore(restored) == STEP
+    assert_same_state(restored, state)
+
+
+def test_file_system_that_refuses_direct_writes_gets_buffered_writes(manager_factory: ManagerFactory,
+                                                                     checkpoint_dir: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    refused = []
+
+    def refuse(fd: int, data: Any, offset: int) -> None:
+        refused.append(offset)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(direct_io, "pwrite_direct", refuse)
+    state = mixed_state(4)
+    with override(chunk_bytes=CHUNK, io_threads=2, direct_io_min_bytes=0):
+        save_one(manager_factory, state)
+    monkeypatch.undo()
+    assert refused or not direct_io.AVAILABLE
+    assert list(verify_step(LocalTier(checkpoint_dir), STEP)) == []
+    restored = zeros_like(state)
+    assert manager_factory().restore(restored) == STEP
+    assert_same_state(restored, state)
+
+
+def downgrade_to_version_1(root: Path, step: int) -> None:
+    """Rewrite a single-data-file step in the layout of format version 1, with consistent digests."""
+    index = tamper.read_json(tamper.index_path(root, step))
+    (name, size), = index.pop("data_files")
+    index.update(format_version=1, data_file=name, data_size=size)
+    for record in index["tensors"].values():
+        record["chunks"] = [chunk[:5] for chunk in record["chunks"]]
+    raw = json.dumps(index, separators=(",", ":")).encode()
+    tamper.index_path(root, step).write_bytes(raw)
+
+    def entry_v1(manifest: dict[str, Any]) -> None:
+        manifest["format_version"] = 1
+        entry = manifest["ranks"][0]
+        del entry["data_files"]
+        entry.update(data_file=name, data_size=size, index_size=len(raw), index_digest=chunk_digest(raw))
+    tamper.rewrite_manifest(root, step, entry_v1)
+
+
+def test_format_version_1_checkpoints_still_restore_and_verify(manager_factory: ManagerFactory,
+                                                               checkpoint_dir: Path) -> None:
+    state = mixed_state(5)
+    with override(chunk_bytes=CHUNK, direct_io_min_bytes=1 << 40):  # everything in one data file
+        save_one(manager_factory, state)
+    downgrade_to_version_1(checkpoint_dir, STEP)
+    assert tamper.read_json(tamper.manifest_path(checkpoint_dir, STEP))["format_version"] == 1
+    assert list(verify_step(LocalTier(checkpoint_dir), STEP)) == []
+    restored = zeros_like(state)
+    assert manager_factory().restore(restored) == STEP
+    assert_same_state(restored, state)
+    tamper.flip_bit(tamper.data_path(checkpoint_dir, STEP), 100)
+    problems = list(verify_step(LocalTier(checkpoint_dir), STEP))
+    assert len(problems) == 1 and tamper.data_path(checkpoint_dir, STEP).name in problems[0].path
