@@ -26,9 +26,12 @@ class Settings:
     codec: str = "raw"
     #: zstd level for the zstd and byteplane codecs.
     zstd_level: int = 1
-    #: Threads that hash/encode/write chunks in the background (and read them on restore); also the
-    #: number of data files a rank's large chunks are written to in parallel.
+    #: Threads that hash/encode/write chunks in the background; also the number of data files a rank's
+    #: large chunks are written to in parallel.
     io_threads: int = 2
+    #: Threads that read and verify chunks during a restore (training waits for it, and reads wait on the
+    #: disk more than on a core).
+    read_threads: int = 4
     #: Write large chunks with direct I/O (O_DIRECT), bypassing the page cache, where the file system
     #: allows it.
     direct_io: bool = True
@@ -63,7 +66,7 @@ class Settings:
     close_timeout_s: float = 600.0
     #: Nice value added to ckptd's background threads (writer, hashing, reading) on Linux, so that the
     #: training thread wins contended cores; 0 leaves their priority alone.
-    background_nice: int = 5
+    background_nice: int = 10
     #: Log level for ckptd's loggers.
     log_level: str = "WARNING"
     #: Data shards: local cache directory ("" means ~/.cache/ckptd/shards).

@@ -17,11 +17,11 @@ from ckptd.config import override
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.records import FORMAT_VERSION
 from ckptd.format.step_reader import verify_step
-from ckptd.manager.staging import aligned_empty
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
 from ckptd.tiers import direct_io
+from ckptd.tiers.direct_io import aligned_empty
 from ckptd.tiers.local import AtomicFile, LocalTier
 
 CHUNK = 1024 * 1024
@@ -94,7 +94,7 @@ def test_every_chunk_direct_pads_each_one_to_the_alignment(manager_factory: Mana
 
 
 def test_direct_write_of_unaligned_memory_and_length_pads_with_zeros(tmp_path: Path) -> None:
-    payload = os.urandom(3 * direct_io.ALIGNMENT + 123)
+    payload = os.urandom(20 * direct_io.ALIGNMENT + 123)
     backing = bytearray(len(payload) + 1)
     backing[1:] = payload
     unaligned = memoryview(backing)[1:]  # starts one byte past wherever bytearray put it
@@ -190,3 +190,50 @@ def test_format_version_1_checkpoints_still_restore_and_verify(manager_factory: 
     tamper.flip_bit(tamper.data_path(checkpoint_dir, STEP), 100)
     problems = list(verify_step(LocalTier(checkpoint_dir), STEP))
     assert len(problems) == 1 and tamper.data_path(checkpoint_dir, STEP).name in problems[0].path
+
+
+@pytest.mark.parametrize("misalign", [0, 1])
+def test_direct_reads_fill_aligned_and_unaligned_buffers_up_to_an_unaligned_end(tmp_path: Path,
+                                                                               misalign: int) -> None:
+    payload = os.urandom(20 * direct_io.ALIGNMENT + 4321)  # the file ends off the alignment
+    (tmp_path / "step").mkdir()
+    (tmp_path / "step" / "data").write_bytes(payload)
+    tier = LocalTier(tmp_path)
+    target = aligned_empty((len(payload) + misalign,), torch.uint8)
+    out = memoryview(target.numpy())[misalign:]
+    with override(direct_io_min_bytes=0):
+        tier.read_into("step/data", 0, out)
+        assert bytes(out) == payload
+        tail = memoryview(bytearray(len(payload) - direct_io.ALIGNMENT))
+        tier.read_into("step/data", direct_io.ALIGNMENT, tail)
+        assert bytes(tail) == payload[direct_io.ALIGNMENT:]
+
+
+def test_file_system_that_refuses_direct_reads_is_read_through_the_page_cache(
+        manager_factory: ManagerFactory, checkpoint_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = mixed_state(6)
+    with override(chunk_bytes=CHUNK, io_threads=2, direct_io_min_bytes=0):
+        save_one(manager_factory, state)
+        refused = []
+
+        def refuse(fd: int, out: memoryview, offset: int) -> int:
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+        monkeypatch.setattr(direct_io, "pread_direct", refuse)
+        restored = zeros_like(state)
+        assert manager_factory().restore(restored) == STEP
+    assert refused or not direct_io.AVAILABLE
+    assert_same_state(restored, state)
+
+
+def test_aligned_tensors_start_their_own_storage_on_a_page() -> None:
+    for dtype in (torch.float32, torch.bfloat16, torch.bool, torch.complex64, torch.int64):
+        tensor = aligned_empty((64, 1024), dtype)
+        assert tensor.data_ptr() % direct_io.ALIGNMENT == 0 and tensor.storage_offset() == 0
+        assert tensor.shape == (64, 1024) and tensor.dtype == dtype
+    state = torch.get_rng_state()  # reads its argument's storage from the start
+    staged = aligned_empty(tuple(state.shape), state.dtype)
+    staged.copy_(state)
+    torch.set_rng_state(staged)
+    assert torch.equal(torch.get_rng_state(), state)

@@ -127,11 +127,11 @@ def restore_dcp_load(state: dict[str, torch.Tensor], directory: Path) -> float:
     return timed(lambda: dcp.load(target, storage_reader=FileSystemReader(str(directory))))
 
 
-def restore_ckptd(state: dict[str, torch.Tensor], directory: Path, *, io_threads: int) -> float:
+def restore_ckptd(state: dict[str, torch.Tensor], directory: Path, *, read_threads: int) -> float:
     """Read and verify every chunk of the newest step from disk (no memory tier) into live tensors."""
     target = {name: torch.empty_like(t) for name, t in state.items()}
     evict(directory)
-    with override(io_threads=io_threads):
+    with override(read_threads=read_threads):
         def restore() -> None:  # the manager's restore path, without taking the writer lock
             restore_state([LocalTier(directory)], target, rank=0, world_size=1, restore_rng=False)
         return timed(restore)

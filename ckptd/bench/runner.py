@@ -27,6 +27,7 @@ class BenchOptions:
     repeats: int = 3
     directory: str | None = None
     io_threads: int = 2
+    read_threads: int = 4
     codec: str = "raw"
     mtbf_hours: float = 24.0
     loop_seconds: float = 1.0
@@ -50,6 +51,12 @@ def _ckptd_durable(saver: c.CkptdContender, state: dict[str, Any], copy: Callabl
     durable = saver.save(state)
     runs["ckptd_stall"].append(durable.stall)
     runs["ckptd_durable"].append(durable.durable)
+
+
+def _take_turns(round_number: int, contenders: list[Callable[[], None]]) -> None:
+    """Run every contender once, a different one first in each round."""
+    for index in range(len(contenders)):
+        contenders[(index + round_number) % len(contenders)]()
 
 
 def _with_loop(loop: ComputeLoop, seconds: float, save: Callable[[float], c.SaveRun]) -> c.SaveRun:
@@ -79,13 +86,11 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = lambda _:
                 progress(f"round {round_number}/{repeats}: saves")
                 # The durable savers take turns going first: a save right after another one competes
                 # with the disk's write-back of the previous files.
-                savers = [
+                _take_turns(round_number, [
                     lambda: runs["torch_save"].append(c.torch_save(state, c.fresh(root / "torch")).durable),
                     lambda: runs["dcp_save"].append(c.dcp_save(state, c.fresh(root / "dcp")).durable),
                     lambda: _ckptd_durable(ckptd_saver, state, copy, runs),
-                ]
-                for index in range(len(savers)):
-                    savers[(index + round_number) % len(savers)]()
+                ])
                 plain_async = c.dcp_async_save(state, c.fresh(root / "dcp_async"), None, None)
                 runs["dcp_async_stall"].append(plain_async.stall)
                 runs["dcp_async_durable"].append(plain_async.durable)
@@ -96,9 +101,12 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = lambda _:
                     state, c.fresh(root / "dcp_async"), loop, base))
                 runs["loop_dcp_async"].append(beside.loop_ratio)  # type: ignore[arg-type]
                 progress(f"round {round_number}/{repeats}: restores (cold page cache)")
-                runs["torch_load"].append(c.restore_torch_load(root / "torch"))
-                runs["dcp_load"].append(c.restore_dcp_load(state, root / "dcp"))
-                runs["ckptd_restore"].append(c.restore_ckptd(state, root / "ckptd", io_threads=options.io_threads))
+                _take_turns(round_number, [  # reads right after heavy writes are slower: take turns too
+                    lambda: runs["torch_load"].append(c.restore_torch_load(root / "torch")),
+                    lambda: runs["dcp_load"].append(c.restore_dcp_load(state, root / "dcp")),
+                    lambda: runs["ckptd_restore"].append(
+                        c.restore_ckptd(state, root / "ckptd", read_threads=options.read_threads)),
+                ])
         finally:
             ckptd_saver.close()
         for name, values in runs.items():

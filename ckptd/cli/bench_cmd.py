@@ -31,7 +31,9 @@ def _parse_size(value: str) -> int:
 @click.option("--repeats", default=3, show_default=True, envvar="CKPTD_BENCH_REPEATS",
               help="Runs per measurement; medians are reported (env: CKPTD_BENCH_REPEATS).")
 @click.option("--io-threads", default=None, type=int, envvar="CKPTD_IO_THREADS",
-              help="ckptd's hashing/reading threads (env: CKPTD_IO_THREADS).")
+              help="ckptd's hashing/writing threads (env: CKPTD_IO_THREADS).")
+@click.option("--read-threads", default=None, type=int, envvar="CKPTD_READ_THREADS",
+              help="ckptd's reading/verifying threads on restore (env: CKPTD_READ_THREADS).")
 @click.option("--codec", default="raw", show_default=True, type=click.Choice(["raw", "zstd", "byteplane"]),
               envvar="CKPTD_CODEC", help="ckptd codec (env: CKPTD_CODEC).")
 @click.option("--mtbf-hours", default=24.0, show_default=True, envvar="CKPTD_BENCH_MTBF_HOURS",
@@ -39,14 +41,15 @@ def _parse_size(value: str) -> int:
 @click.option("--compare-writers", is_flag=True, envvar="CKPTD_BENCH_COMPARE_WRITERS",
               help="Also compare writer threads with a writer process fed through shared memory.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def bench(size: str, tensor_size: str, directory: str | None, repeats: int, io_threads: int | None, codec: str,
-          mtbf_hours: float, compare_writers: bool, as_json: bool) -> None:
+def bench(size: str, tensor_size: str, directory: str | None, repeats: int, io_threads: int | None,
+          read_threads: int | None, codec: str, mtbf_hours: float, compare_writers: bool, as_json: bool) -> None:
     """Measure save stall, durable throughput, restore and training slowdown against torch.save and DCP."""
     from ckptd.bench.runner import BenchOptions, ratios, run_bench
     from ckptd.config import settings
 
     options = BenchOptions(size_bytes=_parse_size(size), tensor_bytes=_parse_size(tensor_size), repeats=repeats,
-                           directory=directory, io_threads=io_threads or settings().io_threads, codec=codec,
+                           directory=directory, io_threads=io_threads or settings().io_threads,
+                           read_threads=read_threads or settings().read_threads, codec=codec,
                            mtbf_hours=mtbf_hours, compare_writers=compare_writers)
     progress = (lambda _: None) if as_json else (lambda what: click.echo(f"... {what}", err=True))
     report = run_bench(options, progress)

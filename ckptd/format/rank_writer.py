@@ -62,12 +62,13 @@ def lower_thread_priority() -> None:
 
 
 def io_pool(purpose: str = "write") -> ThreadPoolExecutor:
-    """The process-wide pool of ``CKPTD_IO_THREADS`` threads for ``purpose``: ``"write"`` (hashing and
-    encoding behind a save, at lowered priority, see :func:`lower_thread_priority`) or ``"read"``
-    (reading and verifying during a restore, which training waits for, at normal priority).
+    """The process-wide pool for ``purpose``: ``"write"`` (``CKPTD_IO_THREADS`` threads hashing, encoding
+    and writing behind a save, at lowered priority, see :func:`lower_thread_priority`) or ``"read"``
+    (``CKPTD_READ_THREADS`` threads reading and verifying during a restore, which training waits for,
+    at normal priority).
     Tasks submitted to a pool must never wait on other tasks of the same pool.
     """
-    threads = max(1, settings().io_threads)
+    threads = max(1, settings().read_threads if purpose == "read" else settings().io_threads)
     with _pool_lock:
         pool = _pools.get((purpose, threads))
         if pool is None:

@@ -25,6 +25,7 @@ from ckptd.format.layout import MANIFEST_NAME, step_file
 from ckptd.format.records import ChunkRecord, Manifest, RankIndex, TensorRecord
 from ckptd.format.rank_writer import io_pool, tensor_bytes
 from ckptd.tiers.base import StorageTier
+from ckptd.tiers.direct_io import aligned_empty
 
 log = logging.getLogger("ckptd.restore")
 
@@ -151,7 +152,7 @@ class StepReader:
                 f"{list(out.shape)}", step=self.index.step, hint="restore into a model of the saved shape")
         direct = (out is not None and out.device.type == "cpu" and out.is_contiguous()
                   and out.dtype == record.torch_dtype and not out.requires_grad)
-        target = out if direct else torch.empty(record.shape, dtype=record.torch_dtype)
+        target = out if direct else aligned_empty(record.shape, record.torch_dtype)
         view = tensor_bytes(target)
         pieces, position = [], 0
         for chunk in record.chunks:

@@ -18,7 +18,6 @@ with the shard's place in the global tensor (see :class:`ShardPlacement`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 from ckptd.config import settings
 from ckptd.dcp.index_values import ShardPlacement
 from ckptd.errors import ConfigError
-from ckptd.tiers.direct_io import ALIGNMENT
+from ckptd.tiers.direct_io import aligned_empty
 
 
 def local_view(tensor: torch.Tensor) -> tuple[torch.Tensor, ShardPlacement | None]:
@@ -124,15 +123,6 @@ class Stager:
     def release(self) -> None:
         """Drop every buffer (the memory tier is gone afterwards)."""
         self._buffers.clear()
-
-
-def aligned_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor whose memory starts on a :data:`~ckptd.tiers.direct_io.ALIGNMENT`
-    boundary, so that its chunks can be written with direct I/O without a bounce copy."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8)
-    skip = -raw.data_ptr() % ALIGNMENT
-    return raw[skip:skip + nbytes].view(dtype).view(shape)
 
 
 def stage_tree(stager: Stager, tree: Any) -> Any:

@@ -1,5 +1,5 @@
-"""Direct I/O (``O_DIRECT``) for large data-file writes: the device reads the bytes straight from the
-caller's memory, with no copy into the page cache.
+"""Direct I/O (``O_DIRECT``) for large data-file writes and reads: the device moves the bytes straight
+from and to the caller's memory, with no copy through the page cache.
 
 On the development machine (2 cores, ext4 on a virtual disk) 1 GiB written as 16 MiB ``pwrite`` calls
 and fsynced took 0.42-0.49 s with ``O_DIRECT`` from one, two, four or eight threads alike, against
@@ -9,17 +9,23 @@ loop wants it. ``O_DIRECT`` needs the memory address, the file offset and the le
 bounce buffer, padded with zeros to the next multiple (the caller reserves file space in multiples of
 :data:`ALIGNMENT`). File systems without ``O_DIRECT`` (tmpfs, some FUSE mounts) refuse it with
 ``EINVAL``; then the file is written through the page cache instead.
+
+Reads of aligned chunks use direct I/O as well: on the same machine, right after a save, 1 GiB read
+back in 0.58-0.61 s with direct reads against 0.69-0.81 s through the page cache, and a verified
+restore inside ``ckptd bench`` took 1.06-1.37 s against 1.82-1.83 s.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import mmap
 import os
 import threading
 
 import numpy as np
+import torch
 
 from ckptd._types import Buffer
 
@@ -27,6 +33,9 @@ from ckptd._types import Buffer
 ALIGNMENT = mmap.PAGESIZE
 _BOUNCE_BYTES = 16 * 1024 * 1024
 _bounce = threading.local()
+
+#: Tensors smaller than this are not worth a page-aligned allocation of their own.
+MIN_ALIGNED_BYTES = 64 * 1024
 
 #: Whether this platform has O_DIRECT at all (Linux does; macOS does not).
 AVAILABLE = hasattr(os, "O_DIRECT")
@@ -42,6 +51,20 @@ def address(view: memoryview) -> int:
     if len(view) == 0:
         return 0
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+
+
+def aligned_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor whose storage starts on an :data:`ALIGNMENT` boundary (fresh anonymous pages), so
+    that its bytes can be written and read with direct I/O without a bounce copy. Tensors under
+    :data:`MIN_ALIGNED_BYTES` come from the ordinary allocator: a page each would waste memory.
+
+    The storage itself starts there (storage offset 0): some torch functions, ``set_rng_state`` among
+    them, read a tensor's storage from its start and misread a view into a larger buffer."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < MIN_ALIGNED_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    pages = mmap.mmap(-1, nbytes)  # kept alive by the tensor's storage
+    return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def open_direct(path: str | os.PathLike[str], flags: int, mode: int = 0o644) -> tuple[int, bool]:
@@ -92,3 +115,37 @@ def pwrite_direct(fd: int, data: Buffer, offset: int) -> None:
         bounce[piece:padded] = bytes(padded - piece)
         _pwrite_all(fd, bounce[:padded], offset)
         view, offset = view[piece:], offset + padded
+
+
+def _pread_full(fd: int, view: memoryview, offset: int) -> int:
+    """Read until ``view`` is full or the file ends (a read that stops off the alignment is the end);
+    returns the bytes read."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        done += got
+        if got == 0 or done % ALIGNMENT:
+            break
+    return done
+
+
+def pread_direct(fd: int, out: memoryview, offset: int) -> int:
+    """Fill ``out`` from ``offset`` (a multiple of :data:`ALIGNMENT`) of a direct descriptor, reading
+    whole multiples of :data:`ALIGNMENT` (the padding a direct write left, or the end of the file);
+    returns the bytes of ``out`` filled, fewer only when the file ends early."""
+    view, filled = out.cast("B"), 0
+    if address(view) % ALIGNMENT == 0:
+        whole = len(view) - len(view) % ALIGNMENT
+        if whole:
+            filled = _pread_full(fd, view[:whole], offset)
+            if filled < whole:
+                return filled
+    bounce = _bounce_buffer()
+    while filled < len(view):
+        piece = min(len(view) - filled, len(bounce))
+        got = min(piece, _pread_full(fd, bounce[:align_up(piece)], offset + filled))
+        view[filled:filled + got] = bounce[:got]
+        filled += got
+        if got < piece:
+            break
+    return filled

@@ -19,7 +19,8 @@ from pathlib import Path
 import fsspec
 
 from ckptd._types import Buffer
-from ckptd.errors import ConfigError, DiskFullError, LockedError, NotFoundError, StorageError
+from ckptd.config import settings
+from ckptd.errors import ConfigError, DiskFullError, IntegrityError, LockedError, NotFoundError, StorageError
 from ckptd.format.layout import TEMP_MARKER, parse_step_dir, step_dir
 from ckptd.tiers import direct_io
 from ckptd.tiers.base import StorageTier
@@ -180,22 +181,43 @@ class LocalTier(StorageTier):
             raise _storage_error(exc, path, "reading") from exc
 
     def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        """Large reads at aligned offsets use direct I/O where the file system allows it (see
+        :mod:`ckptd.tiers.direct_io`), others the page cache."""
+        direct = (settings().direct_io and offset % direct_io.ALIGNMENT == 0
+                  and len(buffer) >= settings().direct_io_min_bytes)
         try:
-            fd = os.open(self._path(path), os.O_RDONLY)
+            if direct:
+                fd, direct = direct_io.open_direct(self._path(path), os.O_RDONLY)
+            else:
+                fd = os.open(self._path(path), os.O_RDONLY)
         except FileNotFoundError as exc:
             raise NotFoundError("file not found", path=path, tier=self.label) from exc
         try:
-            done = 0
+            done = self._read_direct(fd, offset, buffer) if direct else None
+            if done is not None and done < len(buffer):
+                raise IntegrityError("file is shorter than its index says", path=path, tier=self.label,
+                                     expected=str(offset + len(buffer)), actual=str(offset + done))
+            done = done or 0
             while done < len(buffer):
                 got = os.preadv(fd, [buffer[done:]], offset + done)
                 if got == 0:
-                    from ckptd.errors import IntegrityError
-
                     raise IntegrityError("file is shorter than its index says", path=path, tier=self.label,
                                          expected=str(offset + len(buffer)), actual=str(offset + done))
                 done += got
         finally:
             os.close(fd)
+
+    @staticmethod
+    def _read_direct(fd: int, offset: int, buffer: memoryview) -> int | None:
+        """Bytes of ``buffer`` filled by a direct read; None when the file system refuses direct reads
+        (the descriptor is then switched to the page cache)."""
+        try:
+            return direct_io.pread_direct(fd, buffer, offset)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            direct_io.stop_direct(fd)
+            return None
 
     def size(self, path: str) -> int:
         try:
