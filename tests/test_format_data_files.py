@@ -115,6 +115,21 @@ def test_direct_write_of_unaligned_memory_and_length_pads_with_zeros(tmp_path: P
     assert stored[len(payload):padded] == bytes(padded - len(payload))
 
 
+def save_refused_and_restore(manager_factory: ManagerFactory, checkpoint_dir: Path,
+                             monkeypatch: pytest.MonkeyPatch, refused: list[Any], *, seed: int) -> None:
+    """Save with every chunk meant for direct I/O while the patched refusal is in place, then, unpatched,
+    check that the refusal happened and that the step verifies and restores bit for bit."""
+    state = mixed_state(seed)
+    with override(chunk_bytes=CHUNK, io_threads=2, direct_io_min_bytes=0):
+        save_one(manager_factory, state)
+    monkeypatch.undo()
+    assert refused or not direct_io.AVAILABLE
+    assert list(verify_step(LocalTier(checkpoint_dir), STEP)) == []
+    restored = zeros_like(state)
+    assert manager_factory().restore(restored) == STEP
+    assert_same_state(restored, state)
+
+
 def test_file_system_that_refuses_direct_open_gets_buffered_files(manager_factory: ManagerFactory,
                                                                   checkpoint_dir: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -127,14 +142,7 @@ def test_file_system_that_refuses_direct_open_gets_buffered_files(manager_factor
         return real_open(path, flags, *args, **kwargs)
 
     monkeypatch.setattr(os, "open", open_like_tmpfs)
-    state = mixed_state(3)
-    with override(chunk_bytes=CHUNK, io_threads=2, direct_io_min_bytes=0):
-        save_one(manager_factory, state)
-    monkeypatch.undo()
-    assert refused or not direct_io.AVAILABLE
-    restored = zeros_like(state)
-    assert manager_factory().restore(restored) == STEP
-    assert_same_state(restored, state)
+    save_refused_and_restore(manager_factory, checkpoint_dir, monkeypatch, refused, seed=3)
 
 
 def test_file_system_that_refuses_direct_writes_gets_buffered_writes(manager_factory: ManagerFactory,
@@ -147,15 +155,7 @@ def test_file_system_that_refuses_direct_writes_gets_buffered_writes(manager_fac
         raise OSError(errno.EINVAL, "Invalid argument")
 
     monkeypatch.setattr(direct_io, "pwrite_direct", refuse)
-    state = mixed_state(4)
-    with override(chunk_bytes=CHUNK, io_threads=2, direct_io_min_bytes=0):
-        save_one(manager_factory, state)
-    monkeypatch.undo()
-    assert refused or not direct_io.AVAILABLE
-    assert list(verify_step(LocalTier(checkpoint_dir), STEP)) == []
-    restored = zeros_like(state)
-    assert manager_factory().restore(restored) == STEP
-    assert_same_state(restored, state)
+    save_refused_and_restore(manager_factory, checkpoint_dir, monkeypatch, refused, seed=4)
 
 
 def downgrade_to_version_1(root: Path, step: int) -> None:
