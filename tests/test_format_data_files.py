@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +16,11 @@ import pytest
 import torch
 
 from ckptd.config import override
+from ckptd.errors import IntegrityError
+from ckptd.format import step_reader
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.records import FORMAT_VERSION
-from ckptd.format.step_reader import verify_step
+from ckptd.format.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index, verify_step
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
@@ -237,3 +241,26 @@ def test_aligned_tensors_start_their_own_storage_on_a_page() -> None:
     staged.copy_(state)
     torch.set_rng_state(staged)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_failed_read_returns_only_after_every_read_of_the_tensor_stopped(
+        manager_factory: ManagerFactory, checkpoint_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = mixed_state(7)
+    with override(chunk_bytes=CHUNK):
+        save_one(manager_factory, state)
+    tier = LocalTier(checkpoint_dir)
+    reader = StepReader([ChunkSource(tier, load_rank_index(tier, load_manifest(tier, STEP), 0))])
+    real_read, calls, late = step_reader.read_chunk, [], threading.Event()
+
+    def first_fails_others_slow(source: Any, chunk: Any, out: memoryview, *, tensor: str = "?") -> None:
+        calls.append(chunk)
+        if len(calls) == 1:
+            raise IntegrityError("injected", path="x")
+        time.sleep(0.3)
+        real_read(source, chunk, out, tensor=tensor)
+        late.set()
+
+    monkeypatch.setattr(step_reader, "read_chunk", first_fails_others_slow)
+    with pytest.raises(IntegrityError, match="injected"):
+        reader.read_tensor("big", torch.zeros_like(state["big"]))
+    assert len(calls) > 1 and late.is_set(), "no read of the tensor may still be running after the error"

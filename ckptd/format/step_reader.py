@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from concurrent.futures import wait
 from dataclasses import dataclass
 
 import torch
@@ -163,6 +164,9 @@ class StepReader:
                 self._read_chunk(name, chunk, piece)
         else:
             futures = [io_pool("read").submit(self._read_chunk, name, chunk, piece) for chunk, piece in pieces]
+            # every read must have stopped before an error propagates: the caller may fall back to
+            # another step, and a read still running would write this one's bytes into live tensors
+            wait(futures)
             for future in futures:
                 future.result()
         if out is not None and not direct:
