@@ -5,7 +5,6 @@ direct I/O gets buffered writes instead; checkpoints of format version 1 (one da
 from __future__ import annotations
 
 import errno
-import json
 import os
 import threading
 import time
@@ -18,7 +17,6 @@ import torch
 from ckptd.config import override
 from ckptd.errors import IntegrityError
 from ckptd.format import step_reader
-from ckptd.format.hashing import chunk_digest
 from ckptd.format.records import FORMAT_VERSION
 from ckptd.format.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index, verify_step
 from ckptd.testing import tamper
@@ -164,20 +162,22 @@ def test_file_system_that_refuses_direct_writes_gets_buffered_writes(manager_fac
 
 def downgrade_to_version_1(root: Path, step: int) -> None:
     """Rewrite a single-data-file step in the layout of format version 1, with consistent digests."""
-    index = tamper.read_json(tamper.index_path(root, step))
-    (name, size), = index.pop("data_files")
-    index.update(format_version=1, data_file=name, data_size=size)
-    for record in index["tensors"].values():
-        record["chunks"] = [chunk[:5] for chunk in record["chunks"]]
-    raw = json.dumps(index, separators=(",", ":")).encode()
-    tamper.index_path(root, step).write_bytes(raw)
+    (name, size), = tamper.read_json(tamper.index_path(root, step))["data_files"]
 
-    def entry_v1(manifest: dict[str, Any]) -> None:
+    def index_v1(index: dict[str, Any]) -> None:
+        del index["data_files"]
+        index.update(format_version=1, data_file=name, data_size=size)
+        for record in index["tensors"].values():
+            record["chunks"] = [chunk[:5] for chunk in record["chunks"]]
+
+    def manifest_v1(manifest: dict[str, Any]) -> None:
         manifest["format_version"] = 1
         entry = manifest["ranks"][0]
         del entry["data_files"]
-        entry.update(data_file=name, data_size=size, index_size=len(raw), index_digest=chunk_digest(raw))
-    tamper.rewrite_manifest(root, step, entry_v1)
+        entry.update(data_file=name, data_size=size)
+
+    tamper.rewrite_index(root, step, index_v1)  # also records the new index size and digest
+    tamper.rewrite_manifest(root, step, manifest_v1)
 
 
 def test_format_version_1_checkpoints_still_restore_and_verify(manager_factory: ManagerFactory,

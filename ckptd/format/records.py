@@ -117,6 +117,11 @@ class DataFile:
         return [self.name, self.size]
 
 
+def total_size(data_files: tuple[DataFile, ...]) -> int:
+    """Bytes in a rank's data files together."""
+    return sum(data_file.size for data_file in data_files)
+
+
 @dataclass(frozen=True)
 class RankIndex:
     """Everything one rank saved at one step."""
@@ -131,7 +136,7 @@ class RankIndex:
     @property
     def data_size(self) -> int:
         """Bytes in all data files together."""
-        return sum(data_file.size for data_file in self.data_files)
+        return total_size(self.data_files)
 
     def data_file(self, chunk: ChunkRecord) -> str:
         """Name of the data file that holds ``chunk``."""
@@ -190,7 +195,7 @@ class RankEntry:
 
     @property
     def data_size(self) -> int:
-        return sum(data_file.size for data_file in self.data_files)
+        return total_size(self.data_files)
 
     def to_json(self) -> dict[str, Any]:
         return {"rank": self.rank, "index_file": self.index_file, "index_size": self.index_size,

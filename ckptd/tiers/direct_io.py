@@ -92,7 +92,8 @@ def _bounce_buffer() -> memoryview:
     return buffer
 
 
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of ``view`` at ``offset``, however many ``pwrite`` calls it takes."""
     while view:
         written = os.pwrite(fd, view, offset)
         view, offset = view[written:], offset + written
@@ -105,7 +106,7 @@ def pwrite_direct(fd: int, data: Buffer, offset: int) -> None:
     if address(view) % ALIGNMENT == 0:
         whole = len(view) - len(view) % ALIGNMENT
         if whole:
-            _pwrite_all(fd, view[:whole], offset)
+            pwrite_all(fd, view[:whole], offset)
         view, offset = view[whole:], offset + whole
     bounce = _bounce_buffer()
     while view:
@@ -113,18 +114,18 @@ def pwrite_direct(fd: int, data: Buffer, offset: int) -> None:
         padded = align_up(piece)
         bounce[:piece] = view[:piece]
         bounce[piece:padded] = bytes(padded - piece)
-        _pwrite_all(fd, bounce[:padded], offset)
+        pwrite_all(fd, bounce[:padded], offset)
         view, offset = view[piece:], offset + padded
 
 
-def _pread_full(fd: int, view: memoryview, offset: int) -> int:
-    """Read until ``view`` is full or the file ends (a read that stops off the alignment is the end);
-    returns the bytes read."""
+def pread_full(fd: int, view: memoryview, offset: int, *, direct: bool = False) -> int:
+    """Read until ``view`` is full or the file ends; returns the bytes read. On a direct descriptor a
+    read that stops off the alignment is the end (the next one could not start there)."""
     done = 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
         done += got
-        if got == 0 or done % ALIGNMENT:
+        if got == 0 or (direct and done % ALIGNMENT):
             break
     return done
 
@@ -137,13 +138,13 @@ def pread_direct(fd: int, out: memoryview, offset: int) -> int:
     if address(view) % ALIGNMENT == 0:
         whole = len(view) - len(view) % ALIGNMENT
         if whole:
-            filled = _pread_full(fd, view[:whole], offset)
+            filled = pread_full(fd, view[:whole], offset, direct=True)
             if filled < whole:
                 return filled
     bounce = _bounce_buffer()
     while filled < len(view):
         piece = min(len(view) - filled, len(bounce))
-        got = min(piece, _pread_full(fd, bounce[:align_up(piece)], offset + filled))
+        got = min(piece, pread_full(fd, bounce[:align_up(piece)], offset + filled, direct=True))
         view[filled:filled + got] = bounce[:got]
         filled += got
         if got < piece:

@@ -117,12 +117,8 @@ class AtomicFile:
                     raise _storage_error(exc, self.final, "writing") from exc
                 direct_io.stop_direct(self._fd)  # type: ignore[arg-type]
                 self.direct = False
-        view = memoryview(data).cast("B")
         try:
-            while view:
-                written = os.pwrite(self._fd, view[:_WRITE_SLICE], offset)  # type: ignore[arg-type]
-                view = view[written:]
-                offset += written
+            direct_io.pwrite_all(self._fd, memoryview(data).cast("B"), offset)  # type: ignore[arg-type]
         except OSError as exc:
             raise _storage_error(exc, self.final, "writing") from exc
 
@@ -183,8 +179,9 @@ class LocalTier(StorageTier):
     def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
         """Large reads at aligned offsets use direct I/O where the file system allows it (see
         :mod:`ckptd.tiers.direct_io`), others the page cache."""
-        direct = (settings().direct_io and offset % direct_io.ALIGNMENT == 0
-                  and len(buffer) >= settings().direct_io_min_bytes)
+        options = settings()
+        direct = (options.direct_io and offset % direct_io.ALIGNMENT == 0
+                  and len(buffer) >= options.direct_io_min_bytes)
         try:
             if direct:
                 fd, direct = direct_io.open_direct(self._path(path), os.O_RDONLY)
@@ -194,18 +191,13 @@ class LocalTier(StorageTier):
             raise NotFoundError("file not found", path=path, tier=self.label) from exc
         try:
             done = self._read_direct(fd, offset, buffer) if direct else None
-            if done is not None and done < len(buffer):
-                raise IntegrityError("file is shorter than its index says", path=path, tier=self.label,
-                                     expected=str(offset + len(buffer)), actual=str(offset + done))
-            done = done or 0
-            while done < len(buffer):
-                got = os.preadv(fd, [buffer[done:]], offset + done)
-                if got == 0:
-                    raise IntegrityError("file is shorter than its index says", path=path, tier=self.label,
-                                         expected=str(offset + len(buffer)), actual=str(offset + done))
-                done += got
+            if done is None:
+                done = direct_io.pread_full(fd, buffer, offset)
         finally:
             os.close(fd)
+        if done < len(buffer):
+            raise IntegrityError("file is shorter than its index says", path=path, tier=self.label,
+                                 expected=str(offset + len(buffer)), actual=str(offset + done))
 
     @staticmethod
     def _read_direct(fd: int, offset: int, buffer: memoryview) -> int | None:
