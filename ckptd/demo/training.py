@@ -58,10 +58,13 @@ def weights_digest(model: torch.nn.Module) -> str:
 def train(data: str, cache: str, ckpt: str | None, steps: int, crash_at: int | None, every: int,
           remote: str | None = None, endpoint_url: str | None = None,
           step_time: float = 0.0) -> dict[str, object]:
-    # With two intra-op threads, the first AdamW step after a resume from the object tier rounded
-    # differently in about half of the runs on the 2-core development machine (same loss, same optimizer
-    # moments, different weights after the step), while single-threaded kernels gave 8 equal runs of 8;
-    # this tiny model gains nothing from threads, and the demo compares bits.
+    # On the 2-core development VM, the first piece of parallel work a new intra-op worker thread does
+    # is sometimes computed imprecisely: `v.sqrt()` on 8192 floats with two threads returned up to
+    # 2.8e-4 relative error in the worker's half in 2 of 40 fresh processes, in plain torch without
+    # ckptd, and never once the worker had run any parallel op before. In a failing demo that was traced,
+    # the resumed run matched the crashed run bit for bit; the uninterrupted run had hit this at its
+    # first optimizer step. The demo compares bits, so it
+    # keeps all kernels on the training thread; this tiny model gains nothing from threads.
     torch.set_num_threads(1)
     torch.manual_seed(0)
     np.random.seed(0)
