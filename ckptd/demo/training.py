@@ -63,8 +63,8 @@ def train(data: str, cache: str, ckpt: str | None, steps: int, crash_at: int | N
     # 2.8e-4 relative error in the worker's half in 2 of 40 fresh processes, in plain torch without
     # ckptd, and never once the worker had run any parallel op before. In a failing demo that was traced,
     # the resumed run matched the crashed run bit for bit; the uninterrupted run had hit this at its
-    # first optimizer step. The demo compares bits, so it
-    # keeps all kernels on the training thread; this tiny model gains nothing from threads.
+    # first optimizer step. The demo compares bits, so it keeps all kernels on the training thread;
+    # this tiny model gains nothing from threads.
     torch.set_num_threads(1)
     torch.manual_seed(0)
     np.random.seed(0)
