@@ -113,6 +113,12 @@ class CkptdContender:
         self.manager.close()
 
 
+def live_targets(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors to restore into, written once before timing like the parameters of a model built before
+    its restore (``torch.load`` has no such target: it allocates, and a ``load_state_dict`` would copy)."""
+    return {name: torch.zeros_like(t) for name, t in state.items()}
+
+
 def restore_torch_load(directory: Path) -> float:
     path = directory / "model.pt"
     evict(path)
@@ -122,14 +128,14 @@ def restore_torch_load(directory: Path) -> float:
 def restore_dcp_load(state: dict[str, torch.Tensor], directory: Path) -> float:
     from torch.distributed.checkpoint import FileSystemReader
 
-    target = {name: torch.empty_like(t) for name, t in state.items()}
+    target = live_targets(state)
     evict(directory)
     return timed(lambda: dcp.load(target, storage_reader=FileSystemReader(str(directory))))
 
 
 def restore_ckptd(state: dict[str, torch.Tensor], directory: Path, *, read_threads: int) -> float:
     """Read and verify every chunk of the newest step from disk (no memory tier) into live tensors."""
-    target = {name: torch.empty_like(t) for name, t in state.items()}
+    target = live_targets(state)
     evict(directory)
     with override(read_threads=read_threads):
         def restore() -> None:  # the manager's restore path, without taking the writer lock

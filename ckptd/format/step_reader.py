@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from concurrent.futures import wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -131,6 +131,7 @@ class StepReader:
             raise ValueError("StepReader needs at least one source")
         self.sources = sources
         self.events: list[FallbackEvent] = []
+        self._pending: list[Future[None]] = []
 
     @property
     def index(self) -> RankIndex:
@@ -142,8 +143,12 @@ class StepReader:
         except KeyError:
             raise NotFoundError(f"tensor {name!r} is not in the checkpoint", step=self.index.step) from None
 
-    def read_tensor(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Read a saved tensor, into ``out`` when given (it must have the saved shape)."""
+    def read_tensor(self, name: str, out: torch.Tensor | None = None, *, defer: bool = False) -> torch.Tensor:
+        """Read a saved tensor, into ``out`` when given (it must have the saved shape).
+
+        With ``defer``, a read straight into ``out`` (a contiguous CPU tensor of the saved dtype) only
+        starts: ``out`` is returned at once and holds the saved values after :meth:`settle`. Restores
+        use this to keep every chunk of every tensor in flight instead of waiting tensor by tensor."""
         record = self.record(name)
         if out is not None and tuple(out.shape) != record.shape:
             from ckptd.errors import ResumeMismatchError
@@ -159,21 +164,28 @@ class StepReader:
         for chunk in record.chunks:
             pieces.append((chunk, view[position:position + chunk.raw_length]))
             position += chunk.raw_length
+        if defer and direct:
+            self._pending.extend(io_pool("read").submit(self._read_chunk, name, chunk, piece)
+                                 for chunk, piece in pieces)
+            return target
         if len(pieces) <= 1:
             for chunk, piece in pieces:
                 self._read_chunk(name, chunk, piece)
         else:
-            futures = [io_pool("read").submit(self._read_chunk, name, chunk, piece) for chunk, piece in pieces]
-            # every read must have stopped before an error propagates: the caller may fall back to
-            # another step, and a read still running would write this one's bytes into live tensors
-            wait(futures)
-            for future in futures:
-                future.result()
+            _finish([io_pool("read").submit(self._read_chunk, name, chunk, piece) for chunk, piece in pieces])
         if out is not None and not direct:
             with torch.no_grad():
                 out.copy_(target)
             return out
         return target
+
+    def settle(self, *, raise_errors: bool = True) -> None:
+        """Wait until every deferred read has stopped; then raise the first failure, if any and asked."""
+        pending, self._pending = self._pending, []
+        if raise_errors:
+            _finish(pending)
+        else:
+            wait(pending)
 
     def _read_chunk(self, name: str, chunk: ChunkRecord, out: memoryview) -> None:
         first_error: CkptdError | None = None
@@ -189,6 +201,14 @@ class StepReader:
                 log.warning("bad or missing chunk, trying the next tier: %s", error)
         assert first_error is not None
         raise first_error
+
+
+def _finish(futures: list[Future[None]]) -> None:
+    # every read must have stopped before an error propagates: the caller may fall back to another
+    # step, and a read still running would write this one's bytes into live tensors
+    wait(futures)
+    for future in futures:
+        future.result()
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from ckptd.format.step_reader import ChunkSource, FallbackEvent, StepReader, loa
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator
 from ckptd.manager.saving import MemoryCopy
 from ckptd.state import rng
-from ckptd.state.tree import load_into
+from ckptd.state.tree import load_into, no_pending_reads
 from ckptd.tiers.base import StorageTier
 
 log = logging.getLogger("ckptd.restore")
@@ -167,9 +167,9 @@ def _try_load(metadata: _Metadata, tiers: list[StorageTier], step: int, state: M
               memory: MemoryCopy | None) -> dict[str, Any] | None:
     """None on success, else ``{"error": text, "mismatch": bool}`` (JSON, for the outcome exchange)."""
     try:
-        skeleton, read = _source(metadata, tiers, step, state, result, rank=rank, world_size=world_size,
-                                 allow_pickle=allow_pickle, memory=memory)
-        _load(skeleton, read, state, allow_pickle=allow_pickle, restore_rng=restore_rng)
+        skeleton, read, settle = _source(metadata, tiers, step, state, result, rank=rank, world_size=world_size,
+                                         allow_pickle=allow_pickle, memory=memory)
+        _load(skeleton, read, settle, state, allow_pickle=allow_pickle, restore_rng=restore_rng)
     except CkptdError as error:
         return {"error": str(error), "mismatch": isinstance(error, ResumeMismatchError),
                 "pickle": isinstance(error, PickleRefusedError)}
@@ -177,11 +177,13 @@ def _try_load(metadata: _Metadata, tiers: list[StorageTier], step: int, state: M
 
 
 def _source(metadata: _Metadata, tiers: list[StorageTier], step: int, state: MutableMapping[str, Any], result: RestoreResult, *,
-            rank: int, world_size: int, allow_pickle: bool, memory: MemoryCopy | None) -> tuple[Any, TensorReader]:
+            rank: int, world_size: int, allow_pickle: bool,
+            memory: MemoryCopy | None) -> tuple[Any, TensorReader, Callable[..., None]]:
+    """The skeleton to load, the reader of its tensors, and what waits for reads that are still running."""
     saved_world = _saved_world_size(metadata, tiers, step)
     if saved_world != world_size:
         result.resharded, result.tier = True, tiers[0].label
-        return resharded_source(tiers, step, state, rank=rank, allow_pickle=allow_pickle)
+        return (*resharded_source(tiers, step, state, rank=rank, allow_pickle=allow_pickle), no_pending_reads)
     if memory is not None and memory.step == step and memory.committed:
         result.tier = "memory"
         staged = memory.staged.tensors
@@ -193,10 +195,15 @@ def _source(metadata: _Metadata, tiers: list[StorageTier], step: int, state: Mut
                 out.copy_(staged[name])
             return out
 
-        return memory.values.skeleton, live_reader(from_memory)
+        return memory.values.skeleton, live_reader(from_memory), no_pending_reads
     reader = StepReader(_sources(metadata, tiers, step, rank, world_size))
     result.tier, result.events = reader.sources[0].tier.label, reader.events
-    return manager_skeleton(parse_values(reader.index.values), step=step), live_reader(reader.read_tensor)
+
+    def read_deferred(name: str, out: torch.Tensor | None) -> torch.Tensor:
+        return reader.read_tensor(name, out, defer=True)
+
+    skeleton = manager_skeleton(parse_values(reader.index.values), step=step)
+    return skeleton, live_reader(read_deferred), reader.settle
 
 
 def _saved_world_size(metadata: _Metadata, tiers: list[StorageTier], step: int) -> int:
@@ -209,11 +216,11 @@ def _saved_world_size(metadata: _Metadata, tiers: list[StorageTier], step: int) 
     raise NotFoundError(f"no tier has a readable manifest of step {step}: " + " | ".join(errors), step=step)
 
 
-def _load(skeleton: Any, read: TensorReader, state: MutableMapping[str, Any], *, allow_pickle: bool,
-          restore_rng: bool) -> None:
+def _load(skeleton: Any, read: TensorReader, settle: Callable[..., None], state: MutableMapping[str, Any], *,
+          allow_pickle: bool, restore_rng: bool) -> None:
     target = dict(state)
     with torch.no_grad():
-        load_into(target, skeleton, read, allow_pickle=allow_pickle)
+        load_into(target, skeleton, read, allow_pickle=allow_pickle, settle=settle)
     saved_rng = target.pop(rng.RNG_KEY, None)
     state.update(target)
     if restore_rng and saved_rng is not None:

@@ -148,10 +148,15 @@ def skeleton_tensor_names(skeleton: Any) -> list[str]:
     return names
 
 
+def no_pending_reads(*, raise_errors: bool = True) -> None:
+    """The ``settle`` of a tensor source whose reads are complete when they return."""
+
+
 class _Loader:
-    def __init__(self, read: TensorSource, allow_pickle: bool) -> None:
+    def __init__(self, read: TensorSource, allow_pickle: bool, settle: Callable[..., None] = no_pending_reads) -> None:
         self.read = read
         self.allow_pickle = allow_pickle
+        self.settle = settle
 
     def node(self, node: Any, target: Any, path: str) -> Any:
         if not isinstance(node, dict) or not node:
@@ -171,6 +176,7 @@ class _Loader:
                     f"the checkpoint holds an object's state at {path!r} but the live state has "
                     f"{type(target).__name__} there", hint="pass the same kind of object as when saving")
             rebuilt = self.node(node["stateful"], target.state_dict(), path)
+            self.settle()  # the object may copy or cast the tensors it receives
             target.load_state_dict(rebuilt)
             return target
         if kind in _LEAF_KINDS:
@@ -258,12 +264,20 @@ def _malformed(path: str, why: str) -> FormatError:
 
 
 def load_into(state: MutableMapping[str, Any], skeleton: Any, read: TensorSource, *,
-              allow_pickle: bool = False) -> None:
-    """Load a saved skeleton into the live ``state`` in place (see the module docstring)."""
-    loader = _Loader(read, allow_pickle)
+              allow_pickle: bool = False, settle: Callable[..., None] = no_pending_reads) -> None:
+    """Load a saved skeleton into the live ``state`` in place (see the module docstring).
+
+    ``read`` may return a live tensor whose bytes are still arriving; ``settle()`` then waits for them
+    and raises a failed read. It is called before any object's ``load_state_dict`` and at the end, and
+    on a failure ``settle(raise_errors=False)`` runs before the failure propagates."""
     if not isinstance(skeleton, dict) or "dict" not in skeleton:
         raise CkptdError("the state skeleton is not a mapping")
-    loader.node(skeleton, state, "")
+    try:
+        _Loader(read, allow_pickle, settle).node(skeleton, state, "")
+    except BaseException:
+        settle(raise_errors=False)
+        raise
+    settle()
 
 
 def rebuild(skeleton: Any, read: TensorSource, *, allow_pickle: bool = False) -> Any:

@@ -92,6 +92,11 @@ def _bounce_buffer() -> memoryview:
     return buffer
 
 
+def copy_bytes(target: memoryview, source: memoryview) -> None:
+    """Copy equal-sized byte views with the GIL released (a memoryview slice assignment holds it)."""
+    np.copyto(np.frombuffer(target, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8))
+
+
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     """Write all of ``view`` at ``offset``, however many ``pwrite`` calls it takes."""
     while view:
@@ -112,7 +117,7 @@ def pwrite_direct(fd: int, data: Buffer, offset: int) -> None:
     while view:
         piece = min(len(view), len(bounce))
         padded = align_up(piece)
-        bounce[:piece] = view[:piece]
+        copy_bytes(bounce[:piece], view[:piece])
         bounce[piece:padded] = bytes(padded - piece)
         pwrite_all(fd, bounce[:padded], offset)
         view, offset = view[piece:], offset + padded
@@ -145,7 +150,7 @@ def pread_direct(fd: int, out: memoryview, offset: int) -> int:
     while filled < len(view):
         piece = min(len(view) - filled, len(bounce))
         got = min(piece, pread_full(fd, bounce[:align_up(piece)], offset + filled, direct=True))
-        view[filled:filled + got] = bounce[:got]
+        copy_bytes(view[filled:filled + got], bounce[:got])
         filled += got
         if got < piece:
             break

@@ -1,0 +1,123 @@
+"""A restore keeps the reads of every tensor in flight at once (not tensor by tensor), and still hands
+objects only finished tensors and lets no read outlive a failed restore."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptd.config import override
+from ckptd.errors import ResumeMismatchError
+from ckptd.format import step_reader
+from ckptd.testing.compare import assert_same_state
+from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
+
+CHUNK = 1024 * 1024
+
+
+class SlowReads:
+    """Wraps the real chunk read: each takes ``delay`` longer; counts reads in flight and their peak."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
+        self.real, self.delay = step_reader.read_chunk, delay
+        self.lock = threading.Lock()
+        self.running = self.peak = self.calls = 0
+        monkeypatch.setattr(step_reader, "read_chunk", self)
+
+    def __call__(self, source: Any, chunk: Any, out: memoryview, *, tensor: str = "?") -> None:
+        with self.lock:
+            self.running += 1
+            self.calls += 1
+            self.peak = max(self.peak, self.running)
+        try:
+            time.sleep(self.delay)
+            self.real(source, chunk, out, tensor=tensor)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+class Holder:
+    """A stateful object that keeps a copy of what its ``load_state_dict`` received."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.received: torch.Tensor | None = None
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"weight": self.weight}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.received = state["weight"].clone()
+
+
+def single_chunk_tensors(count: int, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {f"t{i}": torch.randn(CHUNK // 8, generator=generator) for i in range(count)}
+
+
+def save(manager_factory: ManagerFactory, state: dict[str, Any], step: int = 1) -> None:
+    manager = manager_factory()
+    with override(chunk_bytes=CHUNK):
+        manager.save(step, state, force=True)
+        manager.wait()
+    manager.close()
+
+
+def test_reads_of_different_tensors_run_at_the_same_time(manager_factory: ManagerFactory,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    saved = single_chunk_tensors(8, seed=1)
+    save(manager_factory, saved)
+    live = {name: torch.zeros_like(tensor) for name, tensor in saved.items()}
+    slow = SlowReads(monkeypatch, delay=0.05)
+    with override(read_threads=4):
+        assert manager_factory().restore(live) == 1
+    assert_same_state(live, saved)
+    assert slow.calls == 8
+    assert slow.peak >= 2, "each tensor here is one chunk: only reads of different tensors can overlap"
+
+
+def test_an_object_receives_its_tensors_only_after_their_reads_finished(
+        manager_factory: ManagerFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    weight = torch.randn(3 * CHUNK // 4 + 5, generator=torch.Generator().manual_seed(2))
+    save(manager_factory, {"holder": Holder(weight.clone()), "after": torch.arange(10.0)})
+    holder = Holder(torch.zeros_like(weight))
+    live: dict[str, Any] = {"holder": holder, "after": torch.zeros(10)}
+    SlowReads(monkeypatch, delay=0.2)
+    assert manager_factory().restore(live) == 1
+    assert holder.received is not None and torch.equal(holder.received, weight)
+    assert torch.equal(holder.weight, weight) and torch.equal(live["after"], torch.arange(10.0))
+
+
+def test_a_restore_that_fails_midway_returns_after_every_read_stopped(
+        manager_factory: ManagerFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    saved = {**single_chunk_tensors(4, seed=3), "wrong_shape": torch.ones(4)}
+    save(manager_factory, saved)
+    live = {**{name: torch.zeros_like(t) for name, t in saved.items()}, "wrong_shape": torch.zeros(5)}
+    slow = SlowReads(monkeypatch, delay=0.3)
+    with pytest.raises(ResumeMismatchError, match="wrong_shape"):
+        manager_factory().restore(live)
+    assert slow.calls >= 1 and slow.running == 0, "a read still running would write into live tensors later"
+
+
+def test_saved_bytes_survive_the_pipelined_restore_of_a_model_and_optimizer(
+        manager_factory: ManagerFactory, checkpoint_dir: Path) -> None:
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 300))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 512)).sum().backward()
+    optimizer.step()
+    save(manager_factory, {"model": model, "optim": optimizer})
+    expected = {"model": {k: v.clone() for k, v in model.state_dict().items()},
+                "optim": {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.state_dict()["state"].items()}}
+    torch.manual_seed(5)
+    fresh = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 300))
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    assert manager_factory(checkpoint_dir).restore({"model": fresh, "optim": fresh_optimizer}) == 1
+    assert_same_state(dict(fresh.state_dict()), expected["model"])
+    assert_same_state(fresh_optimizer.state_dict()["state"], expected["optim"])
