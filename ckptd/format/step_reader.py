@@ -8,6 +8,8 @@ with file, chunk and tier and kept in :attr:`StepReader.events`.
 
 The chunks of a tensor are read and verified in parallel on the ``ckptd-read`` pool (``preadv``, xxhash
 and zstd release the GIL); :meth:`StepReader.read_tensor` must therefore not be called from that pool.
+A restore defers the reads into live tensors, so that the chunks of all its tensors are in flight
+together, and calls :meth:`StepReader.settle` before the values are used.
 """
 
 from __future__ import annotations
