@@ -10,10 +10,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptd.config import override
+from ckptd.dcp import CkptdStorageReader, CkptdStorageWriter
 from ckptd.errors import ResumeMismatchError
 from ckptd.format import step_reader
+from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
 
@@ -121,3 +125,26 @@ def test_saved_bytes_survive_the_pipelined_restore_of_a_model_and_optimizer(
     assert manager_factory(checkpoint_dir).restore({"model": fresh, "optim": fresh_optimizer}) == 1
     assert_same_state(dict(fresh.state_dict()), expected["model"])
     assert_same_state(fresh_optimizer.state_dict()["state"], expected["optim"])
+
+
+@pytest.mark.filterwarnings("ignore:.*torch.distributed is disabled")
+def test_dcp_load_through_ckptd_overlaps_reads_and_waits_for_all_before_failing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    saved = single_chunk_tensors(8, seed=6)
+    with override(chunk_bytes=CHUNK):
+        dcp.save(saved, storage_writer=CkptdStorageWriter(tmp_path, step=1))
+    live = {name: torch.zeros_like(tensor) for name, tensor in saved.items()}
+    slow = SlowReads(monkeypatch, delay=0.05)
+    with override(read_threads=4):
+        dcp.load(live, storage_reader=CkptdStorageReader(tmp_path, step=1))
+    assert_same_state(live, saved)
+    assert slow.peak >= 2
+
+    # the last tensor is read while the others are still arriving (a float64 target: read, then cast)
+    path, offset, _ = tamper.chunk_location(tmp_path, 1, "t7")
+    tamper.flip_bit(path, offset)
+    live["t7"] = torch.zeros(saved["t7"].shape, dtype=torch.float64)
+    slow.delay = 0.3
+    with override(read_threads=4), pytest.raises(CheckpointException, match=r"'t7' at offset \d+ fails its digest"):
+        dcp.load(live, storage_reader=CkptdStorageReader(tmp_path, step=1))
+    assert slow.running == 0, "a read still running would write into live tensors later"

@@ -36,7 +36,7 @@ from ckptd.dcp.writer import CkptdStorageWriter, split_checkpoint_id
 from ckptd.errors import CkptdError, ConfigError, NotFoundError, PickleRefusedError
 from ckptd.format.layout import step_dir
 from ckptd.format.records import Manifest
-from ckptd.format.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index
+from ckptd.format.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index, settle_all
 from ckptd.state.tree import rebuild
 from ckptd.tiers import open_tier
 from ckptd.tiers.base import StorageTier
@@ -136,13 +136,21 @@ class CkptdStorageReader(StorageReader):
                 raise NotFoundError(f"{item.storage_index.fqn!r} at offsets {offsets} is not in the checkpoint",
                                     step=self.step, path=self.checkpoint_id)
             groups[piece].append(item)
-        for piece, items in groups.items():
-            if piece.kind == "tensor":
-                self._read_tensor(piece, items, planner)
-            else:
-                data = self._value_bytes(piece)
-                for item in items:
-                    planner.load_bytes(item, io.BytesIO(data))
+        arriving: list[tuple[ReadItem, torch.Tensor]] = []
+        try:
+            for piece, items in groups.items():
+                if piece.kind == "tensor":
+                    self._read_tensor(piece, items, planner, arriving)
+                else:
+                    data = self._value_bytes(piece)
+                    for item in items:
+                        planner.load_bytes(item, io.BytesIO(data))
+        except BaseException:
+            settle_all(self._readers, raise_errors=False)
+            raise
+        settle_all(self._readers)
+        for item, target in arriving:
+            planner.commit_tensor(item, target)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -152,15 +160,17 @@ class CkptdStorageReader(StorageReader):
         return CkptdStorageWriter.validate_checkpoint_id(checkpoint_id)
 
     # --- internals ----------------------------------------------------------------------------
-    def _read_tensor(self, piece: StoredPiece, items: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read_tensor(self, piece: StoredPiece, items: list[ReadItem], planner: LoadPlanner,
+                     arriving: list[tuple[ReadItem, torch.Tensor]]) -> None:
+        """Hand the planner its pieces of one stored tensor; a read straight into the destination is only
+        started, and ``arriving`` gets the item to commit once every read has settled."""
         reader = self._readers[piece.rank]
         record = reader.record(piece.name)
         if len(items) == 1:
             item = items[0]
             target = planner.resolve_tensor(item).detach()
             if tuple(item.lengths) == record.shape and tuple(target.shape) == record.shape:
-                reader.read_tensor(piece.name, target)  # straight into the destination when it can
-                planner.commit_tensor(item, target)
+                arriving.append((item, reader.read_tensor(piece.name, target, defer=True)))
                 return
         stored = reader.read_tensor(piece.name)
         for item in items:

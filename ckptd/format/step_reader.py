@@ -15,7 +15,7 @@ together, and calls :meth:`StepReader.settle` before the values are used.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
@@ -183,11 +183,7 @@ class StepReader:
 
     def settle(self, *, raise_errors: bool = True) -> None:
         """Wait until every deferred read has stopped; then raise the first failure, if any and asked."""
-        pending, self._pending = self._pending, []
-        if raise_errors:
-            _finish(pending)
-        else:
-            wait(pending)
+        settle_all([self], raise_errors=raise_errors)
 
     def _read_chunk(self, name: str, chunk: ChunkRecord, out: memoryview) -> None:
         first_error: CkptdError | None = None
@@ -203,6 +199,19 @@ class StepReader:
                 log.warning("bad or missing chunk, trying the next tier: %s", error)
         assert first_error is not None
         raise first_error
+
+
+def settle_all(readers: Iterable[StepReader], *, raise_errors: bool = True) -> None:
+    """:meth:`StepReader.settle` for several readers at once: no read of any of them is still running
+    when the first failure is raised."""
+    pending: list[Future[None]] = []
+    for reader in readers:
+        pending.extend(reader._pending)
+        reader._pending = []
+    if raise_errors:
+        _finish(pending)
+    else:
+        wait(pending)
 
 
 def _finish(futures: list[Future[None]]) -> None:

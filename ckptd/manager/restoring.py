@@ -162,8 +162,8 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
     return result
 
 
-def _try_load(metadata: _Metadata, tiers: list[StorageTier], step: int, state: MutableMapping[str, Any], result: RestoreResult, *,
-              rank: int, world_size: int, allow_pickle: bool, restore_rng: bool,
+def _try_load(metadata: _Metadata, tiers: list[StorageTier], step: int, state: MutableMapping[str, Any],
+              result: RestoreResult, *, rank: int, world_size: int, allow_pickle: bool, restore_rng: bool,
               memory: MemoryCopy | None) -> dict[str, Any] | None:
     """None on success, else ``{"error": text, "mismatch": bool}`` (JSON, for the outcome exchange)."""
     try:
@@ -176,8 +176,8 @@ def _try_load(metadata: _Metadata, tiers: list[StorageTier], step: int, state: M
     return None
 
 
-def _source(metadata: _Metadata, tiers: list[StorageTier], step: int, state: MutableMapping[str, Any], result: RestoreResult, *,
-            rank: int, world_size: int, allow_pickle: bool,
+def _source(metadata: _Metadata, tiers: list[StorageTier], step: int, state: MutableMapping[str, Any],
+            result: RestoreResult, *, rank: int, world_size: int, allow_pickle: bool,
             memory: MemoryCopy | None) -> tuple[Any, TensorReader, Callable[..., None]]:
     """The skeleton to load, the reader of its tensors, and what waits for reads that are still running."""
     saved_world = _saved_world_size(metadata, tiers, step)
