@@ -1,9 +1,12 @@
-"""`ckptd bench` runs end to end on a tiny state and reports every ratio (figures are not asserted)."""
+"""`ckptd bench` and the GPU staging script run end to end on a tiny state and report every figure (figures
+are not asserted)."""
 
 from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -26,4 +29,17 @@ def test_bench_json_on_a_tiny_state(tmp_path: Path) -> None:
     for key in ("stall_vs_copy", "durable_speedup_vs_best", "restore_speedup_vs_best", "loop_ratio_ckptd",
                 "loop_ratio_dcp_async", "young_daly_interval_s"):
         assert report["ratios"][key] > 0, key
+    assert list(tmp_path.iterdir()) == []  # scratch space removed
+
+
+def test_gpu_staging_script_runs_its_code_paths_on_cpu(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu_staging.py"
+    completed = subprocess.run([sys.executable, str(script), "--device", "cpu", "--gib", "0.03", "--tensor-mib", "4",
+                                "--repeats", "1", "--dir", str(tmp_path), "--json"],
+                               capture_output=True, text=True, timeout=300, check=False)
+    assert completed.returncode == 0, completed.stderr
+    report = json.loads(completed.stdout)
+    assert report["tensors"] == 8 and report["state_bytes"] == 8 * (4 << 20)
+    for key in ("dcp_async_save_staged", "ckptd_save_stall"):
+        assert report[key]["seconds"] > 0 and report[key]["of_pinned_peak"] > 0, key
     assert list(tmp_path.iterdir()) == []  # scratch space removed
