@@ -17,9 +17,11 @@ from ckptd.config import override
 from ckptd.dcp import CkptdStorageReader, CkptdStorageWriter
 from ckptd.errors import ResumeMismatchError
 from ckptd.format import step_reader
+from ckptd.format.step_reader import StepReader
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
+from ckptd.tiers.direct_io import address
 
 CHUNK = 1024 * 1024
 
@@ -31,6 +33,7 @@ class SlowReads:
         self.real, self.delay = step_reader.read_chunk, delay
         self.lock = threading.Lock()
         self.running = self.peak = self.calls = 0
+        self.spans: list[tuple[int, int, float, float]] = []  # memory from, to; time from, to
         monkeypatch.setattr(step_reader, "read_chunk", self)
 
     def __call__(self, source: Any, chunk: Any, out: memoryview, *, tensor: str = "?") -> None:
@@ -38,12 +41,29 @@ class SlowReads:
             self.running += 1
             self.calls += 1
             self.peak = max(self.peak, self.running)
+        started = time.monotonic()
         try:
             time.sleep(self.delay)
             self.real(source, chunk, out, tensor=tensor)
         finally:
             with self.lock:
                 self.running -= 1
+                self.spans.append((address(out), address(out) + len(out), started, time.monotonic()))
+
+    def wait_for_each_read_to_start(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Make a restore's walk go on only once the read it just started is running."""
+        real = StepReader.read_tensor
+
+        def read_tensor(reader: StepReader, name: str, out: torch.Tensor | None = None, *,
+                        defer: bool = False) -> torch.Tensor:
+            before = self.calls
+            result = real(reader, name, out, defer=defer)
+            deadline = time.monotonic() + 10
+            while self.calls == before and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return result
+
+        monkeypatch.setattr(StepReader, "read_tensor", read_tensor)
 
 
 class Holder:
@@ -104,9 +124,56 @@ def test_a_restore_that_fails_midway_returns_after_every_read_stopped(
     save(manager_factory, saved)
     live = {**{name: torch.zeros_like(t) for name, t in saved.items()}, "wrong_shape": torch.zeros(5)}
     slow = SlowReads(monkeypatch, delay=0.3)
+    slow.wait_for_each_read_to_start(monkeypatch)
     with pytest.raises(ResumeMismatchError, match="wrong_shape"):
         manager_factory().restore(live)
     assert slow.calls >= 1 and slow.running == 0, "a read still running would write into live tensors later"
+
+
+def test_an_interrupt_while_waiting_for_reads_returns_after_every_read_stopped(
+        manager_factory: ManagerFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    saved = single_chunk_tensors(4, seed=7)
+    save(manager_factory, saved)
+    slow = SlowReads(monkeypatch, delay=0.3)
+    slow.wait_for_each_read_to_start(monkeypatch)
+    real_wait, interrupted = step_reader.wait, []
+
+    def interrupted_once(*args: Any, **kwargs: Any) -> Any:
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
+        return real_wait(*args, **kwargs)
+
+    monkeypatch.setattr(step_reader, "wait", interrupted_once)
+    with override(read_threads=4), pytest.raises(KeyboardInterrupt):
+        manager_factory().restore({name: torch.zeros_like(t) for name, t in saved.items()})
+    assert interrupted and slow.calls >= 1 and slow.running == 0, "no read may outlive the interrupt"
+
+
+class TiedModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(128, 2048)
+        self.head = torch.nn.Linear(2048, 128, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_tied_weights_are_never_read_into_their_shared_memory_twice_at_once(
+        manager_factory: ManagerFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(8)
+    model = TiedModel()
+    save(manager_factory, {"model": model})
+    expected = model.embed.weight.detach().clone()
+    torch.manual_seed(9)
+    fresh = TiedModel()
+    slow = SlowReads(monkeypatch, delay=0.2)
+    assert manager_factory().restore({"model": fresh}) == 1
+    assert torch.equal(fresh.embed.weight, expected) and fresh.head.weight is fresh.embed.weight
+    for i, (low, high, start, end) in enumerate(slow.spans):
+        for other_low, other_high, other_start, other_end in slow.spans[i + 1:]:
+            same_memory = low < other_high and other_low < high
+            assert not (same_memory and start < other_end and other_start < end), \
+                "two reads wrote and hashed the same memory at the same time"
 
 
 def test_saved_bytes_survive_the_pipelined_restore_of_a_model_and_optimizer(

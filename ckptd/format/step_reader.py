@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -134,6 +134,7 @@ class StepReader:
         self.sources = sources
         self.events: list[FallbackEvent] = []
         self._pending: list[Future[None]] = []
+        self._pending_spans: list[tuple[int, int]] = []
 
     @property
     def index(self) -> RankIndex:
@@ -167,9 +168,15 @@ class StepReader:
             pieces.append((chunk, view[position:position + chunk.raw_length]))
             position += chunk.raw_length
         if defer and direct:
-            self._pending.extend(io_pool("read").submit(self._read_chunk, name, chunk, piece)
-                                 for chunk, piece in pieces)
-            return target
+            span = (target.data_ptr(), target.data_ptr() + target.numel() * target.element_size())
+            if not any(start < span[1] and span[0] < end for start, end in self._pending_spans):
+                self._pending.extend(io_pool("read").submit(self._read_chunk, name, chunk, piece)
+                                     for chunk, piece in pieces)
+                self._pending_spans.append(span)
+                return target
+            # memory that a pending read fills too (tied weights): two reads hashing the same bytes
+            # while both write them could fail a healthy chunk, so the earlier reads finish first
+            self.settle()
         if len(pieces) <= 1:
             for chunk, piece in pieces:
                 self._read_chunk(name, chunk, piece)
@@ -204,22 +211,39 @@ class StepReader:
 def settle_all(readers: Iterable[StepReader], *, raise_errors: bool = True) -> None:
     """:meth:`StepReader.settle` for several readers at once: no read of any of them is still running
     when the first failure is raised."""
-    pending: list[Future[None]] = []
-    for reader in readers:
-        pending.extend(reader._pending)
-        reader._pending = []
+    readers = list(readers)
+    try:
+        _finish([future for reader in readers for future in reader._pending], raise_errors=raise_errors)
+    finally:
+        for reader in readers:
+            reader._pending, reader._pending_spans = [], []
+
+
+def _finish(futures: list[Future[None]], *, raise_errors: bool = True) -> None:
+    """Return once every read has stopped, then raise the first failure if asked. After a failure, or
+    when failures are not wanted, reads that have not started are cancelled.
+
+    Every read must have stopped before any exception propagates, an interrupt included: the caller
+    may fall back to another step, and a read still running would write this one's bytes into live
+    tensors."""
+    try:
+        if raise_errors:
+            wait(futures, return_when=FIRST_EXCEPTION)
+        _stop(futures)
+    except BaseException:
+        _stop(futures)
+        raise
     if raise_errors:
-        _finish(pending)
-    else:
-        wait(pending)
+        for future in futures:
+            error = None if future.cancelled() else future.exception()
+            if error is not None:
+                raise error
 
 
-def _finish(futures: list[Future[None]]) -> None:
-    # every read must have stopped before an error propagates: the caller may fall back to another
-    # step, and a read still running would write this one's bytes into live tensors
-    wait(futures)
+def _stop(futures: list[Future[None]]) -> None:
     for future in futures:
-        future.result()
+        future.cancel()
+    wait(futures)
 
 
 @dataclass(frozen=True)

@@ -94,7 +94,8 @@ def _bounce_buffer() -> memoryview:
 
 def copy_bytes(target: memoryview, source: memoryview) -> None:
     """Copy equal-sized byte views with the GIL released (a memoryview slice assignment holds it)."""
-    np.copyto(np.frombuffer(target, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8))
+    if len(target):
+        np.copyto(np.frombuffer(target, dtype=np.uint8), np.frombuffer(source, dtype=np.uint8))
 
 
 def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
