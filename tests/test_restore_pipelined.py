@@ -215,3 +215,19 @@ def test_dcp_load_through_ckptd_overlaps_reads_and_waits_for_all_before_failing(
     with override(read_threads=4), pytest.raises(CheckpointException, match=r"'t7' at offset \d+ fails its digest"):
         dcp.load(live, storage_reader=CkptdStorageReader(tmp_path, step=1))
     assert slow.running == 0, "a read still running would write into live tensors later"
+
+
+def test_disjoint_spans_find_every_overlap() -> None:
+    spans, kept = step_reader._DisjointSpans(), []
+    generator = torch.Generator().manual_seed(10)
+    for _ in range(2000):
+        start = int(torch.randint(0, 50_000, (1,), generator=generator))
+        end = start + int(torch.randint(1, 60, (1,), generator=generator))
+        expected = any(low < end and start < high for low, high in kept)
+        assert spans.overlaps(start, end) == expected, (start, end)
+        if not expected:
+            spans.add(start, end)
+            kept.append((start, end))
+    assert len(kept) > 500
+    spans.clear()
+    assert not spans.overlaps(*kept[0])

@@ -14,6 +14,7 @@ together, and calls :meth:`StepReader.settle` before the values are used.
 
 from __future__ import annotations
 
+import bisect
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
@@ -125,6 +126,27 @@ def read_chunk(source: ChunkSource, chunk: ChunkRecord, out: memoryview, *, tens
                              expected=chunk.digest, actual=actual)
 
 
+class _DisjointSpans:
+    """Byte ranges of memory, none overlapping another, kept sorted: overlap tests in O(log n)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+
+    def overlaps(self, start: int, end: int) -> bool:
+        at = bisect.bisect_right(self.starts, start)
+        return (at > 0 and self.ends[at - 1] > start) or (at < len(self.starts) and self.starts[at] < end)
+
+    def add(self, start: int, end: int) -> None:
+        if end > start:
+            at = bisect.bisect_right(self.starts, start)
+            self.starts.insert(at, start)
+            self.ends.insert(at, end)
+
+    def clear(self) -> None:
+        self.starts, self.ends = [], []
+
+
 class StepReader:
     """Reads one rank's tensors of one committed step, trying tiers nearest first for each chunk."""
 
@@ -134,7 +156,7 @@ class StepReader:
         self.sources = sources
         self.events: list[FallbackEvent] = []
         self._pending: list[Future[None]] = []
-        self._pending_spans: list[tuple[int, int]] = []
+        self._pending_memory = _DisjointSpans()
 
     @property
     def index(self) -> RankIndex:
@@ -168,11 +190,12 @@ class StepReader:
             pieces.append((chunk, view[position:position + chunk.raw_length]))
             position += chunk.raw_length
         if defer and direct:
-            span = (target.data_ptr(), target.data_ptr() + target.numel() * target.element_size())
-            if not any(start < span[1] and span[0] < end for start, end in self._pending_spans):
+            start = target.data_ptr()
+            end = start + target.numel() * target.element_size()
+            if not self._pending_memory.overlaps(start, end):
                 self._pending.extend(io_pool("read").submit(self._read_chunk, name, chunk, piece)
                                      for chunk, piece in pieces)
-                self._pending_spans.append(span)
+                self._pending_memory.add(start, end)
                 return target
             # memory that a pending read fills too (tied weights): two reads hashing the same bytes
             # while both write them could fail a healthy chunk, so the earlier reads finish first
@@ -216,7 +239,8 @@ def settle_all(readers: Iterable[StepReader], *, raise_errors: bool = True) -> N
         _finish([future for reader in readers for future in reader._pending], raise_errors=raise_errors)
     finally:
         for reader in readers:
-            reader._pending, reader._pending_spans = [], []
+            reader._pending = []
+            reader._pending_memory.clear()
 
 
 def _finish(futures: list[Future[None]], *, raise_errors: bool = True) -> None:
