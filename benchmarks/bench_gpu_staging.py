@@ -41,6 +41,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 import ckptd
+from ckptd.bench.workloads import timed
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 GIB = 1 << 30
@@ -51,12 +52,10 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed(action: Callable[[], object], device: str) -> float:
+def timed_on(device: str, action: Callable[[], object]) -> float:
+    """Seconds of ``action`` including the device work it queued."""
     synchronize(device)
-    start = time.perf_counter()
-    action()
-    synchronize(device)
-    return time.perf_counter() - start
+    return timed(lambda: (action(), synchronize(device)))
 
 
 def make_state(gib: float, tensor_mib: int, device: str) -> dict[str, torch.Tensor]:
@@ -71,12 +70,12 @@ def pinned_bandwidth(state: dict[str, torch.Tensor], device: str, repeats: int) 
     """Seconds per byte-normalised copy of the largest tensor into one pinned buffer, as GB/s."""
     source = max(state.values(), key=lambda t: t.numel())
     target = torch.empty(source.shape, dtype=source.dtype, pin_memory=device == "cuda")
-    seconds = min(timed(lambda: target.copy_(source, non_blocking=True), device) for _ in range(repeats + 1))
+    seconds = min(timed_on(device, lambda: target.copy_(source, non_blocking=True)) for _ in range(repeats + 1))
     return source.numel() * source.element_size() / seconds / 1e9
 
 
 def to_cpu(state: dict[str, torch.Tensor], device: str) -> float:
-    return timed(lambda: {name: t.to("cpu") for name, t in state.items()}, device)
+    return timed_on(device, lambda: {name: t.to("cpu") for name, t in state.items()})
 
 
 def dcp_async(state: dict[str, torch.Tensor], directory: Path, stager: DefaultStager, device: str) -> dict[str, float]:
@@ -96,7 +95,7 @@ def dcp_async(state: dict[str, torch.Tensor], directory: Path, stager: DefaultSt
 
 
 def ckptd_save(manager: ckptd.CheckpointManager, step: int, state: dict[str, torch.Tensor], device: str) -> float:
-    seconds = timed(lambda: manager.save(step, state, force=True), device)
+    seconds = timed_on(device, lambda: manager.save(step, state, force=True))
     manager.wait()
     return seconds
 

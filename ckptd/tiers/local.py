@@ -25,7 +25,6 @@ from ckptd.format.layout import TEMP_MARKER, parse_step_dir, step_dir
 from ckptd.tiers import direct_io
 from ckptd.tiers.base import StorageTier
 
-_WRITE_SLICE = 64 * 1024 * 1024
 
 
 def local_root(url: str) -> Path:
@@ -86,13 +85,11 @@ class AtomicFile:
         offset = self.size
         view = memoryview(data).cast("B")
         try:
-            while view:
-                written = os.write(self._fd, view[:_WRITE_SLICE])  # type: ignore[arg-type]
-                view = view[written:]
-                self.size += written
+            direct_io.pwrite_all(self._fd, view, offset)  # type: ignore[arg-type]
         except OSError as exc:
             self.abort()
             raise _storage_error(exc, self.final, "writing") from exc
+        self.size += len(view)
         return offset
 
     def reserve(self, length: int) -> int:
