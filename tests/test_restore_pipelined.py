@@ -125,9 +125,13 @@ def test_a_restore_that_fails_midway_returns_after_every_read_stopped(
     live = {**{name: torch.zeros_like(t) for name, t in saved.items()}, "wrong_shape": torch.zeros(5)}
     slow = SlowReads(monkeypatch, delay=0.3)
     slow.wait_for_each_read_to_start(monkeypatch)
+    restorer = manager_factory()
     with pytest.raises(ResumeMismatchError, match="wrong_shape"):
-        manager_factory().restore(live)
+        restorer.restore(live)
     assert slow.calls >= 1 and slow.running == 0, "a read still running would write into live tensors later"
+    live["wrong_shape"] = torch.zeros(4)
+    assert restorer.restore(live) == 1
+    assert_same_state(live, saved)  # the failed attempt lost nothing
 
 
 def test_an_interrupt_while_waiting_for_reads_returns_after_every_read_stopped(
@@ -145,9 +149,13 @@ def test_an_interrupt_while_waiting_for_reads_returns_after_every_read_stopped(
         return real_wait(*args, **kwargs)
 
     monkeypatch.setattr(step_reader, "wait", interrupted_once)
+    live = {name: torch.zeros_like(t) for name, t in saved.items()}
+    restorer = manager_factory()
     with override(read_threads=4), pytest.raises(KeyboardInterrupt):
-        manager_factory().restore({name: torch.zeros_like(t) for name, t in saved.items()})
+        restorer.restore(live)
     assert interrupted and slow.calls >= 1 and slow.running == 0, "no read may outlive the interrupt"
+    assert restorer.restore(live) == 1
+    assert_same_state(live, saved)  # the interrupted attempt lost nothing
 
 
 class TiedModel(torch.nn.Module):
