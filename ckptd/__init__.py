@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from ckptd._version import __version__
 
 from ckptd.data import DatasetManifest, ShardDataset, ShardLoader, index_dataset, load_manifest  # noqa: E402
 from ckptd.errors import CkptdError  # noqa: E402
 from ckptd.manager.manager import CheckpointManager  # noqa: E402
-from ckptd.manager.policy import Policy  # noqa: E402
+from ckptd.policy import Policy  # noqa: E402
 
 __all__ = ["CheckpointManager", "CkptdError", "Policy", "__version__"]
 __all__ += ["DatasetManifest", "ShardDataset", "ShardLoader", "index_dataset", "load_manifest"]

@@ -18,9 +18,9 @@ import torch
 
 import ckptd
 from ckptd.errors import ConfigError, StorageError
-from ckptd.format import rank_writer
+from ckptd.stepio import rank_writer
 from ckptd.format.layout import step_dir
-from ckptd.manager.staging import Stager
+from ckptd.state.staging import Stager
 
 
 def _bytes(tensor: torch.Tensor) -> bytes:

@@ -13,9 +13,9 @@ from ckptd.config import override
 from ckptd.errors import IntegrityError
 from ckptd.format import codecs
 from ckptd.format.layout import MANIFEST_NAME, step_file
-from ckptd.format.rank_writer import RankWriter, tensor_bytes
+from ckptd.stepio.rank_writer import RankWriter, tensor_bytes
 from ckptd.format.records import DTYPES, Manifest
-from ckptd.format.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index
+from ckptd.stepio.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index
 from ckptd.tiers.local import LocalTier
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from ckptd.config import override
 from ckptd.format.layout import TEMP_MARKER
-from ckptd.manager.policy import Policy
+from ckptd.policy import Policy
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.crash import ChildResult, CrashInjector, KillAt

@@ -12,7 +12,7 @@ import pytest
 
 from ckptd.errors import DiskFullError
 from ckptd.format.layout import TEMP_MARKER
-from ckptd.manager.policy import Policy
+from ckptd.policy import Policy
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory, mounted_tmpfs  # noqa: F401

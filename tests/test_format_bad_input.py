@@ -17,7 +17,7 @@ from ckptd.config import override
 from ckptd.errors import (CkptdError, FormatError, FormatVersionError, IntegrityError, NoIntactCheckpointError,
                           PickleRefusedError, UnsafePathError)
 from ckptd.format.layout import MANIFEST_NAME, rank_data_name, rank_index_name
-from ckptd.format.step_reader import load_manifest, load_rank_index
+from ckptd.stepio.step_reader import load_manifest, load_rank_index
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401

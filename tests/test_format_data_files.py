@@ -16,9 +16,9 @@ import torch
 
 from ckptd.config import override
 from ckptd.errors import IntegrityError
-from ckptd.format import step_reader
+from ckptd.stepio import step_reader
 from ckptd.format.records import FORMAT_VERSION
-from ckptd.format.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index, verify_step
+from ckptd.stepio.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index, verify_step
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from ckptd.manager.manager import CheckpointManager
-from ckptd.manager.policy import Policy
+from ckptd.policy import Policy
 from ckptd.testing.compare import assert_same_state
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16, torch.int32,

@@ -9,7 +9,7 @@ import pytest
 
 from ckptd.errors import CkptdError
 from ckptd.format.layout import MANIFEST_NAME
-from ckptd.manager.policy import Policy
+from ckptd.policy import Policy
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401

@@ -101,7 +101,7 @@ def _failure_then_recovery(rank: int, world_size: int, root: str) -> dict[str, A
     assert offenders == ["barrier from probe"], offenders
     offenders.clear()
 
-    from ckptd.format import rank_writer
+    from ckptd.stepio import rank_writer
 
     original_add = rank_writer.RankWriter.add
 
@@ -171,7 +171,7 @@ def test_ranks_agree_on_the_newest_step_intact_everywhere(tmp_path: Path) -> Non
 
 
 def _busy_rank_skips(rank: int, world_size: int, root: str) -> dict[str, Any]:
-    from ckptd.format import rank_writer
+    from ckptd.stepio import rank_writer
 
     release = threading.Event()
     original_add = rank_writer.RankWriter.add

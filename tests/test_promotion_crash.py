@@ -17,7 +17,7 @@ import torch
 
 from ckptd.config import override
 from ckptd.format.layout import MANIFEST_NAME, step_dir
-from ckptd.format.step_reader import verify_step
+from ckptd.stepio.step_reader import verify_step
 from ckptd.promotion import Promoter, collect_garbage, stored_chunks
 from ckptd.promotion.contents import read_step_contents
 from test_promotion_support import object_tier, s3_client, save_local

@@ -11,7 +11,7 @@ import ckptd
 from ckptd.config import override
 from ckptd.errors import StorageError
 from ckptd.format.layout import MANIFEST_NAME, step_file
-from ckptd.format.step_reader import verify_step
+from ckptd.stepio.step_reader import verify_step
 from ckptd.promotion import collect_garbage, promote_step
 from ckptd.testing.fault_proxy import FAULT_KINDS, FaultProxy
 from test_promotion_support import object_tier, same_bytes, save_local, zero_like

@@ -17,8 +17,8 @@ import torch
 from ckptd.config import override
 from ckptd.errors import LockedError
 from ckptd.format.layout import step_dir, step_file
-from ckptd.format.step_reader import verify_step
-from ckptd.manager.policy import KeepLatest
+from ckptd.stepio.step_reader import verify_step
+from ckptd.policy import KeepLatest
 from ckptd.promotion import GcReport, Promoter, collect_garbage, promote_step, stored_chunks
 from ckptd.promotion.contents import read_step_contents
 from ckptd.promotion.lease import LEASE_PATH, gc_lease, lease_is_fresh

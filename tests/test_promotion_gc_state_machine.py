@@ -15,8 +15,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import ckptd
 from ckptd.config import override
-from ckptd.format.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index, verify_step
-from ckptd.manager.policy import KeepLatest
+from ckptd.stepio.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index, verify_step
+from ckptd.policy import KeepLatest
 from ckptd.promotion import Promoter, collect_garbage, stored_chunks
 from ckptd.promotion.contents import read_step_contents
 from test_promotion_support import object_tier

@@ -12,7 +12,7 @@ import torch
 
 import ckptd
 from ckptd.format.layout import step_file
-from ckptd.format.step_reader import verify_step
+from ckptd.stepio.step_reader import verify_step
 from ckptd.testing import run_multirank
 from test_multirank_manager import _rank_state, _tensor_bytes
 from test_promotion_support import object_tier

@@ -12,7 +12,7 @@ import ckptd
 from ckptd.config import override
 from ckptd.errors import CommitError, IntegrityError
 from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
-from ckptd.format.step_reader import verify_step
+from ckptd.stepio.step_reader import verify_step
 from ckptd.promotion import Promoter, promote_step
 from ckptd.testing import tamper
 from test_promotion_support import (SMALL_CHUNK, flip_bit, model_state, object_tier, s3_client, same_bytes,

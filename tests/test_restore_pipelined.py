@@ -16,8 +16,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from ckptd.config import override
 from ckptd.dcp import CkptdStorageReader, CkptdStorageWriter
 from ckptd.errors import ResumeMismatchError
-from ckptd.format import step_reader
-from ckptd.format.step_reader import StepReader
+from ckptd.stepio import step_reader
+from ckptd.stepio.step_reader import StepReader
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401

@@ -20,7 +20,7 @@ import xxhash
 
 from ckptd.bench.contenders import SaveRun
 from ckptd.bench.workloads import ComputeLoop
-from ckptd.format.rank_writer import lower_thread_priority
+from ckptd.stepio.rank_writer import lower_thread_priority
 
 _PIECE = 16 * 1024 * 1024
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import click
 
 from ckptd.cli.options import json_option, open_cli_tier, print_json, s3_options
-from ckptd.manager.policy import KeepLatest
+from ckptd.policy import KeepLatest
 from ckptd.promotion.gc import GcReport, collect_garbage
 
 

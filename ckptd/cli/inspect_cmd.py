@@ -7,7 +7,7 @@ import click
 from ckptd.cli.options import json_option, open_cli_tier, print_json, s3_options
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.records import TensorRecord
-from ckptd.format.step_reader import load_manifest, load_rank_index
+from ckptd.stepio.step_reader import load_manifest, load_rank_index
 
 
 def tensor_digest(record: TensorRecord) -> str:

@@ -9,7 +9,7 @@ import click
 
 from ckptd.cli.options import json_option, open_cli_tier, print_json, s3_options
 from ckptd.errors import CkptdError
-from ckptd.format.step_reader import load_manifest, verify_step
+from ckptd.stepio.step_reader import load_manifest, verify_step
 from ckptd.tiers import StorageTier
 
 

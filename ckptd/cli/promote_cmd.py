@@ -13,7 +13,7 @@ import click
 
 from ckptd.cli.options import byte_progress, json_option, open_cli_tier, print_json, s3_options
 from ckptd.errors import ConfigError, NotFoundError
-from ckptd.format.step_reader import load_manifest
+from ckptd.stepio.step_reader import load_manifest
 from ckptd.promotion.promoter import Promoter
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier

@@ -11,7 +11,7 @@ import torch
 
 from ckptd.cli.options import open_cli_tier, s3_options
 from ckptd.errors import PluginError
-from ckptd.format.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index
+from ckptd.stepio.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index
 from ckptd.state.tree import rebuild
 
 

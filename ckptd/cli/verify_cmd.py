@@ -8,7 +8,7 @@ import click
 
 from ckptd.cli.options import byte_progress, json_option, open_cli_tier, print_json, s3_options
 from ckptd.errors import CkptdError, IntegrityError, NotFoundError
-from ckptd.format.step_reader import VerifyProblem, load_manifest, load_rank_index, verify_step
+from ckptd.stepio.step_reader import VerifyProblem, load_manifest, load_rank_index, verify_step
 from ckptd.tiers import StorageTier
 
 

@@ -1,7 +1,7 @@
 """DCP's ``Metadata`` derived from ckptd's rank indexes, so that nothing DCP-specific is pickled.
 
 Every rank index lists its tensors with dtype, shape and, for pieces of larger tensors, their fqn,
-global shape and offsets (:mod:`ckptd.dcp.index_values`). :func:`derive_metadata` turns the indexes of
+global shape and offsets (:mod:`ckptd.format.values`). :func:`derive_metadata` turns the indexes of
 all ranks of a step into the ``Metadata`` DCP's load planners need (one ``TensorStorageMetadata`` per
 fqn with every stored piece as a chunk, ``BytesStorageMetadata`` for non-tensor values) and a map from
 each piece to where it is stored. A piece stored by several ranks (replicated state) is read from the
@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ckptd.dcp.index_values import parse_values
+from ckptd.format.values import parse_values
 from ckptd.errors import FormatError
 from ckptd.format.layout import rank_index_name, step_file
 from ckptd.format.records import RankIndex

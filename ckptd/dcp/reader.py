@@ -30,13 +30,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from ckptd.dcp.index_values import parse_values
+from ckptd.format.values import parse_values
 from ckptd.dcp.metadata import PieceKey, StoredPiece, derive_metadata
 from ckptd.dcp.writer import CkptdStorageWriter, split_checkpoint_id
 from ckptd.errors import CkptdError, ConfigError, NotFoundError, PickleRefusedError
 from ckptd.format.layout import step_dir
 from ckptd.format.records import Manifest
-from ckptd.format.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index, settle_all
+from ckptd.stepio.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index, settle_all
 from ckptd.state.tree import rebuild
 from ckptd.tiers import open_tier
 from ckptd.tiers.base import StorageTier

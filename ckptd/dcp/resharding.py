@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ckptd.dcp.index_values import manager_skeleton, parse_values
+from ckptd.format.values import manager_skeleton, parse_values
 from ckptd.state.tree import flatten, skeleton_tensor_names
 from ckptd.tiers.base import StorageTier
 

@@ -6,15 +6,15 @@ Use it with ``torch.distributed.checkpoint.save`` or ``async_save``::
 
 DCP calls, on every rank: :meth:`reset`, :meth:`set_up_storage_writer`, :meth:`prepare_local_plan`; on
 the coordinator: :meth:`prepare_global_plan`; on every rank: :meth:`write_data`, which writes this rank's
-data file and index through :class:`~ckptd.format.rank_writer.RankWriter` (the same code the
+data file and index through :class:`~ckptd.stepio.rank_writer.RankWriter` (the same code the
 CheckpointManager uses); then on the coordinator only: :meth:`finish`, which writes the commit manifest
 last. If any rank's ``write_data`` fails, DCP fails the save on every rank and no manifest is written.
 
 With ``async_save`` the writer is also the stager (:meth:`stage`): tensors are copied into reusable host
-buffers (:class:`~ckptd.manager.staging.Stager`) on the training thread, and DCP runs the rest on its
+buffers (:class:`~ckptd.state.staging.Stager`) on the training thread, and DCP runs the rest on its
 own thread. Like DCP's ``FileSystemWriter``, all ranks must see the same directory (a shared file system).
 
-Non-tensor values are kept as JSON (:mod:`ckptd.dcp.index_values`); a value JSON cannot hold is refused
+Non-tensor values are kept as JSON (:mod:`ckptd.format.values`); a value JSON cannot hold is refused
 unless ``allow_pickle=True``. DCP's ``Metadata`` is never pickled: readers rebuild it from the indexes.
 """
 
@@ -33,14 +33,14 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ckptd.config import settings
-from ckptd.dcp.index_values import SavedValues, ShardPlacement
+from ckptd.format.values import SavedValues, ShardPlacement
 from ckptd.dcp.metadata import MANIFEST_KEY, planner_data_to_json
 from ckptd.errors import CommitError, ConfigError, PickleRefusedError
 from ckptd.format import codecs
 from ckptd.format.layout import MANIFEST_NAME, parse_step_dir, step_dir, step_file
-from ckptd.format.rank_writer import RankWriter
+from ckptd.stepio.rank_writer import RankWriter
 from ckptd.format.records import Manifest, RankEntry
-from ckptd.manager.staging import Stager, stage_tree
+from ckptd.state.staging import Stager, stage_tree
 from ckptd.state.tree import flatten
 from ckptd.tiers.local import LocalTier
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ckptd import __version__
+from ckptd._version import __version__
 from ckptd.errors import FormatError, FormatVersionError, IntegrityError
 from ckptd.format import codecs
 from ckptd.format.hashing import CHUNK_DIGEST_ALGORITHM, chunk_digest

@@ -17,7 +17,7 @@ from ckptd.errors import CkptdError, ConfigError
 from ckptd.format import codecs
 from ckptd.format.layout import MANIFEST_NAME, rank_file_prefix
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator, StoreCoordinator
-from ckptd.manager.policy import Policy
+from ckptd.policy import Policy
 from ckptd.manager.restoring import RestoreResult, restore_state
 from ckptd.manager.saving import Saver
 from ckptd.tiers.base import StorageTier

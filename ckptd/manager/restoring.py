@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from ckptd.dcp.index_values import manager_skeleton, parse_values
+from ckptd.format.values import manager_skeleton, parse_values
 from ckptd.dcp.resharding import TensorReader, live_reader, resharded_source
 from ckptd.errors import CkptdError, NoIntactCheckpointError, NotFoundError, PickleRefusedError, \
     ResumeMismatchError
 from ckptd.format.records import Manifest, RankIndex
-from ckptd.format.step_reader import ChunkSource, FallbackEvent, StepReader, load_manifest, load_rank_index
+from ckptd.stepio.step_reader import ChunkSource, FallbackEvent, StepReader, load_manifest, load_rank_index
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator
 from ckptd.manager.saving import MemoryCopy
 from ckptd.state import rng

@@ -4,10 +4,10 @@
 from the training thread: :meth:`Saver.save` per saved step (same steps, same order on all ranks),
 :meth:`Saver.wait` when the caller needs the step committed, :meth:`Saver.close` at the end.
 
-:meth:`Saver.save` flattens the state and copies its tensors into the :class:`~ckptd.manager.staging.
+:meth:`Saver.save` flattens the state and copies its tensors into the :class:`~ckptd.state.staging.
 Stager`'s reusable host buffers, then returns; the state may be modified from then on. One named
 writer thread per Saver (``ckptd-writer-rank<r>``) then hashes, encodes and writes the staged copy
-(:class:`~ckptd.format.rank_writer.RankWriter`), agrees on the commit with the other ranks through the
+(:class:`~ckptd.stepio.rank_writer.RankWriter`), agrees on the commit with the other ranks through the
 c10d Store (never a collective), writes the manifest last and confirms it through the store.
 
 Back-pressure: the buffers hold one copy of the state. When a save is requested while the previous one
@@ -31,14 +31,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd.config import settings
-from ckptd.dcp.index_values import SavedValues
+from ckptd.format.values import SavedValues
 from ckptd.errors import CkptdError, CommitError, ConfigError, WorkerError
 from ckptd.format.layout import MANIFEST_NAME, rank_files, step_file
-from ckptd.format.rank_writer import RankWriter, lower_thread_priority
+from ckptd.stepio.rank_writer import RankWriter, lower_thread_priority
 from ckptd.format.records import Manifest, RankEntry
 from ckptd.manager.commit import SKIPPED, CommitCoordinator, SkippedStep
-from ckptd.manager.policy import Policy
-from ckptd.manager.staging import StagedState, Stager
+from ckptd.policy import Policy
+from ckptd.state.staging import StagedState, Stager
 from ckptd.state import rng
 from ckptd.state.tree import flatten
 from ckptd.tiers.local import LocalTier

@@ -10,7 +10,7 @@ from ckptd.format import codecs
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.layout import MANIFEST_NAME, step_file
 from ckptd.format.records import ChunkRecord, Manifest, RankIndex
-from ckptd.format.step_reader import load_manifest, load_rank_index
+from ckptd.stepio.step_reader import load_manifest, load_rank_index
 from ckptd.tiers.base import StorageTier
 
 

@@ -22,8 +22,8 @@ from ckptd.config import settings
 from ckptd.errors import CkptdError
 from ckptd.format.layout import step_dir, step_file
 from ckptd.format.records import RankIndex
-from ckptd.format.step_reader import load_manifest, load_rank_index
-from ckptd.manager.policy import RetentionPolicy
+from ckptd.stepio.step_reader import load_manifest, load_rank_index
+from ckptd.policy import RetentionPolicy
 from ckptd.promotion.lease import gc_lease
 from ckptd.promotion.promoter import stored_chunks
 from ckptd.tiers.base import StorageTier

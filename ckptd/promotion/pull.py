@@ -12,7 +12,7 @@ import logging
 
 from ckptd.errors import CkptdError, IntegrityError
 from ckptd.format.layout import MANIFEST_NAME, step_file
-from ckptd.format.step_reader import load_manifest, load_rank_index
+from ckptd.stepio.step_reader import load_manifest, load_rank_index
 from ckptd.format.records import ChunkRecord, DataFile
 from ckptd.promotion.contents import RankShare, read_step_contents, read_stored_chunk
 from ckptd.state.tree import skeleton_tensor_names

@@ -8,7 +8,7 @@ import logging
 from typing import Any
 
 from ckptd.errors import CkptdError, ConfigError
-from ckptd.manager.policy import Policy
+from ckptd.policy import Policy
 from ckptd.promotion.pull import prefetch_step, pull_step
 from ckptd.promotion.uploader import BackgroundUploader
 from ckptd.tiers import open_tier

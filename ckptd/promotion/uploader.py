@@ -22,7 +22,7 @@ from collections.abc import Callable
 from ckptd.config import settings
 from ckptd.errors import CkptdError, StorageError
 from ckptd.format.layout import MANIFEST_NAME, rank_files, rank_index_name
-from ckptd.manager.policy import Policy
+from ckptd.policy import Policy
 from ckptd.promotion.gc import collect_garbage
 from ckptd.promotion.pinning import PinnedSteps
 from ckptd.promotion.promoter import Promoter, PromotionReport

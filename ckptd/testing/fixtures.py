@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from ckptd.manager.manager import CheckpointManager
-from ckptd.manager.policy import Policy
+from ckptd.policy import Policy
 from ckptd.testing.crash import CrashInjector
 
 #: Opens a CheckpointManager: ``factory(directory=None, **options)``; closed when the test ends.

@@ -18,7 +18,7 @@ import torch
 
 from ckptd.config import override
 from ckptd.manager.manager import CheckpointManager
-from ckptd.manager.policy import Policy
+from ckptd.policy import Policy
 from ckptd.testing.crash import Channel
 
 _MIX = 2654435761

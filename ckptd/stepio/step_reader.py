@@ -27,7 +27,7 @@ from ckptd.format import codecs
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.layout import MANIFEST_NAME, step_file
 from ckptd.format.records import ChunkRecord, Manifest, RankIndex, TensorRecord
-from ckptd.format.rank_writer import io_pool, tensor_bytes
+from ckptd.stepio.rank_writer import io_pool, tensor_bytes
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.direct_io import aligned_empty
 

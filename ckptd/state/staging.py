@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ckptd.config import settings
-from ckptd.dcp.index_values import ShardPlacement
+from ckptd.format.values import ShardPlacement
 from ckptd.errors import ConfigError
 from ckptd.tiers.direct_io import aligned_empty
 
