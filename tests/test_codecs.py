@@ -15,7 +15,7 @@ from ckptd.format import codecs
 from ckptd.format.layout import MANIFEST_NAME, step_file
 from ckptd.stepio.rank_writer import RankWriter, tensor_bytes
 from ckptd.format.records import DTYPES, Manifest
-from ckptd.stepio.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index
+from ckptd.stepio.step_reader import ChunkSource, StepReader, load_step_manifest, load_rank_index
 from ckptd.tiers.local import LocalTier
 
 
@@ -53,7 +53,7 @@ def test_writer_and_reader_round_trip_all_dtypes_in_small_chunks(tmp_path: Path,
         entry = writer.finish({"note": "codec test"})
         manifest = Manifest(step=1, world_size=1, ranks=(entry,), codec=codec)
         tier.write_bytes(step_file(1, MANIFEST_NAME), manifest.to_json_bytes())
-        manifest = load_manifest(tier, 1)
+        manifest = load_step_manifest(tier, 1)
         reader = StepReader([ChunkSource(tier, load_rank_index(tier, manifest, 0))])
         for name, tensor in tensors.items():
             assert reader.index.tensors[name].chunks, name

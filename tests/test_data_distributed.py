@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from ckptd.data import ShardDataset, ShardLoader, index_dataset, save_manifest
+from ckptd.data import ShardDataset, ShardLoader, index_dataset, save_dataset_manifest
 from ckptd.data.testing import write_jsonl_shards
 
 SIZES = [13, 16, 11, 15]
@@ -68,7 +68,7 @@ def _rank_main(phase: str, config: dict[str, Any]) -> None:
 def test_two_gloo_ranks_resume_exactly(tmp_path: Path) -> None:
     write_jsonl_shards(tmp_path / "data", SIZES)
     manifest = index_dataset(str(tmp_path / "data"), "jsonl").manifest
-    save_manifest(manifest, tmp_path / "manifest.json")
+    save_dataset_manifest(manifest, tmp_path / "manifest.json")
     config = {"manifest": str(tmp_path / "manifest.json"), "cache": str(tmp_path / "cache"),
               "checkpoints": str(tmp_path / "ckpt"), "out": str(tmp_path)}
     reference = [[s["id"] for s in batch]

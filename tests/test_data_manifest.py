@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from ckptd.cli.main import cli
-from ckptd.data import DatasetManifest, index_dataset, load_manifest, save_manifest
+from ckptd.data import DatasetManifest, index_dataset, load_dataset_manifest, save_dataset_manifest
 from ckptd.data.testing import write_jsonl_shards
 from ckptd.errors import FormatError, FormatVersionError, NotFoundError, UnsafePathError
 from ckptd.format.hashing import shard_digest
@@ -39,8 +39,8 @@ def test_index_records_every_shard(dataset_dir: Path) -> None:
 
 def test_manifest_round_trip_and_identity(dataset_dir: Path, tmp_path: Path) -> None:
     manifest = index_dataset(str(dataset_dir), "jsonl").manifest
-    save_manifest(manifest, tmp_path / "m.json")
-    loaded = load_manifest(tmp_path / "m.json")
+    save_dataset_manifest(manifest, tmp_path / "m.json")
+    loaded = load_dataset_manifest(tmp_path / "m.json")
     assert loaded == manifest and loaded.digest == manifest.digest
     assert manifest.with_root("s3://elsewhere/data").digest == manifest.digest
     assert index_dataset(str(dataset_dir), "jsonl").manifest.digest == manifest.digest
@@ -56,21 +56,21 @@ def _edit(path: Path, change: Any) -> None:
 
 def test_damaged_manifests_are_refused(dataset_dir: Path, tmp_path: Path) -> None:
     target = tmp_path / "m.json"
-    save_manifest(index_dataset(str(dataset_dir), "jsonl").manifest, target)
+    save_dataset_manifest(index_dataset(str(dataset_dir), "jsonl").manifest, target)
     _edit(target, lambda raw: raw["shards"][0].update(samples=99))
     with pytest.raises(FormatError, match="recorded digest"):
-        load_manifest(target)
+        load_dataset_manifest(target)
     _edit(target, lambda raw: raw["shards"][0].update(path="../../etc/passwd"))
     with pytest.raises(UnsafePathError, match="etc/passwd"):
-        load_manifest(target)
+        load_dataset_manifest(target)
     _edit(target, lambda raw: raw.update(version=99))
     with pytest.raises(FormatVersionError, match="99"):
-        load_manifest(target)
+        load_dataset_manifest(target)
     target.write_text("{not json")
     with pytest.raises(FormatError, match="not valid JSON"):
-        load_manifest(target)
+        load_dataset_manifest(target)
     with pytest.raises(NotFoundError, match="ckptd data index"):
-        load_manifest(tmp_path / "absent.json")
+        load_dataset_manifest(tmp_path / "absent.json")
 
 
 def test_reindex_only_rehashes_changed_shards(dataset_dir: Path) -> None:
@@ -97,14 +97,14 @@ def test_cli_index_then_reindex(dataset_dir: Path, tmp_path: Path) -> None:
                                 "--threads", "2"])
     assert first.exit_code == 0, first.output
     assert "4 shard(s), 22 samples" in first.output
-    assert load_manifest(out).root == os.path.abspath(dataset_dir)
+    assert load_dataset_manifest(out).root == os.path.abspath(dataset_dir)
     (dataset_dir / "shard-002.jsonl").write_text('{"id": 1}\n{"id": 2}\n')
     second = runner.invoke(cli, ["data", "index", str(dataset_dir), "--format", "jsonl", "--out", str(out),
                                  "--json"])
     assert second.exit_code == 0, second.output
     summary = json.loads(second.output)
     assert (summary["hashed"], summary["reused"], summary["samples"]) == (1, 3, 21)
-    assert summary["manifest_digest"] == load_manifest(out).digest
+    assert summary["manifest_digest"] == load_dataset_manifest(out).digest
 
 
 def test_cli_errors_are_one_line_with_exit_codes(dataset_dir: Path, tmp_path: Path) -> None:
@@ -133,7 +133,7 @@ def test_cli_indexes_an_object_store_prefix(dataset_dir: Path, tmp_path: Path, s
             "--json"]
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
-    manifest = load_manifest(out)
+    manifest = load_dataset_manifest(out)
     local = index_dataset(str(dataset_dir), "jsonl").manifest
     assert manifest.root == f"s3://{s3_bucket}/corpus/train"
     assert [s.identity() for s in manifest.shards] == [s.identity() for s in local.shards]
@@ -143,7 +143,7 @@ def test_cli_indexes_an_object_store_prefix(dataset_dir: Path, tmp_path: Path, s
 
 
 def test_manifest_json_is_the_documented_shape(dataset_dir: Path, tmp_path: Path) -> None:
-    save_manifest(index_dataset(str(dataset_dir), "jsonl").manifest, tmp_path / "m.json")
+    save_dataset_manifest(index_dataset(str(dataset_dir), "jsonl").manifest, tmp_path / "m.json")
     raw = json.loads((tmp_path / "m.json").read_text())
     assert raw["kind"] == "ckptd-dataset-manifest" and raw["version"] == 1
     assert raw["digest_algorithm"] == "xxh3-64" and raw["total_samples"] == sum(SIZES)

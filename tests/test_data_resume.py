@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ckptd import CheckpointManager
-from ckptd.data import DatasetManifest, ShardDataset, ShardLoader, index_dataset, save_manifest
+from ckptd.data import DatasetManifest, ShardDataset, ShardLoader, index_dataset, save_dataset_manifest
 from ckptd.data.testing import write_jsonl_shards
 
 SIZES = [17, 23, 19, 21, 20, 18]  # 118 samples: 14 global steps of 8 per epoch, 6 samples dropped
@@ -115,7 +115,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("resume")
     write_jsonl_shards(root / "data", SIZES)
     manifest = index_dataset(str(root / "data"), "jsonl").manifest
-    save_manifest(manifest, root / "manifest.json")
+    save_dataset_manifest(manifest, root / "manifest.json")
     reference = _train(_Ranks(manifest, root / "cache", 1, 0), range(1, TOTAL_STEPS + 1), None, None)
     before = {}
     for scenario in _scenarios():

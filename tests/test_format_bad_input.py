@@ -17,7 +17,7 @@ from ckptd.config import override
 from ckptd.errors import (CkptdError, FormatError, FormatVersionError, IntegrityError, NoIntactCheckpointError,
                           PickleRefusedError, UnsafePathError)
 from ckptd.format.layout import MANIFEST_NAME, rank_data_name, rank_index_name
-from ckptd.stepio.step_reader import load_manifest, load_rank_index
+from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
@@ -44,7 +44,7 @@ def two_steps(manager_factory: ManagerFactory, checkpoint_dir: Path) -> Path:
 def load_step_metadata(root: Path, step: int) -> None:
     """Parse and check the manifest and every rank index of a step, as a reader does before reading."""
     tier = LocalTier(root)
-    manifest = load_manifest(tier, step)
+    manifest = load_step_manifest(tier, step)
     for entry in manifest.ranks:
         load_rank_index(tier, manifest, entry.rank)
 

@@ -18,7 +18,7 @@ from ckptd.config import override
 from ckptd.errors import IntegrityError
 from ckptd.stepio import step_reader
 from ckptd.format.records import FORMAT_VERSION
-from ckptd.stepio.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index, verify_step
+from ckptd.stepio.step_reader import ChunkSource, StepReader, load_step_manifest, load_rank_index, verify_step
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
@@ -249,7 +249,7 @@ def test_a_failed_read_returns_only_after_every_read_of_the_tensor_stopped(
     with override(chunk_bytes=CHUNK):
         save_one(manager_factory, state)
     tier = LocalTier(checkpoint_dir)
-    reader = StepReader([ChunkSource(tier, load_rank_index(tier, load_manifest(tier, STEP), 0))])
+    reader = StepReader([ChunkSource(tier, load_rank_index(tier, load_step_manifest(tier, STEP), 0))])
     real_read, calls, late = step_reader.read_chunk, [], threading.Event()
 
     def first_fails_others_slow(source: Any, chunk: Any, out: memoryview, *, tensor: str = "?") -> None:

@@ -96,7 +96,7 @@ def test_ls_verify_and_restore_read_the_object_tier(tmp_path, s3_bucket, s3_opti
 
 def ckptd_chunk_key(local, step: int, tensor: str) -> str:
     """The content address of the first chunk of a tensor of a step, from the local index."""
-    from ckptd.stepio.step_reader import load_manifest, load_rank_index
+    from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 
-    index = load_rank_index(local, load_manifest(local, step), 0)
+    index = load_rank_index(local, load_step_manifest(local, step), 0)
     return index.tensors[tensor].chunks[0].object_key

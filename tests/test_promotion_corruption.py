@@ -11,7 +11,7 @@ from click.testing import CliRunner
 import ckptd
 from ckptd.cli.main import cli
 from ckptd.errors import IntegrityError
-from ckptd.stepio.step_reader import load_manifest, load_rank_index
+from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 from ckptd.promotion import promote_step
 from ckptd.testing import tamper
 from test_promotion_support import flip_bit, model_state, object_tier, s3_client, same_bytes, \
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.s3
 
 
 def _chunk_key(remote, step: int, tensor: str) -> str:
-    index = load_rank_index(remote, load_manifest(remote, step), 0)
+    index = load_rank_index(remote, load_step_manifest(remote, step), 0)
     return index.tensors[tensor].chunks[-1].object_key
 
 

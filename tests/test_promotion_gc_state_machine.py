@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 import ckptd
 from ckptd.config import override
-from ckptd.stepio.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index, verify_step
+from ckptd.stepio.step_reader import ChunkSource, StepReader, load_step_manifest, load_rank_index, verify_step
 from ckptd.policy import KeepLatest
 from ckptd.promotion import Promoter, collect_garbage, stored_chunks
 from ckptd.promotion.contents import read_step_contents
@@ -85,7 +85,7 @@ def _machine(server, workdir: Path) -> type[RuleBasedStateMachine]:
         @rule(data=st.data())
         def restore(self, data: st.DataObject) -> None:
             step = data.draw(st.sampled_from(sorted(self.retained)))
-            index = load_rank_index(self.remote, load_manifest(self.remote, step), 0)
+            index = load_rank_index(self.remote, load_step_manifest(self.remote, step), 0)
             reader = StepReader([ChunkSource(self.remote, index)])
             for name, expected in self.saved[step].items():
                 assert torch.equal(reader.read_tensor(name), expected)

@@ -16,7 +16,7 @@ import click
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ckptd.data.indexer import index_dataset
-from ckptd.data.manifest import DatasetManifest, ShardRecord, load_manifest, save_manifest
+from ckptd.data.manifest import DatasetManifest, ShardRecord, load_dataset_manifest, save_dataset_manifest
 from ckptd.data.registry import available_formats
 from ckptd.errors import ConfigError, CkptdError
 
@@ -49,7 +49,7 @@ def _previous(out: str, root: str, fmt: str) -> DatasetManifest | None:
     if not os.path.exists(out):
         return None
     try:
-        previous = load_manifest(out)
+        previous = load_dataset_manifest(out)
     except CkptdError:
         return None
     return previous if previous.root == root and previous.format == fmt else None
@@ -97,7 +97,7 @@ def index(uri: str, fmt: str, out: str, reader_option: tuple[str, ...], storage_
         result = index_dataset(uri, fmt, reader_options=_parse_pairs(reader_option, "reader option"),
                                storage_options=storage_options, previous=previous,
                                suffixes=tuple(suffix) or None, threads=threads, progress=report)
-    save_manifest(result.manifest, out)
+    save_dataset_manifest(result.manifest, out)
     summary = {"manifest": out, "shards": len(result.manifest.shards),
                "samples": result.manifest.total_samples, "bytes": result.manifest.total_bytes,
                "hashed": len(result.hashed), "reused": len(result.reused), "dropped": list(result.dropped),

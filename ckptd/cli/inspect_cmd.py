@@ -7,7 +7,7 @@ import click
 from ckptd.cli.options import json_option, open_cli_tier, print_json, s3_options
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.records import TensorRecord
-from ckptd.stepio.step_reader import load_manifest, load_rank_index
+from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 
 
 def tensor_digest(record: TensorRecord) -> str:
@@ -29,7 +29,7 @@ def inspect(path: str, step: int, rank: int | None, endpoint_url: str | None, re
     """Show the manifest of a step and every tensor each rank saved."""
     tier = open_cli_tier(path, endpoint_url, region)
     try:
-        manifest = load_manifest(tier, step)
+        manifest = load_step_manifest(tier, step)
         ranks = [e.rank for e in manifest.ranks] if rank is None else [rank]
         indexes = [load_rank_index(tier, manifest, r) for r in ranks]
     finally:

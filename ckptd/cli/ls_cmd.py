@@ -9,7 +9,7 @@ import click
 
 from ckptd.cli.options import json_option, open_cli_tier, print_json, s3_options
 from ckptd.errors import CkptdError
-from ckptd.stepio.step_reader import load_manifest, verify_step
+from ckptd.stepio.step_reader import load_step_manifest, verify_step
 from ckptd.tiers import StorageTier
 
 
@@ -31,7 +31,7 @@ def describe_step(tier: StorageTier, step: int, *, verify: bool) -> StepCopy:
     if not tier.is_committed(step):
         return StepCopy(step, tier.label, "incomplete")
     try:
-        manifest = load_manifest(tier, step)
+        manifest = load_step_manifest(tier, step)
     except CkptdError as error:
         return StepCopy(step, tier.label, "corrupt", detail=str(error))
     state = "committed"

@@ -13,7 +13,7 @@ import click
 
 from ckptd.cli.options import byte_progress, json_option, open_cli_tier, print_json, s3_options
 from ckptd.errors import ConfigError, NotFoundError
-from ckptd.stepio.step_reader import load_manifest
+from ckptd.stepio.step_reader import load_step_manifest
 from ckptd.promotion.promoter import Promoter
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
@@ -46,7 +46,7 @@ def promote(path: str, target: str, steps: tuple[int, ...], endpoint_url: str | 
     reports = []
     try:
         for step in chosen:
-            total = load_manifest(local, step).total_bytes
+            total = load_step_manifest(local, step).total_bytes
             with byte_progress(f"promoting step {step}", total, enabled=not as_json) as advance:
                 reports.append(promoter.promote(step, progress=advance))
             if not as_json:

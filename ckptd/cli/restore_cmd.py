@@ -11,7 +11,7 @@ import torch
 
 from ckptd.cli.options import open_cli_tier, s3_options
 from ckptd.errors import PluginError
-from ckptd.stepio.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index
+from ckptd.stepio.step_reader import ChunkSource, StepReader, load_step_manifest, load_rank_index
 from ckptd.state.tree import rebuild
 
 
@@ -65,7 +65,7 @@ def restore(path: str, step: int, out: Path, fmt: str | None, rank: int, allow_p
     fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "torch")
     tier = open_cli_tier(path, endpoint_url, region)
     try:
-        manifest = load_manifest(tier, step)
+        manifest = load_step_manifest(tier, step)
         reader = StepReader([ChunkSource(tier, load_rank_index(tier, manifest, rank))])
         state = rebuild(reader.index.values, reader.read_tensor, allow_pickle=allow_pickle)
     finally:

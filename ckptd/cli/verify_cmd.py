@@ -8,13 +8,13 @@ import click
 
 from ckptd.cli.options import byte_progress, json_option, open_cli_tier, print_json, s3_options
 from ckptd.errors import CkptdError, IntegrityError, NotFoundError
-from ckptd.stepio.step_reader import VerifyProblem, load_manifest, load_rank_index, verify_step
+from ckptd.stepio.step_reader import VerifyProblem, load_step_manifest, load_rank_index, verify_step
 from ckptd.tiers import StorageTier
 
 
 def _step_bytes(tier: StorageTier, step: int) -> int:
     try:
-        manifest = load_manifest(tier, step)
+        manifest = load_step_manifest(tier, step)
         return sum(load_rank_index(tier, manifest, entry.rank).data_size for entry in manifest.ranks)
     except CkptdError:
         return 0

@@ -18,7 +18,7 @@ from ckptd.data.dataset import RankBatch, ShardDataset
 from ckptd.data.fetch import VerifiedFetcher
 from ckptd.data.indexer import IndexResult, index_dataset
 from ckptd.data.loader import LoaderState, ShardLoader
-from ckptd.data.manifest import DatasetManifest, ShardRecord, load_manifest, save_manifest
+from ckptd.data.manifest import DatasetManifest, ShardRecord, load_dataset_manifest, save_dataset_manifest
 from ckptd.data.order import EpochOrder, RankSchedule
 from ckptd.data.reader_api import OpenShard, ShardLayout, ShardReader
 from ckptd.data.registry import available_formats, make_reader, reader_class, register_reader
@@ -40,9 +40,9 @@ __all__ = [
     "VerifiedFetcher",
     "available_formats",
     "index_dataset",
-    "load_manifest",
+    "load_dataset_manifest",
     "make_reader",
     "reader_class",
     "register_reader",
-    "save_manifest",
+    "save_dataset_manifest",
 ]

@@ -24,7 +24,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ckptd.config import settings
 from ckptd.data.cache import ShardCache
 from ckptd.data.fetch import VerifiedFetcher
-from ckptd.data.manifest import DatasetManifest, load_manifest
+from ckptd.data.manifest import DatasetManifest, load_dataset_manifest
 from ckptd.data.order import EpochOrder, RankSchedule
 from ckptd.data.reading import CORRUPT_POLICIES, ShardReading
 from ckptd.data.registry import make_reader
@@ -92,7 +92,7 @@ class ShardDataset(IterableDataset):  # type: ignore[type-arg]
         super().__init__()
         self.storage_options = dict(storage_options or {})
         if not isinstance(manifest, DatasetManifest):
-            manifest = load_manifest(manifest, storage_options=self.storage_options)
+            manifest = load_dataset_manifest(manifest, storage_options=self.storage_options)
         self.manifest = manifest.with_root(root) if root is not None else manifest
         if on_corrupt not in CORRUPT_POLICIES:
             raise ConfigError(f"on_corrupt must be one of {CORRUPT_POLICIES}, got {on_corrupt!r}")

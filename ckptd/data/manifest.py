@@ -152,7 +152,7 @@ class DatasetManifest:
                                reader_options=self.reader_options)
 
 
-def load_manifest(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+def load_dataset_manifest(path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
                   ) -> DatasetManifest:
     """Read a manifest from a local path or fsspec URL."""
     text = os.fspath(path)
@@ -168,7 +168,7 @@ def load_manifest(path: str | os.PathLike[str], *, storage_options: Mapping[str,
     return DatasetManifest.from_json(raw, source=text)
 
 
-def save_manifest(manifest: DatasetManifest, path: str | os.PathLike[str]) -> None:
+def save_dataset_manifest(manifest: DatasetManifest, path: str | os.PathLike[str]) -> None:
     """Write a manifest to a local path atomically (temporary file, fsync, rename)."""
     target = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(target))

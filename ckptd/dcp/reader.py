@@ -36,7 +36,7 @@ from ckptd.dcp.writer import CkptdStorageWriter, split_checkpoint_id
 from ckptd.errors import CkptdError, ConfigError, NotFoundError, PickleRefusedError
 from ckptd.format.layout import step_dir
 from ckptd.format.records import Manifest
-from ckptd.stepio.step_reader import ChunkSource, StepReader, load_manifest, load_rank_index, settle_all
+from ckptd.stepio.step_reader import ChunkSource, StepReader, load_step_manifest, load_rank_index, settle_all
 from ckptd.state.tree import rebuild
 from ckptd.tiers import open_tier
 from ckptd.tiers.base import StorageTier
@@ -50,7 +50,7 @@ def open_step(tiers: list[StorageTier], step: int) -> tuple[Manifest, list[StepR
     holders: list[tuple[StorageTier, Manifest]] = []
     for tier in tiers:
         try:
-            found = load_manifest(tier, step)
+            found = load_step_manifest(tier, step)
         except CkptdError as error:  # reported below if no tier has it
             errors.append(str(error))
             continue

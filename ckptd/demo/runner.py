@@ -18,7 +18,7 @@ import click
 import numpy as np
 
 from ckptd.data import index_dataset
-from ckptd.data.manifest import save_manifest
+from ckptd.data.manifest import save_dataset_manifest
 from ckptd.demo.training import SEQ_LEN, VOCAB
 from ckptd.embedded_s3 import EmbeddedS3
 from ckptd.errors import CkptdError
@@ -49,7 +49,7 @@ def prepare_dataset(directory: Path) -> Path:
                 generator.integers(0, VOCAB, size=_TOKENS_PER_SHARD, dtype=np.uint16))
     result = index_dataset(str(shards), "tokens", reader_options={"seq_len": SEQ_LEN})
     manifest = directory / "manifest.json"
-    save_manifest(result.manifest, manifest)
+    save_dataset_manifest(result.manifest, manifest)
     return manifest
 
 

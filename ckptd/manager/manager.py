@@ -105,7 +105,7 @@ class CheckpointManager:
             self._saver.on_commit.append(self._remote_sync.on_commit)
 
     # --- saving -------------------------------------------------------------------------------
-    def save(self, step: int, state: MutableMapping[str, Any], force: bool = False) -> bool:
+    def save(self, step: int, state: MutableMapping[str, Any], *, force: bool = False) -> bool:
         """Save ``state`` as ``step`` if the policy asks for it (or ``force``); returns whether it did.
 
         Returns once the state is copied into host buffers: the caller may modify it right away. The

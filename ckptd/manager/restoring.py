@@ -26,7 +26,7 @@ from ckptd.dcp.resharding import TensorReader, live_reader, resharded_source
 from ckptd.errors import CkptdError, NoIntactCheckpointError, NotFoundError, PickleRefusedError, \
     ResumeMismatchError
 from ckptd.format.records import Manifest, RankIndex
-from ckptd.stepio.step_reader import ChunkSource, FallbackEvent, StepReader, load_manifest, load_rank_index
+from ckptd.stepio.step_reader import ChunkSource, FallbackEvent, StepReader, load_step_manifest, load_rank_index
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator
 from ckptd.manager.saving import MemoryCopy
 from ckptd.state import rng
@@ -66,7 +66,7 @@ class _Metadata:
         return found
 
     def manifest(self, tier: StorageTier, step: int) -> Manifest:
-        return self._get((id(tier), step, None), lambda: load_manifest(tier, step))
+        return self._get((id(tier), step, None), lambda: load_step_manifest(tier, step))
 
     def rank_index(self, tier: StorageTier, step: int, rank: int) -> RankIndex:
         return self._get((id(tier), step, rank),

@@ -10,7 +10,7 @@ from ckptd.format import codecs
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.layout import MANIFEST_NAME, step_file
 from ckptd.format.records import ChunkRecord, Manifest, RankIndex
-from ckptd.stepio.step_reader import load_manifest, load_rank_index
+from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 from ckptd.tiers.base import StorageTier
 
 
@@ -44,7 +44,7 @@ class StepContents:
 
 def read_step_contents(tier: StorageTier, step: int, ranks: list[int] | None = None) -> StepContents:
     """Read and check a committed step's metadata on ``tier`` (raises NotFoundError when uncommitted)."""
-    manifest = load_manifest(tier, step)
+    manifest = load_step_manifest(tier, step)
     manifest_bytes = tier.read_bytes(step_file(step, MANIFEST_NAME))
     if Manifest.from_json_bytes(manifest_bytes, path=step_file(step, MANIFEST_NAME), step=step,
                                 tier=tier.label).ranks != manifest.ranks:

@@ -22,7 +22,7 @@ from ckptd.config import settings
 from ckptd.errors import CkptdError
 from ckptd.format.layout import step_dir, step_file
 from ckptd.format.records import RankIndex
-from ckptd.stepio.step_reader import load_manifest, load_rank_index
+from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 from ckptd.policy import RetentionPolicy
 from ckptd.promotion.lease import gc_lease
 from ckptd.promotion.promoter import stored_chunks
@@ -86,7 +86,7 @@ def _uncommitted(tier: StorageTier, committed: list[int], abandoned_after_s: flo
 
 
 def _referenced_by_committed(tier: StorageTier, step: int) -> set[str]:
-    manifest = load_manifest(tier, step)
+    manifest = load_step_manifest(tier, step)
     return {chunk.object_key for entry in manifest.ranks
             for chunk in load_rank_index(tier, manifest, entry.rank).chunks}
 

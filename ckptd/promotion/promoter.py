@@ -29,7 +29,7 @@ from ckptd.config import settings
 from ckptd.errors import CommitError, NotFoundError
 from ckptd.format.layout import MANIFEST_NAME, step_file
 from ckptd.format.records import ChunkRecord, Manifest
-from ckptd.stepio.step_reader import load_manifest
+from ckptd.stepio.step_reader import load_step_manifest
 from ckptd.promotion.contents import RankShare, StepContents, read_step_contents, read_stored_chunk
 from ckptd.promotion.lease import wait_for_collector
 from ckptd.tiers.base import StorageTier
@@ -131,7 +131,7 @@ class Promoter:
 
     def _remote_manifest(self, step: int) -> Manifest | None:
         try:
-            return load_manifest(self.remote, step)
+            return load_step_manifest(self.remote, step)
         except NotFoundError:
             return None
 

@@ -12,7 +12,7 @@ import logging
 
 from ckptd.errors import CkptdError, IntegrityError
 from ckptd.format.layout import MANIFEST_NAME, step_file
-from ckptd.stepio.step_reader import load_manifest, load_rank_index
+from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 from ckptd.format.records import ChunkRecord, DataFile
 from ckptd.promotion.contents import RankShare, read_step_contents, read_stored_chunk
 from ckptd.state.tree import skeleton_tensor_names
@@ -26,7 +26,7 @@ def prefetch_step(remote: ObjectTier, step: int, rank: int) -> int:
     """Start fetching the chunks of ``rank`` at ``step`` in restore order; returns how many. Best effort:
     a step that cannot be read is simply not prefetched."""
     try:
-        manifest = load_manifest(remote, step)
+        manifest = load_step_manifest(remote, step)
         index = load_rank_index(remote, manifest, rank)
     except CkptdError as error:
         log.debug("not prefetching step %d: %s", step, error)

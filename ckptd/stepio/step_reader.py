@@ -1,6 +1,6 @@
 """Reading a committed step back, verifying every byte.
 
-:func:`load_manifest` and :func:`load_rank_index` parse and check the metadata (sizes and digests
+:func:`load_step_manifest` and :func:`load_rank_index` parse and check the metadata (sizes and digests
 recorded one level up). :class:`StepReader` reads one rank's tensors; every chunk is hashed after
 decoding and compared with its record. A chunk that is missing or bad on the first tier is read from the
 next tier that holds the same step (chunk by chunk, not the whole step), and each such event is logged
@@ -45,7 +45,7 @@ def _read_metadata(tier: StorageTier, path: str, step: int) -> bytes:
     return tier.read_bytes(path)
 
 
-def load_manifest(tier: StorageTier, step: int) -> Manifest:
+def load_step_manifest(tier: StorageTier, step: int) -> Manifest:
     """The parsed, digest-checked manifest of a step on a tier."""
     path = step_file(step, MANIFEST_NAME)
     try:
@@ -284,7 +284,7 @@ def verify_step(tier: StorageTier, step: int,
                 progress: Callable[[int], None] | None = None) -> Iterator[VerifyProblem]:
     """Re-hash every chunk of every rank of a step on one tier, yielding each problem found."""
     try:
-        manifest = load_manifest(tier, step)
+        manifest = load_step_manifest(tier, step)
     except CkptdError as error:
         yield VerifyProblem(step, None, error.path or step_file(step, MANIFEST_NAME), str(error))
         return
