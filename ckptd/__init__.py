@@ -1,13 +1,73 @@
-"""ckptd: fault-tolerant tiered checkpointing and verified data loading for PyTorch training."""
+"""ckptd: fault-tolerant tiered checkpointing and verified data loading for PyTorch training.
+
+The names in ``__all__`` are the public API: the checkpoint manager and its policy, the retention
+policies, the dataset loader, and the error classes. Every error class lives in :mod:`ckptd.errors`
+(which holds them all, internal ones included); the ones a caller is expected to catch are
+re-exported here, so ``ckptd.IntegrityError`` and ``ckptd.errors.IntegrityError`` are the same class.
+"""
 
 from __future__ import annotations
 
 from ckptd._version import __version__
 
-from ckptd.data import DatasetManifest, ShardDataset, ShardLoader, index_dataset, load_dataset_manifest  # noqa: E402
-from ckptd.errors import CkptdError  # noqa: E402
+from ckptd.data import (  # noqa: E402
+    DatasetManifest,
+    ShardDataset,
+    ShardLoader,
+    index_dataset,
+    load_dataset_manifest,
+    save_dataset_manifest,
+)
+from ckptd.errors import (  # noqa: E402
+    CkptdError,
+    CommitError,
+    ConfigError,
+    DiskFullError,
+    FormatError,
+    FormatVersionError,
+    IntegrityError,
+    LockedError,
+    NoIntactCheckpointError,
+    NotFoundError,
+    PickleRefusedError,
+    PluginError,
+    ResumeMismatchError,
+    StorageError,
+    UnsafePathError,
+    WorkerError,
+)
 from ckptd.manager.manager import CheckpointManager  # noqa: E402
-from ckptd.policy import Policy  # noqa: E402
+from ckptd.policy import KeepEvery, KeepLatest, Policy, RetentionPolicy  # noqa: E402
 
-__all__ = ["CheckpointManager", "CkptdError", "Policy", "__version__"]
-__all__ += ["DatasetManifest", "ShardDataset", "ShardLoader", "index_dataset", "load_dataset_manifest"]
+__all__ = [
+    "CheckpointManager",
+    "KeepEvery",
+    "KeepLatest",
+    "Policy",
+    "RetentionPolicy",
+    "__version__",
+    # data
+    "DatasetManifest",
+    "ShardDataset",
+    "ShardLoader",
+    "index_dataset",
+    "load_dataset_manifest",
+    "save_dataset_manifest",
+    # errors (all of them, and a few internal ones, are in ckptd.errors)
+    "CkptdError",
+    "CommitError",
+    "ConfigError",
+    "DiskFullError",
+    "FormatError",
+    "FormatVersionError",
+    "IntegrityError",
+    "LockedError",
+    "NoIntactCheckpointError",
+    "NotFoundError",
+    "PickleRefusedError",
+    "PluginError",
+    "ResumeMismatchError",
+    "StorageError",
+    "UnsafePathError",
+    "WorkerError",
+]

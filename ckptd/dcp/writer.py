@@ -64,8 +64,7 @@ class CkptdStorageWriter(StorageWriter):
     def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None, *,
                  codec: str | None = None, allow_pickle: bool = False, stager: Stager | None = None) -> None:
         super().__init__()
-        self.codec = codec or settings().codec
-        codecs.codec_id_for(self.codec, floating=False, itemsize=1)
+        self.codec = codecs.chosen_codec(codec)
         self.allow_pickle = allow_pickle
         self.root = None if root is None else str(root)
         self.step = step

@@ -19,7 +19,7 @@ import zstandard
 
 from ckptd._types import Buffer
 from ckptd.config import settings
-from ckptd.errors import FormatError, IntegrityError
+from ckptd.errors import ConfigError, FormatError, IntegrityError
 
 RAW = "raw"
 ZSTD = "zstd"
@@ -49,10 +49,29 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return cached
 
 
+def chosen_codec(codec: str | None) -> str:
+    """The codec a writer uses: ``codec``, or the ``CKPTD_CODEC`` setting when it is None.
+
+    Raises :class:`~ckptd.errors.ConfigError` naming the codec, where it came from and the known ones,
+    so that a misspelt codec fails when the writer is built rather than at the first chunk.
+    """
+    if codec is not None:
+        _check_codec(codec, "codec")
+        return codec
+    configured = settings().codec
+    _check_codec(configured, "CKPTD_CODEC")
+    return configured
+
+
+def _check_codec(codec: object, source: str) -> None:
+    if codec not in CHECKPOINT_CODECS:
+        raise ConfigError(f"unknown codec {codec!r} (from {source})",
+                          hint=f"choose one of {', '.join(CHECKPOINT_CODECS)}")
+
+
 def codec_id_for(codec: str, *, floating: bool, itemsize: int) -> str:
     """The codec id a chunk of a tensor gets when the checkpoint asks for ``codec``."""
-    if codec not in CHECKPOINT_CODECS:
-        raise FormatError(f"unknown codec {codec!r}", hint=f"choose one of {', '.join(CHECKPOINT_CODECS)}")
+    _check_codec(codec, "codec")
     if codec == BYTEPLANE:
         if floating and itemsize in _BYTEPLANE_WIDTHS:
             return f"{BYTEPLANE}{itemsize}"

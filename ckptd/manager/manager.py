@@ -76,8 +76,7 @@ class CheckpointManager:
         repopulate_local: bool = False,
     ) -> None:
         self.policy = policy or Policy()
-        self.codec = codec or settings().codec
-        codecs.codec_id_for(self.codec, floating=False, itemsize=1)
+        self.codec = codecs.chosen_codec(codec)
         self.capture_rng = capture_rng
         self.allow_pickle = allow_pickle
         self.coordinator = _default_coordinator(rank, world_size, store)

@@ -58,7 +58,7 @@ class BackgroundUploader:
     # --- called from the training thread --------------------------------------------------------
     def wants(self, step: int) -> bool:
         """Whether the policy promotes this step."""
-        return self.policy.remote_every_steps is None or self.policy.promotes(step)
+        return self.policy.promotes(step)
 
     def on_commit(self, step: int) -> None:
         """Saver callback: pin and queue a step the policy promotes."""
