@@ -54,6 +54,9 @@ class Settings:
     s3_io_threads: int = 2
     #: Object tier: chunks fetched ahead of the reader during a restore (0: as many as s3_concurrency).
     s3_read_ahead: int = 0
+    #: Object tier: write commit markers with a conditional PUT (If-None-Match: *). Turn it off for a
+    #: store that ignores the header; the tier then looks the key up before writing (not race-free).
+    s3_conditional_put: bool = True
     #: Promotion: seconds a GC lease on the object tier stays valid (a crashed GC is ignored after it).
     gc_lease_s: float = 600.0
     #: GC: seconds after which an uncommitted step directory counts as abandoned and may be removed.
@@ -62,8 +65,17 @@ class Settings:
     staging_budget_bytes: int = 0
     #: Pin the stager's host buffers when CUDA is present (faster device-to-host copies).
     pin_staging: bool = True
-    #: Seconds ``close()`` waits for the background writer before giving up.
+    #: Seconds ``close()`` waits for background work (pending writes, then uploads) before it raises
+    #: StillRunningError (the manager then keeps its directory lock) or, for uploads, UnpromotedError.
     close_timeout_s: float = 600.0
+    #: Seconds ``wait()`` (and ``wait_uploads()``, a busy save under ``on_busy="wait"``, a prefetched
+    #: shard) blocks for background work before it raises StillRunningError naming what still runs.
+    wait_timeout_s: float = 1800.0
+    #: Seconds a chunk's write waits for a free parallel data file of its rank before DeadlineError.
+    file_handoff_timeout_s: float = 300.0
+    #: Data shards: seconds a loader waits for another loader's download of the same shard (the cache
+    #: entry's lock) before DeadlineError.
+    data_cache_lock_timeout_s: float = 600.0
     #: Nice value added to ckptd's background threads (writer, hashing, reading) on Linux, so that the
     #: training thread wins contended cores; 0 leaves their priority alone.
     background_nice: int = 10

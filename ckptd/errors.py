@@ -7,6 +7,9 @@ as one line and exits with :attr:`CkptdError.exit_code`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import Any
+
 
 class CkptdError(Exception):
     """Root of every error that ckptd raises on purpose."""
@@ -99,10 +102,24 @@ class CommitError(CkptdError):
     exit_code = 5
 
 
+class AlreadyCommittedError(CommitError):
+    """A file that must be written only once (a commit marker) already exists; nothing was replaced."""
+
+
 class StorageError(CkptdError):
     """A tier could not be read or written (unreachable endpoint, permission, full disk)."""
 
     exit_code = 6
+
+
+class TierUnreachableError(StorageError):
+    """The tier cannot answer at all (no connection, unknown host, timeout), as opposed to a bad file."""
+
+
+class TierMisconfiguredError(TierUnreachableError):
+    """The tier answers but refuses every request (missing bucket, bad credentials, wrong region)."""
+
+    exit_code = 2
 
 
 class DiskFullError(StorageError):
@@ -153,4 +170,42 @@ class WorkerError(CkptdError):
         if self.failures:
             listed = "; ".join(f"rank {rank}: {why}" for rank, why in sorted(self.failures.items()))
             message = f"{message} [{listed}]"
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+
+
+class DeadlineError(CkptdError):
+    """A wait ran past its deadline (a ``CKPTD_*_TIMEOUT_S`` setting); the message names what was waited for."""
+
+    exit_code = 13
+
+
+class StillRunningError(DeadlineError):
+    """Background work was still running when ``wait`` or ``close`` gave up; :attr:`running` says what.
+
+    Whatever that work needs stays held (a manager keeps its directory lock): call ``close`` again later.
+    """
+
+    def __init__(self, message: str, *, running: str = "", **kwargs: object) -> None:
+        self.running = running
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+
+
+class BackgroundError(CkptdError):
+    """Several pieces of background work failed; :attr:`failures` holds one record per step and rank
+    (:class:`ckptd.background.FailureRecord`), oldest first."""
+
+    exit_code = 12
+
+    def __init__(self, message: str, failures: Sequence[Any] = (), **kwargs: object) -> None:
+        self.failures = tuple(failures)
+        listed = "; ".join(record.describe() for record in self.failures)
+        super().__init__(f"{message}: {listed}" if listed else message, **kwargs)  # type: ignore[arg-type]
+
+
+class UnpromotedError(StorageError):
+    """Committed local steps could not be promoted to the object tier before ``close`` returned; they stay
+    pinned on the local tier (:attr:`steps`) and promotion resumes at the next start."""
+
+    def __init__(self, message: str, steps: Iterable[int] = (), **kwargs: object) -> None:
+        self.steps = tuple(sorted(steps))
         super().__init__(message, **kwargs)  # type: ignore[arg-type]

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from ckptd.config import override
-from ckptd.errors import ConfigError, NotFoundError, StorageError
+from ckptd.errors import AlreadyCommittedError, ConfigError, NotFoundError, StorageError
 from ckptd.tiers import open_tier
 from ckptd.tiers.object import ObjectTier
 from test_promotion_support import object_tier
@@ -129,3 +129,61 @@ def test_errors_name_the_tier_and_say_what_to_do(s3_options):
     assert "no-such-bucket-here" in str(caught.value) and "create it" in str(caught.value)
     with pytest.raises(NotFoundError, match="does not exist"):
         missing.committed_steps()
+
+
+def test_if_absent_is_a_conditional_put(s3_bucket, s3_options):
+    tier = object_tier(s3_bucket, s3_options)
+    sent = []
+
+    async def recording(original, method, *args, **kwargs):
+        sent.append((method, kwargs.get("IfNoneMatch")))
+        return await original(method, *args, **kwargs)
+
+    _wrap_calls(tier, recording)
+    assert tier.capabilities.conditional_put
+    tier.write_bytes("step-00000001/manifest.json", b"one", if_absent=True)
+    with pytest.raises(AlreadyCommittedError):
+        tier.write_bytes("step-00000001/manifest.json", b"two", if_absent=True)
+    assert ("put_object", "*") in sent and ("head_object", None) not in sent[:1]
+    assert tier.read_bytes("step-00000001/manifest.json") == b"one"
+
+
+def test_without_conditional_put_it_looks_up_then_writes(s3_bucket, s3_options):
+    with override(s3_conditional_put=False):
+        tier = object_tier(s3_bucket, s3_options)
+    sent = []
+
+    async def recording(original, method, *args, **kwargs):
+        sent.append((method, kwargs.get("IfNoneMatch")))
+        return await original(method, *args, **kwargs)
+
+    _wrap_calls(tier, recording)
+    assert not tier.capabilities.conditional_put
+    tier.write_bytes("step-00000001/manifest.json", b"one", if_absent=True)
+    assert sent[:2] == [("head_object", None), ("put_object", None)]
+    with pytest.raises(AlreadyCommittedError):
+        tier.write_bytes("step-00000001/manifest.json", b"two", if_absent=True)
+    assert tier.read_bytes("step-00000001/manifest.json") == b"one"
+
+
+def test_a_store_that_refuses_conditional_writes_gets_look_up_then_write(s3_bucket, s3_options, caplog):
+    """A store answering 501 NotImplemented to If-None-Match (a fault moto cannot produce: injected)."""
+    from botocore.exceptions import ClientError
+
+    tier = object_tier(s3_bucket, s3_options)
+    tier.write_bytes("step-00000002/manifest.json", b"taken")
+
+    async def no_conditions(original, method, *args, **kwargs):
+        if kwargs.get("IfNoneMatch"):
+            raise ClientError({"Error": {"Code": "NotImplemented", "Message": "A header you provided implies "
+                                         "functionality that is not implemented"},
+                               "ResponseMetadata": {"HTTPStatusCode": 501}}, method)
+        return await original(method, *args, **kwargs)
+
+    _wrap_calls(tier, no_conditions)
+    tier.write_bytes("step-00000001/manifest.json", b"one", if_absent=True)
+    assert not tier.capabilities.conditional_put and "If-None-Match" in caplog.text
+    assert tier.read_bytes("step-00000001/manifest.json") == b"one"
+    with pytest.raises(AlreadyCommittedError):
+        tier.write_bytes("step-00000002/manifest.json", b"other", if_absent=True)
+    assert tier.read_bytes("step-00000002/manifest.json") == b"taken"

@@ -14,11 +14,12 @@ fresh, empty tier::
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
 from ckptd.config import override
-from ckptd.errors import NotFoundError
+from ckptd.errors import AlreadyCommittedError, NotFoundError
 from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
 from ckptd.tiers.base import StorageTier
 
@@ -156,6 +157,66 @@ class ChunkStoreConformance:
         assert tier.list_step_numbers() == []
 
 
+class ConditionalWriteConformance:
+    """``write_bytes(..., if_absent=True)`` writes a file once and never replaces it."""
+
+    def test_if_absent_writes_a_new_file(self, tier: StorageTier) -> None:
+        path = step_file(3, MANIFEST_NAME)
+        tier.write_bytes(path, b"first", if_absent=True)
+        assert tier.read_bytes(path) == b"first"
+
+    def test_if_absent_refuses_an_existing_file_and_keeps_it(self, tier: StorageTier) -> None:
+        path = step_file(3, MANIFEST_NAME)
+        tier.write_bytes(path, b"committed manifest")
+        with pytest.raises(AlreadyCommittedError) as caught:
+            tier.write_bytes(path, b"another manifest", if_absent=True)
+        assert MANIFEST_NAME in str(caught.value) and caught.value.tier is not None
+        assert tier.read_bytes(path) == b"committed manifest"
+        assert tier.list_files(3) == [MANIFEST_NAME], "a refused write leaves no temporary behind"
+
+    def test_if_absent_with_the_same_bytes_counts_as_written(self, tier: StorageTier) -> None:
+        path = step_file(3, MANIFEST_NAME)
+        tier.write_bytes(path, b"same bytes", if_absent=True)
+        tier.write_bytes(path, memoryview(b"same bytes"), if_absent=True)
+        assert tier.read_bytes(path) == b"same bytes"
+
+    def test_if_absent_large_file(self, tier: StorageTier) -> None:
+        path = step_file(3, "rank-00000.data")
+        data = os.urandom(6 * 1024 * 1024 + 3)
+        with override(s3_part_bytes=5 * 1024 * 1024):
+            tier.write_bytes(path, data, if_absent=True)
+            with pytest.raises(AlreadyCommittedError):
+                tier.write_bytes(path, os.urandom(len(data)), if_absent=True)
+        assert tier.read_bytes(path) == data
+
+    def test_racing_writers_exactly_one_wins(self, tier: StorageTier) -> None:
+        if not tier.capabilities.conditional_put:
+            pytest.skip("the tier's if_absent is look-up-then-write, not race-free (its capabilities say so)")
+        path = step_file(8, MANIFEST_NAME)
+        writers = 6
+        start = threading.Barrier(writers)
+        outcomes: dict[int, str] = {}
+
+        def write(index: int) -> None:
+            payload = f"writer {index}".encode()
+            start.wait()
+            try:
+                tier.write_bytes(path, payload, if_absent=True)
+                outcomes[index] = "won"
+            except AlreadyCommittedError:
+                outcomes[index] = "refused"
+
+        threads = [threading.Thread(target=write, args=(index,)) for index in range(writers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        winners = [index for index, outcome in outcomes.items() if outcome == "won"]
+        assert len(outcomes) == writers and len(winners) == 1, outcomes
+        assert tier.read_bytes(path) == f"writer {winners[0]}".encode()
+        assert tier.list_files(8) == [MANIFEST_NAME]
+
+
 class TierConformance(ReadWriteConformance, MissingFileConformance, ListingConformance,
-                      ChunkStoreConformance):
+                      ChunkStoreConformance, ConditionalWriteConformance):
     """Every conformance test; subclass it and provide a ``tier`` fixture."""

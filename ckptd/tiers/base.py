@@ -7,16 +7,41 @@ Commit rule, on every tier: a step is committed exactly when its ``manifest.json
 write everything else first and the manifest last; :meth:`StorageTier.delete_step` removes the manifest
 first, so a half-deleted step is never listed as committed.
 
+Files that must be written exactly once (commit markers) are written with
+``write_bytes(path, data, if_absent=True)``: the write is refused with
+:class:`~ckptd.errors.AlreadyCommittedError` when the file exists, and race-free where the tier's
+:attr:`TierCapabilities.conditional_put` says so.
+
 Thread safety: reads may run from several threads at once; a file is written by one thread.
 """
 
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 from typing import ClassVar
 
 from ckptd._types import Buffer
 from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
+
+
+@dataclass(frozen=True)
+class TierCapabilities:
+    """What a tier can do, so that callers ask the tier instead of checking its class."""
+
+    #: Chunks live content-addressed under ``chunks/`` instead of in per-rank data files.
+    chunks_by_digest: bool = False
+    #: ``write_bytes(..., if_absent=True)`` is atomic: of two racing writers exactly one succeeds.
+    #: Without it the tier checks for the file first and then writes, which is not race-free.
+    conditional_put: bool = False
+    #: Files live in a directory of this node's file system (the tier has a ``root`` path, temporary
+    #: files, writer locks and :meth:`~ckptd.tiers.local.LocalTier.open_file`).
+    node_local: bool = False
+    #: ``read_bytes`` with an offset and length transfers only that range.
+    ranged_reads: bool = True
+    #: Large writes go up in parts that can be left behind by a crash; the tier lists and aborts them
+    #: (``incomplete_uploads`` / ``abort_incomplete_uploads``).
+    multipart_uploads: bool = False
 
 
 class StorageTier(abc.ABC):
@@ -24,8 +49,13 @@ class StorageTier(abc.ABC):
 
     #: Short label used in logs and errors ("local", "peer", "object").
     kind: ClassVar[str] = "tier"
-    #: True when chunks live content-addressed under ``chunks/`` instead of in per-rank data files.
-    stores_chunks_by_digest: ClassVar[bool] = False
+    #: What this tier can do; a tier whose abilities depend on its settings overrides it per instance.
+    capabilities: TierCapabilities = TierCapabilities()
+
+    @property
+    def stores_chunks_by_digest(self) -> bool:
+        """Shorthand for ``capabilities.chunks_by_digest``."""
+        return self.capabilities.chunks_by_digest
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -71,8 +101,27 @@ class StorageTier(abc.ABC):
 
     # --- writing -----------------------------------------------------------------------------
     @abc.abstractmethod
-    def write_bytes(self, path: str, data: Buffer) -> None:
-        """Write a whole file so that it appears complete or not at all, durably."""
+    def write_bytes(self, path: str, data: Buffer, *, if_absent: bool = False) -> None:
+        """Write a whole file so that it appears complete or not at all, durably.
+
+        With ``if_absent=True`` an existing file is never replaced: the write raises
+        :class:`~ckptd.errors.AlreadyCommittedError` naming the path and tier instead, unless the file
+        already holds exactly ``data`` (then the write counts as done: that is what a retried request
+        whose first attempt landed finds)."""
+
+    def _refuse_unless_identical(self, path: str, data: Buffer) -> None:
+        """For ``if_absent`` writes that found ``path`` taken: return when it holds exactly ``data`` (a
+        retried write whose first attempt landed), otherwise raise AlreadyCommittedError."""
+        from ckptd.errors import AlreadyCommittedError, NotFoundError
+
+        view = memoryview(data).cast("B")
+        try:
+            if self.size(path) == len(view) and self.read_bytes(path) == view:
+                return
+        except NotFoundError:
+            pass
+        raise AlreadyCommittedError("the file already exists and is never replaced", path=path, tier=self.label,
+                                    hint="a committed step is immutable; save a new step")
 
     @abc.abstractmethod
     def delete_files(self, paths: list[str]) -> None:

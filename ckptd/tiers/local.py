@@ -20,11 +20,14 @@ import fsspec
 
 from ckptd._types import Buffer
 from ckptd.config import settings
-from ckptd.errors import ConfigError, DiskFullError, IntegrityError, LockedError, NotFoundError, StorageError
+from ckptd.errors import (AlreadyCommittedError, ConfigError, DiskFullError, IntegrityError, LockedError,
+                          NotFoundError, StorageError)
 from ckptd.format.layout import TEMP_MARKER, parse_step_dir, step_dir
 from ckptd.tiers import direct_io
-from ckptd.tiers.base import StorageTier
+from ckptd.tiers.base import StorageTier, TierCapabilities
 
+#: errno values of file systems that refuse hard links (FAT, some FUSE and network mounts).
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK})
 
 
 def local_root(url: str) -> Path:
@@ -119,21 +122,49 @@ class AtomicFile:
         except OSError as exc:
             raise _storage_error(exc, self.final, "writing") from exc
 
-    def commit(self, *, sync_directory: bool = True) -> None:
+    def commit(self, *, sync_directory: bool = True, if_absent: bool = False) -> None:
         """fsync, rename over the final name, fsync the directory (unless the caller syncs it once after
-        committing several files)."""
+        committing several files).
+
+        With ``if_absent=True`` an existing final file is kept and :class:`AlreadyCommittedError` raised:
+        the temporary is hard-linked to the final name, which the kernel refuses atomically when the name
+        exists, and then unlinked."""
         try:
             if self.aligned:  # the last range may have been written unpadded, through the page cache
                 os.ftruncate(self._fd, self.size)  # type: ignore[arg-type]
             os.fsync(self._fd)  # type: ignore[arg-type]
             os.close(self._fd)  # type: ignore[arg-type]
             self._fd = None
-            os.replace(self.temporary, self.final)
+            if if_absent:
+                self._link_into_place()
+            else:
+                os.replace(self.temporary, self.final)
             if sync_directory:
                 fsync_directory(self.final.parent)
         except OSError as exc:
             self.abort()
             raise _storage_error(exc, self.final, "committing") from exc
+
+    def _link_into_place(self) -> None:
+        try:
+            os.link(self.temporary, self.final)
+        except FileExistsError:
+            self.abort()
+            raise AlreadyCommittedError("the file already exists and is never replaced", path=str(self.final),
+                                        tier="local", hint="a committed step is immutable; save a new step") \
+                from None
+        except OSError as exc:
+            if exc.errno not in _NO_HARD_LINKS:
+                raise
+            # File systems without hard links: check, then rename (not race-free between two writers).
+            if self.final.exists():
+                self.abort()
+                raise AlreadyCommittedError("the file already exists and is never replaced",
+                                            path=str(self.final), tier="local",
+                                            hint="a committed step is immutable; save a new step") from None
+            os.replace(self.temporary, self.final)
+            return
+        self.temporary.unlink()
 
     def abort(self) -> None:
         """Close and delete the temporary file; the final name is untouched."""
@@ -147,6 +178,7 @@ class LocalTier(StorageTier):
     """Checkpoints in a directory on local disk."""
 
     kind = "local"
+    capabilities = TierCapabilities(conditional_put=True, node_local=True)
 
     def __init__(self, url: str | os.PathLike[str], *, create: bool = True) -> None:
         super().__init__(str(url))
@@ -241,10 +273,16 @@ class LocalTier(StorageTier):
             raise _storage_error(exc, target.parent, "creating a step directory") from exc
         return AtomicFile(target, direct=direct)
 
-    def write_bytes(self, path: str, data: Buffer) -> None:
+    def write_bytes(self, path: str, data: Buffer, *, if_absent: bool = False) -> None:
+        if if_absent and self.exists(path):  # early answer; the hard link in commit() is the real check
+            self._refuse_unless_identical(path, data)
+            return
         handle = self.open_file(path)
         handle.write(data)
-        handle.commit()
+        try:
+            handle.commit(if_absent=if_absent)
+        except AlreadyCommittedError:
+            self._refuse_unless_identical(path, data)
 
     def delete_files(self, paths: list[str]) -> None:
         parents = set()

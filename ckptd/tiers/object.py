@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import threading
 import time
@@ -37,9 +38,11 @@ from typing import Any
 
 from ckptd._types import Buffer
 from ckptd.config import settings
-from ckptd.errors import CkptdError, ConfigError, NotFoundError, PluginError, StorageError
+from ckptd.errors import AlreadyCommittedError, CkptdError, ConfigError, NotFoundError, PluginError, StorageError
 from ckptd.format.layout import MANIFEST_NAME, STEP_PREFIX, TEMP_MARKER, parse_step_dir, step_dir
-from ckptd.tiers.base import StorageTier
+from ckptd.tiers.base import StorageTier, TierCapabilities
+
+_log = logging.getLogger(__name__)
 
 #: Smallest part S3 accepts in a multipart upload (except the last one).
 MIN_PART_BYTES = 5 * 1024 * 1024
@@ -94,6 +97,33 @@ def _io_loops(count: int) -> list[asyncio.AbstractEventLoop]:
         return _IO_LOOPS[:max(1, count)]
 
 
+def _client_response(exc: BaseException | None) -> dict[str, Any] | None:
+    """The parsed error response of the botocore ClientError in an exception's chain, if any."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        response = getattr(exc, "response", None)
+        if isinstance(response, dict) and "Error" in response:
+            return response
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _error_code(exc: BaseException | None) -> str | None:
+    response = _client_response(exc)
+    return None if response is None else str(response["Error"].get("Code") or "") or None
+
+
+def _http_status(exc: BaseException | None) -> int | None:
+    response = _client_response(exc)
+    status = None if response is None else response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return int(status) if status is not None else None
+
+
+def _not_implemented(exc: BaseException | None) -> bool:
+    return _error_code(exc) == "NotImplemented" or _http_status(exc) == 501
+
+
 def _past_the_end(exc: BaseException) -> bool:
     """Whether a GET failed only because its range starts at or past the end of the object (HTTP 416)."""
     chain = [exc, exc.__cause__, exc.__context__]
@@ -124,7 +154,6 @@ class ObjectTier(StorageTier):
     """
 
     kind = "object"
-    stores_chunks_by_digest = True
 
     def __init__(self, url: str, *, storage_options: dict[str, Any] | None = None) -> None:
         self.bucket, self.prefix = _split_url(url)
@@ -144,6 +173,7 @@ class ObjectTier(StorageTier):
         self.fs = self.lanes[0]
         self._turn = itertools.count()
         self._read_ahead = _ReadAhead(self)
+        self._conditional_put = settings().s3_conditional_put
 
     # --- naming --------------------------------------------------------------------------------
     def key(self, path: str) -> str:
@@ -155,12 +185,15 @@ class ObjectTier(StorageTier):
         """Translate s3fs/botocore failures into ckptd errors naming the file and tier."""
         try:
             yield
-        except (NotFoundError, StorageError):
+        except (NotFoundError, StorageError, AlreadyCommittedError):
             raise
         except Exception as exc:  # botocore, aiohttp and asyncio errors share no useful base class
             raise self._translate(exc, what, path) from exc
 
     def _translate(self, exc: Exception, what: str, path: str) -> CkptdError:
+        if _error_code(exc) == "PreconditionFailed" or _http_status(exc) == 412:
+            return AlreadyCommittedError("the object already exists and is never replaced", path=path,
+                                         tier=self.label, hint="a committed step is immutable; save a new step")
         text = str(exc)
         if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
             return NotFoundError(f"bucket {self.bucket!r} does not exist", path=path, tier=self.label,
@@ -317,22 +350,55 @@ class ObjectTier(StorageTier):
         return self._list(f"{directory.rstrip('/')}/" if directory else "")
 
     # --- writing -------------------------------------------------------------------------------
-    def write_bytes(self, path: str, data: Buffer) -> None:
+    @property
+    def capabilities(self) -> TierCapabilities:  # type: ignore[override]
+        return TierCapabilities(chunks_by_digest=True, conditional_put=self._conditional_put,
+                                multipart_uploads=True)
+
+    def write_bytes(self, path: str, data: Buffer, *, if_absent: bool = False) -> None:
         """Upload a whole object: one PUT, or a multipart upload with parallel parts above
-        ``s3_part_bytes``. Either way the object appears complete or not at all."""
+        ``s3_part_bytes``. Either way the object appears complete or not at all.
+
+        With ``if_absent=True`` the PUT (or the multipart completion) carries ``If-None-Match: *``, which
+        the store refuses with 412 when the key exists. Where the store does not support conditional
+        writes (``s3_conditional_put`` off, or the store answers 501), the tier looks the key up first
+        and then writes, which is not race-free between two writers. An existing object holding exactly
+        these bytes counts as written: a retried request whose first attempt landed looks like that."""
+        view = memoryview(data).cast("B")
+        if if_absent and not self._conditional_put:
+            if self.exists(path):
+                self._refuse_unless_identical(path, view)
+                return
+            if_absent = False
+        try:
+            self._upload(path, data, view, if_absent=if_absent)
+        except AlreadyCommittedError:
+            self._refuse_unless_identical(path, view)
+        except StorageError as exc:
+            if not (if_absent and _not_implemented(exc.__cause__)):
+                raise
+            _log.warning("the object store of %s refused a conditional write (If-None-Match); writing "
+                         "commit markers look-up-then-put from now on (not race-free between two writers)",
+                         self.label)
+            self._conditional_put = False
+            self.write_bytes(path, data, if_absent=True)
+
+    def _upload(self, path: str, data: Buffer, view: memoryview, *, if_absent: bool) -> None:
         tunables = settings()
         part_bytes = max(MIN_PART_BYTES, tunables.s3_part_bytes)
-        view = memoryview(data).cast("B")
+        condition = {"IfNoneMatch": "*"} if if_absent else {}
         with self._errors("uploading", path):
             if len(view) <= part_bytes:
                 body = data if isinstance(data, bytes) else bytes(view)  # no copy of bytes already whole
-                self._call(self._lane(), "put_object", Bucket=self.bucket, Key=self.key(path), Body=body)
+                self._call(self._lane(), "put_object", Bucket=self.bucket, Key=self.key(path), Body=body,
+                           **condition)
             else:
                 lane = self._lane()
                 self._sync(lane, self._multipart(lane, self.key(path), view, part_bytes,
-                                                 max(1, tunables.s3_concurrency)))
+                                                 max(1, tunables.s3_concurrency), condition))
 
-    async def _multipart(self, lane: Any, key: str, data: memoryview, part_bytes: int, concurrency: int) -> None:
+    async def _multipart(self, lane: Any, key: str, data: memoryview, part_bytes: int, concurrency: int,
+                         condition: dict[str, str]) -> None:
         created = await lane._call_s3("create_multipart_upload", Bucket=self.bucket, Key=key)
         upload_id = created["UploadId"]
         gate = asyncio.Semaphore(concurrency)
@@ -349,7 +415,7 @@ class ObjectTier(StorageTier):
         try:
             parts = await asyncio.gather(*tasks)
             await lane._call_s3("complete_multipart_upload", Bucket=self.bucket, Key=key,
-                                   UploadId=upload_id, MultipartUpload={"Parts": list(parts)})
+                                UploadId=upload_id, MultipartUpload={"Parts": list(parts)}, **condition)
         except BaseException:
             for task in tasks:
                 task.cancel()
