@@ -42,6 +42,7 @@ from ckptd.stepio.rank_writer import RankWriter
 from ckptd.format.records import Manifest, RankEntry
 from ckptd.state.staging import Stager, stage_tree
 from ckptd.state.tree import flatten
+from ckptd.tiers.atomicity import step_commit
 from ckptd.tiers.local import LocalTier
 
 #: fqn prefix of the one extra WriteResult per rank that carries its manifest entry to the coordinator.
@@ -69,6 +70,8 @@ class CkptdStorageWriter(StorageWriter):
         self.root = None if root is None else str(root)
         self.step = step
         self.rank, self.is_coordinator = 0, True
+        self.world_size = 1
+        self.use_collectives = True
         self._stager = stager
         self._buffers_free = threading.Event()
         self._buffers_free.set()
@@ -91,15 +94,19 @@ class CkptdStorageWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Every rank: learn this rank's number and whether it writes the manifest."""
+        import torch.distributed as dist
+
         self.is_coordinator = is_coordinator
+        distributed = dist.is_available() and dist.is_initialized()
         rank = kwargs.get("rank")
         if rank is None:
-            import torch.distributed as dist
-
-            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            rank = dist.get_rank() if distributed else 0
         self.rank = int(rank)
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.use_collectives = bool(kwargs.get("use_collectives", True))
         if self._tier is None:
             self.reset()
+        step_commit(self._local).check_writable(self.step)  # type: ignore[arg-type]
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -122,15 +129,20 @@ class CkptdStorageWriter(StorageWriter):
         """Coordinator only, after every rank wrote: write the commit manifest (last)."""
         entries = sorted((r.storage_data for rank_results in results for r in rank_results
                           if r.index.fqn.startswith(_RANK_ENTRY_FQN)), key=lambda e: e.rank)
-        world_size = len(results)
-        if [e.rank for e in entries] != list(range(world_size)):
-            raise CommitError(f"expected index entries for ranks 0..{world_size - 1}, got "
-                              f"{[e.rank for e in entries]}", step=self.step, path=self.checkpoint_id)
+        ranks = [e.rank for e in entries]
+        if ranks != list(range(self.world_size)):
+            how = "" if self.use_collectives else (" (dcp.save(..., use_collectives=False) gives each rank's "
+                                                   "finish only its own results)")
+            raise CommitError(f"rank {self.rank} got index entries of ranks {ranks} for a {self.world_size}-rank "
+                              f"save{how}; nothing was committed", step=self.step, path=self.checkpoint_id,
+                              hint="save with use_collectives=True, or use ckptd.CheckpointManager, whose ranks "
+                              "agree through the job's store")
         extra = {MANIFEST_KEY: {"planner_data": planner_data_to_json(metadata.planner_data),
                                 "version": metadata.version}}
-        manifest = Manifest(step=self.step, world_size=world_size, ranks=tuple(entries),  # type: ignore[arg-type]
+        manifest = Manifest(step=self.step, world_size=self.world_size, ranks=tuple(entries),  # type: ignore[arg-type]
                             codec=self.codec, extra=extra)
-        self._local.write_bytes(step_file(self.step, MANIFEST_NAME), manifest.to_json_bytes())  # type: ignore[arg-type]
+        step_commit(self._local).commit(self.step, manifest.to_json_bytes(),  # type: ignore[arg-type]
+                                        world_size=self.world_size)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

@@ -20,12 +20,22 @@ still commits into it).
 Thread: commit rounds (:meth:`agree`, :meth:`confirm`) run on the writer thread, exchange rounds on the
 training thread;
 each kind has its own round counter and key prefix, and each is called in the same order on all ranks.
+
+Incarnations: launchers such as ``torchrun --max-restarts`` keep the job's store across restart attempts,
+so keys written by an earlier attempt are still there, under the same names. Every key of a
+:class:`StoreCoordinator` therefore lives under ``<prefix>/g<generation>/``, where the generation is agreed
+when the coordinator is built (:meth:`StoreCoordinator.join`): rank 0 takes a new number from a store
+counter, every other rank joins the newest number with a fresh nonce, and rank 0 publishes the roster of
+nonces it saw. A rank accepts a generation only when the roster holds its own nonce, so an answer of an
+earlier attempt is never read as one of this attempt.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
@@ -88,9 +98,62 @@ class StoreCoordinator:
                  prefix: str = "ckptd") -> None:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout = timedelta(seconds=timeout_s)
+        self.root_prefix = prefix
+        self.generation = 0
         self.prefix = prefix
         self._round = 0
         self._exchanges = 0
+        self.join()
+
+    def join(self) -> int:
+        """Agree with every rank on a new generation and scope all later keys to it; returns it.
+
+        Every rank calls it (the constructor does), on the training thread. Call it again, on every rank,
+        when the job's ranks are re-formed in the same store (an in-process restart)."""
+        counter = f"{self.root_prefix}/generation"
+        nonce = uuid.uuid4().hex
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        if self.rank == 0:
+            generation = int(self.store.add(counter, 1))
+            base = f"{self.root_prefix}/join/{generation}"
+            keys = [f"{base}/member/{rank}" for rank in range(1, self.world_size)]
+            try:
+                if keys:
+                    self.store.wait(keys, self.timeout)
+            except Exception as exc:  # c10d raises a plain RuntimeError/DistStoreError on timeout
+                missing = [rank for rank in range(1, self.world_size)
+                           if not self.store.check([f"{base}/member/{rank}"])]
+                raise CommitError(f"ranks {missing} did not join generation {generation} within {self.timeout}",
+                                  hint="start every rank of the job, with the same store") from exc
+            roster = {"0": nonce} | {key.rsplit("/", 1)[1]: self.store.get(key).decode() for key in keys}
+            self.store.set(f"{base}/roster", json.dumps(roster))
+        else:
+            generation = self._join_as_member(counter, nonce, deadline)
+        self.generation = generation
+        self.prefix = f"{self.root_prefix}/g{generation}"
+        self._round = 0
+        self._exchanges = 0
+        log.debug("rank %d joined store generation %d", self.rank, generation)
+        return generation
+
+    def _join_as_member(self, counter: str, nonce: str, deadline: float) -> int:
+        """Join the newest generation rank 0 opened; rejoin a newer one until a roster names our nonce."""
+        joined: int | None = None
+        while True:
+            newest = int(self.store.add(counter, 0))
+            if newest > 0 and newest != joined:
+                joined = newest
+                self.store.set(f"{self.root_prefix}/join/{joined}/member/{self.rank}", nonce)
+            if joined is not None:
+                roster_key = f"{self.root_prefix}/join/{joined}/roster"
+                if self.store.check([roster_key]):
+                    roster = json.loads(self.store.get(roster_key))
+                    if roster.get(str(self.rank)) == nonce:
+                        return joined
+            if time.monotonic() > deadline:
+                raise CommitError(f"rank 0 did not open a store generation for rank {self.rank} within "
+                                  f"{self.timeout}", hint="start every rank of the job, with the same store")
+            time.sleep(0.02)
 
     def exchange(self, kind: str, value: Any) -> list[Any]:
         self._exchanges += 1

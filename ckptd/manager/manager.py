@@ -17,6 +17,7 @@ from ckptd.errors import CkptdError, ConfigError
 from ckptd.format import codecs
 from ckptd.format.layout import MANIFEST_NAME, rank_file_prefix
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator, StoreCoordinator
+from ckptd.manager.directories import DirectorySharing, directory_identity, set_aside_step
 from ckptd.policy import Policy
 from ckptd.manager.restoring import RestoreResult, restore_state
 from ckptd.manager.saving import Saver
@@ -83,13 +84,16 @@ class CheckpointManager:
         self.rank, self.world_size = self.coordinator.rank, self.coordinator.world_size
         self.local = LocalTier(local)
         self.local.acquire_lock(self.rank)
+        #: Which ranks share this rank's local directory (by its identity, not its path) and who owns it.
+        self.sharing = DirectorySharing(self.rank, tuple(
+            self.coordinator.exchange("local-directory", directory_identity(self.local.root))))
         self._own_prefixes = (rank_file_prefix(self.rank),) + \
-            ((MANIFEST_NAME,) if self.rank == 0 else ())
+            ((MANIFEST_NAME,) if self.sharing.is_owner else ())
         removed = self.local.remove_temporaries(self._own_prefixes)
         if removed:
             log.info("removed %d temporary file(s) left by an earlier crash", len(removed))
         self._saver = Saver(self.local, self.coordinator, policy=self.policy, codec=self.codec,
-                            allow_pickle=allow_pickle, capture_rng=capture_rng)
+                            allow_pickle=allow_pickle, capture_rng=capture_rng, sharing=self.sharing)
         self.last_restore: RestoreResult | None = None
         self._closed = False
         self.remote: StorageTier | None = None
@@ -99,7 +103,8 @@ class CheckpointManager:
 
             self._remote_sync = RemoteSync(self.local, remote, storage_options=storage_options, policy=self.policy,
                                            rank=self.rank, world_size=self.world_size,
-                                           repopulate_local=repopulate_local)
+                                           repopulate_local=repopulate_local,
+                                           repopulate_ranks=self.sharing.ranks_here if self.sharing.is_owner else ())
             self.remote = self._remote_sync.remote
             self._saver.on_commit.append(self._remote_sync.on_commit)
 
@@ -152,9 +157,24 @@ class CheckpointManager:
                                allow_pickle=self.allow_pickle, restore_rng=self.capture_rng,
                                coordinator=self.coordinator, memory=self._saver.memory)
         self.last_restore = result
+        if result.step is not None and step is None:
+            self._set_aside_newer_steps(result.step)
         if self._remote_sync is not None:
             self._remote_sync.after_restore(result.step, result.tier)
         return result.step
+
+    def _set_aside_newer_steps(self, restored: int) -> None:
+        """Training goes on from ``restored`` and will save the steps after it again: committed local steps
+        newer than it (not intact on every rank) are renamed aside by the directory's owner (kept, never
+        deleted), so that those saves do not meet a committed step. ``restore(step=N)`` sets nothing aside:
+        a later save of a committed step is refused."""
+        if self.sharing.is_owner:
+            for step in self.local.committed_steps():
+                if step > restored:
+                    kept = set_aside_step(self.local.root, step)
+                    log.warning("step %d is newer than the restored step %d: kept as %s in %s; training "
+                                "continues from step %d", step, restored, kept, self.local.root, restored)
+        self.coordinator.exchange("newer-steps-set-aside", True)
 
     # --- lifecycle ----------------------------------------------------------------------------
     @property

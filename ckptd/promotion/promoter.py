@@ -26,8 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ckptd.config import settings
-from ckptd.errors import CommitError, NotFoundError
+from ckptd.errors import AlreadyCommittedError, CommitError, NotFoundError
 from ckptd.format.layout import MANIFEST_NAME, step_file
+from ckptd.tiers.atomicity import step_commit
 from ckptd.format.records import ChunkRecord, Manifest
 from ckptd.stepio.step_reader import load_step_manifest
 from ckptd.promotion.contents import RankShare, StepContents, read_step_contents, read_stored_chunk
@@ -121,7 +122,13 @@ class Promoter:
             self.remote.write_bytes(step_file(step, promoted_marker_name(share.rank)), b"")
         if commits:
             self._wait_for_other_ranks(contents, ranks)
-            self.remote.write_bytes(step_file(step, MANIFEST_NAME), contents.manifest_bytes)
+            try:
+                step_commit(self.remote).commit(step, contents.manifest_bytes)
+            except AlreadyCommittedError:  # another promoter committed it meanwhile
+                existing = self._remote_manifest(step)
+                if existing is None or not _same_step(existing, contents.manifest):
+                    raise
+                return self._report(contents, len(missing), uploaded_bytes, True, started)
             uploaded_bytes += len(contents.manifest_bytes)
             self.on_phase("committed")
         report = self._report(contents, len(missing), uploaded_bytes, False, started)

@@ -9,13 +9,15 @@ promoted) and writes the manifest once every rank's share is there, so the next 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from ckptd.errors import CkptdError, IntegrityError
-from ckptd.format.layout import MANIFEST_NAME, step_file
+from ckptd.format.layout import step_file
 from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 from ckptd.format.records import ChunkRecord, DataFile
 from ckptd.promotion.contents import RankShare, read_step_contents, read_stored_chunk
 from ckptd.state.tree import skeleton_tensor_names
+from ckptd.tiers.atomicity import step_commit
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
 
@@ -38,9 +40,14 @@ def prefetch_step(remote: ObjectTier, step: int, rank: int) -> int:
     return len(paths)
 
 
-def pull_step(remote: ObjectTier, local: LocalTier, step: int, *, ranks: list[int] | None = None) -> int:
+def pull_step(remote: ObjectTier, local: LocalTier, step: int, *, ranks: Iterable[int] | None = None) -> int:
     """Copy ``ranks`` (default: all) of a committed step from the object tier to the local tier, verified;
-    returns the bytes written. The local manifest is written last, once every rank's files exist."""
+    returns the bytes written. The step is committed locally last (through the tier's
+    :class:`~ckptd.tiers.atomicity.StepCommit`), once the files of ``ranks`` exist: a node-local directory
+    holds the ranks of its node only. A step already committed locally is left as it is."""
+    commit = step_commit(local)
+    commit.check_writable(step)
+    ranks = None if ranks is None else sorted(set(ranks))
     contents = read_step_contents(remote, step, ranks)
     written = 0
     for share in contents.shares:
@@ -52,10 +59,8 @@ def pull_step(remote: ObjectTier, local: LocalTier, step: int, *, ranks: list[in
             _rebuild_data_file(remote, local, share, data_file, [c for c in placed if c.file == number])
         local.write_bytes(step_file(step, share.index_name), share.index_bytes)
         written += index.data_size + len(share.index_bytes)
-    everyone = all(local.exists(step_file(step, entry.index_file)) for entry in contents.manifest.ranks)
-    if everyone:
-        local.write_bytes(step_file(step, MANIFEST_NAME), contents.manifest_bytes)
-        written += len(contents.manifest_bytes)
+    commit.commit(step, contents.manifest_bytes, ranks_here=ranks)
+    written += len(contents.manifest_bytes)
     log.info("re-populated step %d on %s from %s (%d bytes)", step, local.label, remote.label, written)
     return written
 

@@ -23,13 +23,17 @@ class RemoteSync:
     :meth:`on_commit`, which the saver calls after each local commit."""
 
     def __init__(self, local: LocalTier, url: str, *, storage_options: dict[str, Any] | None, policy: Policy,
-                 rank: int, world_size: int, repopulate_local: bool) -> None:
+                 rank: int, world_size: int, repopulate_local: bool,
+                 repopulate_ranks: tuple[int, ...] | None = None) -> None:
         remote = open_tier(url, storage_options=storage_options)
         if not isinstance(remote, ObjectTier):
             raise ConfigError(f"remote={url!r} is not an object store URL", hint="pass remote='s3://bucket/prefix'")
         self.local, self.remote = local, remote
         self.rank, self.world_size = rank, world_size
         self.repopulate_local = repopulate_local
+        #: The ranks whose files this rank copies back into its directory (all the ranks that share it, when
+        #: this rank owns it; none otherwise; None: every rank of the step).
+        self.repopulate_ranks = repopulate_ranks
         self.uploader = BackgroundUploader(local, remote, policy=policy, rank=rank, world_size=world_size)
         self.uploader.resume_pending()
 
@@ -50,7 +54,9 @@ class RemoteSync:
         """With ``repopulate_local``, copy a step restored from the object tier to the local tier."""
         if not self.repopulate_local or step is None or tier != self.remote.label:
             return
-        ranks = None if self.world_size == 1 else [self.rank]
+        ranks = None if self.world_size == 1 else self.repopulate_ranks
+        if ranks is not None and not ranks:
+            return
         try:
             pull_step(self.remote, self.local, step, ranks=ranks)
         except CkptdError as error:
