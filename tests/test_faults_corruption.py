@@ -4,15 +4,16 @@ manifest) is detected and named, and restore falls back to the older intact step
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from ckptd.config import override
-from ckptd.errors import CkptdError
-from ckptd.format.layout import MANIFEST_NAME, rank_data_name, rank_index_name
+from ckptd.errors import CkptdError, IntegrityError
+from ckptd.format.hashing import chunk_digest
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
@@ -35,17 +36,40 @@ def two_steps(request: pytest.FixtureRequest, manager_factory: ManagerFactory, c
     return checkpoint_dir
 
 
-def middle_chunk(root: Path) -> list[object]:
-    """The middle chunk of the first data file (the one every rank has)."""
-    records = tamper.chunk_records(root, BAD_STEP, part=0)
-    return records[len(records) // 2][1]
+@dataclass(frozen=True)
+class Expected:
+    """What the report of one damage must name: the damaged file (relative to the tier root), the reason
+    for the file (sizes, digests) and, when chunks were damaged, exactly which (digest -> (tensor,
+    stored offset)); a report naming another file, other sizes or another chunk fails the test."""
+
+    file: str
+    reason: str
+    chunks: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
-def flip_bit_in_middle_chunk(root: Path) -> str:
-    chunk = middle_chunk(root)
-    offset, length = int(chunk[0]), int(chunk[1])  # type: ignore[call-overload]
-    tamper.flip_bit(tamper.data_path(root, BAD_STEP), offset + length // 2, bit=3)
-    return str(chunk[4])
+def _relative(root: Path, path: Path) -> str:
+    return path.relative_to(root).as_posix()
+
+
+def _chunks(root: Path) -> list[tuple[str, int, int, str]]:
+    """(tensor, stored offset, stored length, digest) of every chunk of the first data file, in file order."""
+    return [(name, int(chunk[0]), int(chunk[1]), str(chunk[4]))
+            for name, chunk in tamper.chunk_records(root, BAD_STEP, part=0)]
+
+
+def flip_bit_in_middle_chunk(root: Path) -> Expected:
+    chunks = _chunks(root)
+    name, offset, length, digest = chunks[len(chunks) // 2]
+    path = tamper.data_path(root, BAD_STEP)
+    tamper.flip_bit(path, offset + length // 2, bit=3)
+    return Expected(_relative(root, path), f"chunk {digest}", {digest: (name, offset)})
+
+
+def zero_data(root: Path) -> Expected:
+    chunks = _chunks(root)
+    path = tamper.data_path(root, BAD_STEP)
+    zero(path)
+    return Expected(_relative(root, path), "chunk", {digest: (name, offset) for name, offset, _, digest in chunks})
 
 
 def truncate(path: Path, keep: float) -> None:
@@ -57,67 +81,139 @@ def zero(path: Path) -> None:
     path.write_bytes(bytes(path.stat().st_size))
 
 
-def replace_by_directory(root: Path) -> None:
-    path = tamper.data_path(root, BAD_STEP)
+def resize_data(change: Callable[[Path], None]) -> Callable[[Path], Expected]:
+    """A damage that changes the data file's size: the report names the recorded and the actual size."""
+    def apply(root: Path) -> Expected:
+        path = tamper.data_path(root, BAD_STEP)
+        recorded = path.stat().st_size
+        change(path)
+        actual = 4096 if path.is_dir() else path.stat().st_size
+        assert actual != recorded
+        return Expected(_relative(root, path), f"data file size differs from the index "
+                                               f"(expected {recorded}, got {actual})")
+    return apply
+
+
+def replace_by_directory(path: Path) -> None:
     path.unlink()
     path.mkdir()
 
 
-def zero_data(root: Path) -> str:
-    zero(tamper.data_path(root, BAD_STEP))
-    return str(tamper.chunk_records(root, BAD_STEP, part=0)[0][1][4])
+def damage_index(change: Callable[[Path], None]) -> Callable[[Path], Expected]:
+    """A damage of the rank index: the report names the digest the manifest records and the actual one."""
+    def apply(root: Path) -> Expected:
+        path = tamper.index_path(root, BAD_STEP)
+        (entry,) = tamper.read_json(tamper.manifest_path(root, BAD_STEP))["ranks"]
+        change(path)
+        actual = chunk_digest(path.read_bytes())
+        assert actual != entry["index_digest"]
+        return Expected(_relative(root, path), f"rank index does not match the manifest "
+                                               f"(expected {entry['index_digest']}, got {actual})")
+    return apply
 
 
-@dataclass(frozen=True)
-class Damage:
-    #: Damages step 2 in place; returns the digest of a chunk the report must name, or "".
-    apply: Callable[[Path], str]
-    names: str  # the file the report must name
+def remove(pick: Callable[[Path, int], Path]) -> Callable[[Path], Expected]:
+    def apply(root: Path) -> Expected:
+        path = pick(root, BAD_STEP)
+        path.unlink()
+        return Expected(_relative(root, path), "file not found")
+    return apply
 
 
-def damage(action: Callable[[Path], object], names: str) -> Damage:
-    def apply(root: Path) -> str:
-        action(root)
-        return ""
-    return Damage(apply, names)
+def damage_manifest(change: Callable[[Path], None], reason: str) -> Callable[[Path], Expected]:
+    def apply(root: Path) -> Expected:
+        path = tamper.manifest_path(root, BAD_STEP)
+        change(path)
+        return Expected(_relative(root, path), reason)
+    return apply
 
 
-DATA, INDEX = rank_data_name(0), rank_index_name(0)
-DAMAGES: dict[str, Damage] = {
-    "flipped-bit-in-data": Damage(flip_bit_in_middle_chunk, DATA),
-    "zeroed-data-file": Damage(zero_data, DATA),
-    "truncated-data-file": damage(lambda root: truncate(tamper.data_path(root, BAD_STEP), 0.5), DATA),
-    "data-file-missing-its-last-byte": damage(lambda root: truncate(tamper.data_path(root, BAD_STEP), 0.9999), DATA),
-    "deleted-data-file": damage(lambda root: tamper.data_path(root, BAD_STEP).unlink(), DATA),
-    "data-file-replaced-by-a-directory": damage(replace_by_directory, DATA),
-    "corrupted-index": damage(lambda root: tamper.flip_bit(tamper.index_path(root, BAD_STEP), 40), INDEX),
-    "zeroed-index": damage(lambda root: zero(tamper.index_path(root, BAD_STEP)), INDEX),
-    "deleted-index": damage(lambda root: tamper.index_path(root, BAD_STEP).unlink(), INDEX),
-    "corrupted-manifest": damage(lambda root: tamper.flip_bit(tamper.manifest_path(root, BAD_STEP), 60), MANIFEST_NAME),
-    "zeroed-manifest": damage(lambda root: zero(tamper.manifest_path(root, BAD_STEP)), MANIFEST_NAME),
-    "truncated-manifest": damage(lambda root: truncate(tamper.manifest_path(root, BAD_STEP), 0.5), MANIFEST_NAME),
+#: Damages step 2 in place and returns what its report must name.
+DAMAGES: dict[str, Callable[[Path], Expected]] = {
+    "flipped-bit-in-data": flip_bit_in_middle_chunk,
+    "zeroed-data-file": zero_data,
+    "truncated-data-file": resize_data(lambda path: truncate(path, 0.5)),
+    "data-file-missing-its-last-byte": resize_data(lambda path: truncate(path, 0.9999)),
+    "deleted-data-file": remove(tamper.data_path),
+    "data-file-replaced-by-a-directory": resize_data(replace_by_directory),
+    "corrupted-index": damage_index(lambda path: tamper.flip_bit(path, 40)),
+    "zeroed-index": damage_index(zero),
+    "deleted-index": remove(tamper.index_path),
+    "corrupted-manifest": damage_manifest(lambda path: tamper.flip_bit(path, 60), "file is not a ckptd manifest"),
+    "zeroed-manifest": damage_manifest(zero, "manifest is not valid JSON"),
+    "truncated-manifest": damage_manifest(lambda path: truncate(path, 0.5), "manifest is not valid JSON"),
 }
+
+_FILE = re.compile(r"\bfile (step-[^\s)]+)")
+_CHUNK = re.compile(r"chunk of tensor '([^']+)' at offset (\d+) .*?chunk ([0-9a-f]{32})")
+
+
+def assert_names_the_damage(message: str, expected: Expected) -> None:
+    """``message`` (why step 2 cannot be restored) names the damaged file, its reason and only damaged chunks."""
+    assert _FILE.findall(message) == [expected.file], message
+    assert expected.reason in message, message
+    named = [(tensor, int(offset), digest) for tensor, offset, digest in _CHUNK.findall(message)]
+    if expected.chunks:
+        assert named, f"no chunk named: {message}"
+        for tensor, offset, digest in named:
+            assert expected.chunks.get(digest) == (tensor, offset), f"names an intact chunk: {message}"
+    else:
+        assert named == [], message
+
+
+def assert_chunk_warnings_name_only_damaged_chunks(records: list[logging.LogRecord], expected: Expected) -> None:
+    errors = [arg for record in records if isinstance(record.args, tuple)
+              for arg in record.args if isinstance(arg, IntegrityError)]
+    if not expected.chunks:
+        assert errors == [], [str(error) for error in errors]
+        return
+    assert errors, "no chunk-level warning"
+    for error in errors:
+        assert error.chunk in expected.chunks and error.path == expected.file and error.step == BAD_STEP, str(error)
+        if error.expected is not None:
+            assert error.expected == error.chunk, str(error)
+    if len(expected.chunks) == 1:
+        assert {error.chunk for error in errors} == set(expected.chunks)
 
 
 @pytest.mark.parametrize("case", list(DAMAGES))
 def test_damaged_step_is_named_and_restore_returns_the_older_step(two_steps: Path, manager_factory: ManagerFactory,
                                                                   case: str, caplog: pytest.LogCaptureFixture) -> None:
-    bad_chunk = DAMAGES[case].apply(two_steps)
+    expected = DAMAGES[case](two_steps)
     live = synthetic_template(STATE_BYTES)
     with caplog.at_level(logging.WARNING, logger="ckptd"):
         assert manager_factory().restore(live) == 1
     assert_same_state(live, synthetic_state(1, STATE_BYTES))
-    assert DAMAGES[case].names in caplog.text and f"step {BAD_STEP}" in caplog.text
-    assert bad_chunk in caplog.text
+    prefix = f"step {BAD_STEP} cannot be restored on rank 0"
+    reports = [record.getMessage() for record in caplog.records if record.getMessage().startswith(prefix)]
+    assert len(reports) == 1, caplog.text
+    assert_names_the_damage(reports[0], expected)
+    assert_chunk_warnings_name_only_damaged_chunks(caplog.records, expected)
 
 
-@pytest.mark.parametrize("case", ["flipped-bit-in-data", "truncated-data-file", "corrupted-index"])
+@pytest.mark.parametrize("case", ["flipped-bit-in-data", "truncated-data-file", "corrupted-index", "deleted-index"])
 def test_restoring_a_damaged_step_by_number_fails_naming_the_file(two_steps: Path, manager_factory: ManagerFactory,
                                                                   case: str) -> None:
-    bad_chunk = DAMAGES[case].apply(two_steps)
+    expected = DAMAGES[case](two_steps)
     with pytest.raises(CkptdError) as caught:
         manager_factory().restore(synthetic_template(STATE_BYTES), step=BAD_STEP)
-    assert DAMAGES[case].names in str(caught.value) and bad_chunk in str(caught.value)
+    assert_names_the_damage(str(caught.value), expected)
+
+
+def test_the_check_fails_when_another_chunk_or_file_is_named(two_steps: Path) -> None:
+    expected = flip_bit_in_middle_chunk(two_steps)
+    (digest, (tensor, offset)), = expected.chunks.items()
+    other_tensor, other_offset, _, other = next(c for c in _chunks(two_steps) if c[3] != digest)
+    good = (f"step 2 cannot be restored on rank 0, trying an older one: chunk of tensor '{tensor}' at offset "
+            f"{offset} fails its digest: chunk {digest} (expected {digest}, got 0) (tier local x, step 2, "
+            f"file {expected.file})")
+    assert_names_the_damage(good, expected)
+    for wrong in (good.replace(digest, other).replace(f"offset {offset} ", f"offset {other_offset} ")
+                  .replace(f"'{tensor}'", f"'{other_tensor}'"),
+                  good.replace(f"offset {offset} ", f"offset {offset + 1} "),
+                  good.replace(expected.file, expected.file.replace(".data", ".index.json"))):
+        with pytest.raises(AssertionError):
+            assert_names_the_damage(wrong, expected)
 
 
 def test_intact_steps_restore_without_warnings(two_steps: Path, manager_factory: ManagerFactory,

@@ -31,6 +31,7 @@ def test_flipped_bit_in_a_local_chunk_is_repaired_from_s3(tmp_path, s3_bucket, s
     remote = object_tier(s3_bucket, s3_options)
     promote_step(local, remote, 1)
     data_file, offset, _ = tamper.chunk_location(local.root, 1, "frozen", 1)
+    damaged = tamper.read_json(tamper.index_path(local.root, 1))["tensors"]["frozen"]["chunks"][1][4]
     flip_bit(data_file, offset + 100)  # inside the 2nd chunk
     restored = zero_like(state)
     with ckptd.CheckpointManager(tmp_path / "local", remote=remote.url, storage_options=s3_options,
@@ -42,7 +43,9 @@ def test_flipped_bit_in_a_local_chunk_is_repaired_from_s3(tmp_path, s3_bucket, s
     assert len(result.events) == 1, "only the bad chunk is fetched from the next tier"
     event = result.events[0]
     assert event.tier == local.label and event.step == 1 and event.tensor == "frozen"
-    assert data_file.name in event.error and event.chunk in event.error
+    assert event.chunk == damaged, "the event names the damaged chunk, not another one"
+    assert f"chunk {damaged}" in event.error and f"at offset {offset} " in event.error
+    assert f"file {data_file.parent.name}/{data_file.name}" in event.error
 
 
 def test_flipped_bit_in_the_s3_copy_is_detected_by_verify_and_on_restore(tmp_path, s3_server, s3_bucket,
@@ -72,7 +75,9 @@ def test_flipped_bit_in_the_s3_copy_is_detected_by_verify_and_on_restore(tmp_pat
     with ckptd.CheckpointManager(tmp_path / "empty", remote=remote.url, storage_options=s3_options,
                                  capture_rng=False) as manager:
         assert manager.restore(restored) == 1, "no intact copy of step 2 anywhere: fall back to step 1"
-        assert any("step 2" in reason for reason in manager.last_restore.skipped)
+        (reason,) = manager.last_restore.skipped
+        digest = key.split("/")[1].split(".")[0]
+        assert reason.startswith("step 2 on rank 0:") and f"chunk {digest}" in reason, reason
     assert same_bytes(restored, states[1])
 
     with ckptd.CheckpointManager(tmp_path / "local", remote=remote.url, storage_options=s3_options,
