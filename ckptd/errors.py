@@ -3,6 +3,9 @@
 Every error ckptd raises on purpose derives from :class:`CkptdError`. Each carries enough context
 (file, step, tier) to act on, and its message says what to do next. The CLI prints ``str(error)``
 as one line and exits with :attr:`CkptdError.exit_code`.
+
+This module holds every error class of ckptd; import them from here. The package re-exports the
+ones a caller is expected to catch (``ckptd.IntegrityError is ckptd.errors.IntegrityError``).
 """
 
 from __future__ import annotations
