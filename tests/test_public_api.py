@@ -107,3 +107,25 @@ def test_remote_every_steps_none_promotes_every_saved_step(tmp_path, s3_bucket, 
         manager.wait_uploads()
         assert manager.committed_steps() == [2, 4, 6, 7]
         assert manager.remote.committed_steps() == [2, 4, 6, 7]
+
+
+#: Error classes defined outside ckptd.errors on purpose: internal signals that never reach a caller.
+INTERNAL_SIGNALS = {"ckptd/manager/commit.py": {"SkippedStep"}}  # caught by the saver (back-pressure)
+
+
+def test_error_classes_are_defined_in_ckptd_errors_only():
+    import ast
+    from pathlib import Path
+    repo = Path(__file__).resolve().parent.parent
+    names = set(_error_classes(ckptd.errors))
+    stray = []
+    for path in sorted([*(repo / "ckptd").rglob("*.py"), *(repo / "plugins").rglob("*.py")]):
+        relative = path.relative_to(repo).as_posix()
+        if relative == "ckptd/errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                bases = {base.id if isinstance(base, ast.Name) else getattr(base, "attr", "") for base in node.bases}
+                if bases & (names | {"Exception"}) and node.name not in INTERNAL_SIGNALS.get(relative, set()):
+                    stray.append(f"{relative}:{node.lineno} class {node.name}")
+    assert not stray, f"error classes outside ckptd.errors (move them there): {stray}"
