@@ -3,7 +3,8 @@
 Entries are named ``<digest>-<flattened path>``, so two versions of a shard never collide and datasets
 with identical shards share them. Writes go to a temporary name and are renamed into place; a per-entry
 ``flock`` keeps concurrent loaders (ranks on one node, DataLoader workers, prefetch threads) from
-fetching the same shard twice. When a new shard would push the cache over its limit, the least recently
+fetching the same shard twice; a loader waits for another one's download at most
+``CKPTD_DATA_CACHE_LOCK_TIMEOUT_S`` (then DeadlineError naming the entry). When a new shard would push the cache over its limit, the least recently
 used entries are deleted first. Readers hold a shard's bytes in memory, so deleting an entry never
 breaks a process that is reading it.
 
@@ -18,13 +19,14 @@ import logging
 import os
 import re
 import shutil
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 from ckptd.config import settings
 from ckptd.data.manifest import ShardRecord
-from ckptd.errors import ConfigError, StorageError
+from ckptd.errors import ConfigError, DeadlineError, StorageError
 
 log = logging.getLogger("ckptd.data")
 
@@ -33,6 +35,27 @@ _TEMP = ".tmp-"
 _LOCKS = ".locks"
 _SPACE_LOCK = ".space.lock"
 QUARANTINE_DIR = "quarantine"
+_POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.05
+
+
+def _flock_within(fd: int, timeout_s: float | None) -> bool:
+    """Take an exclusive ``flock`` on ``fd``, waiting at most ``timeout_s`` (None: no limit); returns
+    whether it was taken. flock has no timed form, so a held lock is polled with a growing pause."""
+    if timeout_s is None:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return True
+    deadline = time.monotonic() + max(0.0, timeout_s)
+    pause = _POLL_FIRST_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _POLL_MAX_S)
 
 
 def default_cache_dir() -> Path:
@@ -48,11 +71,15 @@ def entry_name(record: ShardRecord) -> str:
 
 
 class ShardCache:
-    """Whole shards on local disk under ``directory``, at most ``limit_bytes`` in total."""
+    """Whole shards on local disk under ``directory``, at most ``limit_bytes`` in total; a lock is waited
+    for at most ``lock_timeout_s`` seconds (default ``CKPTD_DATA_CACHE_LOCK_TIMEOUT_S``)."""
 
-    def __init__(self, directory: str | os.PathLike[str] | None = None, limit_bytes: int | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike[str] | None = None, limit_bytes: int | None = None, *,
+                 lock_timeout_s: float | None = None) -> None:
+        options = settings()
         self.directory = Path(directory) if directory is not None else default_cache_dir()
-        self.limit_bytes = settings().data_cache_bytes if limit_bytes is None else limit_bytes
+        self.limit_bytes = options.data_cache_bytes if limit_bytes is None else limit_bytes
+        self.lock_timeout_s = options.data_cache_lock_timeout_s if lock_timeout_s is None else lock_timeout_s
         if self.limit_bytes < 1:
             raise ConfigError(f"the shard cache limit must be positive, got {self.limit_bytes}",
                               hint="set CKPTD_DATA_CACHE_BYTES or cache_bytes=")
@@ -66,17 +93,26 @@ class ShardCache:
         return self.directory / entry
 
     @contextlib.contextmanager
-    def _flock(self, name: str) -> Iterator[None]:
-        with open(self.directory / _LOCKS / name, "a+b") as handle:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+    def _flock(self, name: str, what: str, timeout_s: float | None) -> Iterator[None]:
+        path = self.directory / _LOCKS / name
+        with open(path, "a+b") as handle:
+            if not _flock_within(handle.fileno(), timeout_s):
+                raise DeadlineError(
+                    f"gave up after {timeout_s:g} s waiting for the lock of {what}: another loader (a rank on "
+                    "this node, a DataLoader worker or a prefetch thread) still holds it", path=str(path),
+                    hint="a download of that shard may hang; raise CKPTD_DATA_CACHE_LOCK_TIMEOUT_S if the "
+                    "shard is only slow to fetch")
             try:
                 yield
             finally:
                 fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
-    def lock(self, entry: str) -> contextlib.AbstractContextManager[None]:
-        """Hold the entry's lock (across processes and threads) for a check-then-fetch."""
-        return self._flock(f"{entry}.lock")
+    def lock(self, entry: str, timeout_s: float | None = None) -> contextlib.AbstractContextManager[None]:
+        """Hold the entry's lock (across processes and threads) for a check-then-fetch; waits for another
+        holder at most ``timeout_s`` (default :attr:`lock_timeout_s`), then raises
+        :class:`~ckptd.errors.DeadlineError` naming the entry."""
+        return self._flock(f"{entry}.lock", f"shard cache entry {entry}",
+                           self.lock_timeout_s if timeout_s is None else timeout_s)
 
     def contains(self, entry: str) -> bool:
         return self.path(entry).is_file()
@@ -101,9 +137,14 @@ class ShardCache:
         temporary = self.directory / f"{entry}{_TEMP}{uuid.uuid4().hex[:8]}"
         try:
             temporary.write_bytes(data)
-            with self._flock(_SPACE_LOCK):  # eviction and commit are one step for every writer
+            with self._flock(_SPACE_LOCK, "the shard cache's space accounting", self.lock_timeout_s):
+                # eviction and commit are one step for every writer
                 self._make_room(len(data), keep=entry)
                 os.replace(temporary, self.path(entry))
+        except DeadlineError:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+            raise
         except OSError as exc:
             with contextlib.suppress(OSError):
                 temporary.unlink()

@@ -33,8 +33,8 @@ KNOWN_CODEC_IDS = frozenset([RAW, ZSTD] + [f"{BYTEPLANE}{w}" for w in _BYTEPLANE
 _local = threading.local()
 
 
-def _compressor() -> zstandard.ZstdCompressor:
-    level = settings().zstd_level
+def _compressor(level: int | None = None) -> zstandard.ZstdCompressor:
+    level = settings().zstd_level if level is None else level
     cached = getattr(_local, "compressor", None)
     if cached is None or _local.level != level:
         _local.compressor = zstandard.ZstdCompressor(level=level)
@@ -79,18 +79,20 @@ def codec_id_for(codec: str, *, floating: bool, itemsize: int) -> str:
     return codec
 
 
-def encode(codec_id: str, raw: Buffer) -> Buffer:
-    """Encode one chunk's raw bytes; ``raw`` may be returned unchanged (codec ``raw``)."""
+def encode(codec_id: str, raw: Buffer, *, level: int | None = None) -> Buffer:
+    """Encode one chunk's raw bytes; ``raw`` may be returned unchanged (codec ``raw``). ``level`` is the
+    zstd level (None: the ``CKPTD_ZSTD_LEVEL`` setting; writers pass the level of their save's settings,
+    so that the environment is not read once per chunk)."""
     if codec_id == RAW:
         return raw
     if codec_id == ZSTD:
-        return _compressor().compress(raw)
+        return _compressor(level).compress(raw)
     width = _byteplane_width(codec_id)
     array = np.frombuffer(raw, dtype=np.uint8)
     if array.size % width:
-        return _compressor().compress(raw)  # cannot happen for whole elements; stays decodable as zstd
+        return _compressor(level).compress(raw)  # cannot happen for whole elements; stays decodable as zstd
     planes = np.ascontiguousarray(array.reshape(-1, width).T)
-    return _compressor().compress(planes)
+    return _compressor(level).compress(planes)
 
 
 def decode(codec_id: str, stored: Buffer, raw_length: int, *, path: str | None = None) -> Buffer:

@@ -98,6 +98,7 @@ class CheckpointManager:
         self._closed = False
         self.remote: StorageTier | None = None
         self._remote_sync: Any = None
+        self._released = False  # True once close() released the lock (not while background work runs)
         if remote is not None:
             from ckptd.promotion.remote_sync import RemoteSync
 
@@ -204,18 +205,31 @@ class CheckpointManager:
         if self._remote_sync is not None:
             self._remote_sync.wait()
 
-    def close(self) -> None:
-        """Wait for pending writes and uploads, then release the tiers. Safe to call twice."""
-        if self._closed:
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for pending writes and uploads, then release the tiers. Safe to call twice.
+
+        Each wait lasts at most ``timeout_s`` seconds (default ``CKPTD_CLOSE_TIMEOUT_S``). A save still being
+        written then raises StillRunningError naming it, and the manager keeps its directory lock (and its
+        object tier), so that no other manager enters while the old writer may still write: call ``close``
+        again later. Uploads that did not finish raise UnpromotedError listing the steps left pinned locally
+        (promotion resumes at the next start); the lock is kept while an upload still runs.
+        """
+        if self._released:
             return
         self._closed = True
         try:
-            self._saver.close()
+            self._saver.close(timeout_s)
         finally:
-            try:
-                if self._remote_sync is not None:
-                    self._remote_sync.close()
-            finally:
+            if not self._saver.running:  # a save still being written (StillRunningError) keeps the lock
+                self._release(timeout_s)
+
+    def _release(self, timeout_s: float | None) -> None:
+        try:
+            if self._remote_sync is not None:
+                self._remote_sync.close(timeout_s)
+        finally:
+            if self._remote_sync is None or not self._remote_sync.uploader.running:
+                self._released = True
                 self.local.close()
 
     def _check_open(self) -> None:

@@ -14,27 +14,35 @@ Back-pressure: the buffers hold one copy of the state. When a save is requested 
 is still being written, ``Policy.on_busy`` decides: ``"wait"`` blocks until the writer is done,
 ``"skip"`` skips the step (on every rank: the skipping rank reports it through the store).
 
-Errors raised on the writer thread are stored and re-raised on the training thread by the next
-:meth:`Saver.save`, :meth:`Saver.wait` or :meth:`Saver.close`; the save after that works normally.
-Callbacks in ``on_commit`` run on the writer thread after a step is committed locally (retention,
-promotion); an exception from one is stored like a write error.
+The writer thread is a :class:`~ckptd.background.BackgroundWorker`. Every error raised on it is kept
+(one record per failed step and rank) and re-raised on the training thread by the next
+:meth:`Saver.save`, :meth:`Saver.wait` or :meth:`Saver.close`: one error as itself, several as a
+:class:`~ckptd.errors.BackgroundError` listing them all; the save after that works normally. Callbacks
+in ``on_commit`` run on the writer thread after a step is committed locally (retention, promotion); an
+exception from one is kept like a write error.
+
+Every wait has a deadline: :meth:`Saver.wait` (``CKPTD_WAIT_TIMEOUT_S``) and :meth:`Saver.close`
+(``CKPTD_CLOSE_TIMEOUT_S``) raise :class:`~ckptd.errors.StillRunningError` naming the step still being
+written. After a close that raised, the writer thread may still write: the Saver accepts no new saves,
+and its owner keeps the directory lock until a later :meth:`Saver.close` succeeds. The Saver holds a
+lease on the shared ``ckptd-write`` pool, renewed per save with that save's ``CKPTD_IO_THREADS`` and
+released by :meth:`Saver.close`.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from ckptd.background import BackgroundWorker, FailureRecord, PoolLease
 from ckptd.config import settings
 from ckptd.format.values import SavedValues
 from ckptd.errors import CkptdError, CommitError, ConfigError, WorkerError
 from ckptd.format.layout import MANIFEST_NAME, rank_files, step_file
-from ckptd.stepio.rank_writer import RankWriter, lower_thread_priority
+from ckptd.stepio.rank_writer import RankWriter, lease_io_pool, lower_thread_priority
 from ckptd.format.records import Manifest, RankEntry
 from ckptd.manager.commit import SKIPPED, CommitCoordinator, SkippedStep
 from ckptd.policy import Policy
@@ -77,20 +85,18 @@ class Saver:
         self.skipped: list[int] = []
         #: (step, time.monotonic()) of the newest local commit, set on the writer thread.
         self.last_commit: tuple[int, float] | None = None
-        self._queue: queue.Queue[_WriteJob | None] = queue.Queue()
-        self._idle = threading.Condition()
-        self._writes_pending = 0
-        self._jobs_pending = 0
-        self._error: BaseException | None = None
         self._memory: MemoryCopy | None = None
         self._committed_steps: set[int] = set()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"ckptd-writer-rank{self.rank}", daemon=True)
-        self._thread.start()
+        self._pool_lease: PoolLease | None = None  # writer thread; released by close()
+        self._worker: BackgroundWorker[_WriteJob] = BackgroundWorker(
+            f"ckptd-writer-rank{self.rank}", self._run, describe=self._describe, failures=self._failed,
+            on_start=lower_thread_priority)
 
     # --- training thread ------------------------------------------------------------------------
     def save(self, step: int, state: MutableMapping[str, Any]) -> bool:
         """Stage ``state`` as ``step`` and hand it to the writer; returns False when skipped (busy).
+        self._closing = False
 
         Raises the stored error of an earlier background write first, if there is one.
         """
@@ -117,8 +123,7 @@ class Saver:
     @property
     def busy(self) -> bool:
         """Whether a staged save is still being written (its buffers are in use)."""
-        with self._idle:
-            return self._writes_pending > 0
+        return self._worker.busy
 
     @property
     def memory(self) -> MemoryCopy | None:
@@ -128,23 +133,41 @@ class Saver:
             memory = self._memory = MemoryCopy(memory.step, memory.values, memory.staged, committed=True)
         return memory
 
-    def wait(self) -> None:
-        """Block until every pending save is committed locally; re-raise a stored background error."""
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until every pending save is committed locally, at most ``timeout_s`` seconds (default
+        ``CKPTD_WAIT_TIMEOUT_S``); re-raise the kept background errors.
+
+        Raises :class:`~ckptd.errors.StillRunningError` naming the step still being written when the
+        deadline passes (the save goes on; the kept errors are raised by a later call)."""
         self._check_open()
-        with self._idle:
-            while self._jobs_pending:
-                self._idle.wait()
+        timeout_s = settings().wait_timeout_s if timeout_s is None else timeout_s
+        self._worker.wait(timeout_s, what=f"pending saves of rank {self.rank}",
+                          hint="the local tier may hang; call wait() again or raise CKPTD_WAIT_TIMEOUT_S")
         self._raise_stored()
 
-    def close(self) -> None:
-        """Wait for pending writes, stop the writer thread, re-raise a stored error. Safe to call twice."""
+    @property
+    def running(self) -> bool:
+        """Whether the writer thread still runs (after a :meth:`close` that raised: it may still write)."""
+        return self._worker.alive
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Let pending saves finish (at most ``timeout_s`` seconds, default ``CKPTD_CLOSE_TIMEOUT_S``), stop
+        the writer thread, release the write pool, re-raise the kept background errors.
+
+        When a save is still being written at the deadline, raises :class:`~ckptd.errors.StillRunningError`
+        naming it; the Saver then accepts no new saves and the caller must keep what the writer needs (the
+        directory lock) and call ``close`` again later. Safe to call twice."""
         if self._closed:
             return
-        with self._idle:
-            self._idle.wait_for(lambda: self._jobs_pending == 0, timeout=settings().close_timeout_s)
+        self._closing = True
+        timeout_s = settings().close_timeout_s if timeout_s is None else timeout_s
+        self._worker.close(timeout_s, what=f"closing the saver of rank {self.rank}",
+                           hint="the checkpoint directory stays locked; call close() again once the write "
+                                "ends, or raise CKPTD_CLOSE_TIMEOUT_S")
         self._closed = True
-        self._queue.put(None)
-        self._thread.join(timeout=settings().close_timeout_s)
+        lease, self._pool_lease = self._pool_lease, None
+        if lease is not None:
+            lease.release()
         self._raise_stored()
 
     def __enter__(self) -> Saver:
@@ -154,21 +177,16 @@ class Saver:
         self.close()
 
     def _enqueue(self, job: _WriteJob) -> None:
-        with self._idle:
-            self._jobs_pending += 1
-            if job.staged is not None:
-                self._writes_pending += 1
-        self._queue.put(job)
+        self._worker.submit(job, busy=job.staged is not None)
 
     def _wait_writes(self) -> None:
-        with self._idle:
-            while self._writes_pending:
-                self._idle.wait()
+        """on_busy="wait": block until the staged buffers are free, at most ``CKPTD_WAIT_TIMEOUT_S``."""
+        self._worker.wait(settings().wait_timeout_s, busy_only=True,
+                          what=f"the previous save of rank {self.rank} (on_busy='wait')",
+                          hint="the local tier may hang; raise CKPTD_WAIT_TIMEOUT_S if it is only slow")
 
     def _raise_stored(self) -> None:
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
+        self._worker.raise_failures()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -180,32 +198,50 @@ class Saver:
         combined = dict(state)
         if self.capture_rng:
             combined[rng.RNG_KEY] = rng.capture()
+        if self._closing:
+            raise CkptdError("this Saver is closing: a close() gave up while a save was still being written",
+                             hint="call close() again; the checkpoint directory stays locked until it succeeds")
         return combined
 
     # --- writer thread --------------------------------------------------------------------------
-    def _run(self) -> None:
-        lower_thread_priority()
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                self._write(job)
-            except SkippedStep as skipped:
-                log.info("%s", skipped)
-            except BaseException as error:  # stored, re-raised on the training thread
-                log.warning("save of step %d failed on rank %d: %s", job.step, self.rank, error)
-                self._discard_uncommitted(job.step)
-                self._error = error if isinstance(error, CkptdError) else CommitError(
-                    f"save failed on rank {self.rank}: {error!r}", step=job.step)
-                if not isinstance(error, CkptdError):
-                    self._error.__cause__ = error
-            finally:
-                with self._idle:
-                    self._jobs_pending -= 1
-                    if job.staged is not None:
-                        self._writes_pending -= 1
-                    self._idle.notify_all()
+    def _run(self, job: _WriteJob) -> None:
+        """One job on the writer thread; an exception is kept by the worker (see :meth:`_failed`)."""
+        if job.staged is not None:
+            self._renew_pool_lease()
+        try:
+            self._write(job)
+        except SkippedStep as skipped:
+            log.info("%s", skipped)
+
+    def _renew_pool_lease(self) -> None:
+        """Hold the write pool of this save's ``CKPTD_IO_THREADS``; a superseded one is released (and shut
+        down once no writer uses it)."""
+        options = settings()
+        held = self._pool_lease
+        if held is not None and held.pool.threads == max(1, options.io_threads) and not held.pool.closed:
+            return
+        self._pool_lease = lease_io_pool("write", options)
+        if held is not None:
+            held.release()
+
+    def _describe(self, job: _WriteJob) -> str:
+        if job.staged is None:
+            return f"step {job.step} is still being reported as skipped on rank {self.rank}"
+        return f"step {job.step} is still being written on rank {self.rank}"
+
+    def _failed(self, job: _WriteJob, error: BaseException) -> list[FailureRecord]:
+        """Writer thread: free the failed step's files; one record per failed rank of the step."""
+        log.warning("save of step %d failed on rank %d: %s", job.step, self.rank, error)
+        try:
+            self._discard_uncommitted(job.step)
+        except Exception as cleanup:  # noqa: BLE001 - the save's own error is what the caller needs
+            log.warning("could not clean up failed step %d on rank %d: %s", job.step, self.rank, cleanup)
+        if not isinstance(error, CkptdError):
+            wrapped = CommitError(f"save failed on rank {self.rank}: {error!r}", step=job.step)
+            wrapped.__cause__ = error
+            error = wrapped
+        ranks = sorted(error.failures) if isinstance(error, WorkerError) and error.failures else [self.rank]
+        return [FailureRecord("save", error, step=job.step, rank=rank) for rank in ranks]
 
     def _write(self, job: _WriteJob) -> None:
         entry, error = None, SKIPPED if job.staged is None else None

@@ -62,10 +62,11 @@ class RemoteSync:
         except CkptdError as error:
             log.warning("could not re-populate the local tier with step %d: %s", step, error)
 
-    def wait(self) -> None:
-        """Block until queued uploads are done; re-raise the first upload failure."""
-        self.uploader.wait()
+    def wait(self, timeout_s: float | None = None) -> None:
+        """Block until queued uploads are done (at most ``timeout_s``); re-raise the upload failures."""
+        self.uploader.wait(timeout_s)
 
-    def close(self) -> None:
-        """Finish queued uploads and release the object tier; re-raise the first upload failure."""
-        self.uploader.close()
+    def close(self, timeout_s: float | None = None) -> None:
+        """Finish queued uploads and release the object tier within ``timeout_s`` (see
+        :meth:`BackgroundUploader.close`: raises UnpromotedError listing the steps left pinned locally)."""
+        self.uploader.close(timeout_s)

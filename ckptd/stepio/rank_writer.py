@@ -7,8 +7,14 @@ only later, when the manifest is written (see :mod:`ckptd.manager.commit`).
 
 Chunks with the same digest inside one rank are stored once (zeroed optimizer moments, tied values).
 
+Settings are read once per writer: a :class:`RankWriter` takes a :class:`~ckptd.config.Settings`
+snapshot (the caller's, or one read when it is built) and uses it for every chunk.
+
 Performance: each chunk is hashed, encoded and written by a task on the shared ``ckptd-write`` thread
-pool (:func:`io_pool`; xxhash, zstd and ``pwrite`` release the GIL). Small chunks (under
+pool (xxhash, zstd and ``pwrite`` release the GIL). The writer holds a lease on that pool from
+construction until :meth:`RankWriter.finish` or :meth:`RankWriter.abort` (see
+:class:`ckptd.background.SharedPools`): a pool superseded by a change of ``CKPTD_IO_THREADS`` is shut
+down once the last writer using it is done. Small chunks (under
 ``CKPTD_DIRECT_IO_MIN_BYTES``) are packed into the rank's first data file through the page cache. A
 large chunk's task takes a data file no other task is writing (opening another one, up to
 ``CKPTD_IO_THREADS`` of them, when all are busy), appends the chunk with direct I/O (see
@@ -22,35 +28,35 @@ says which file and where. Nothing here issues collectives.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from ckptd._types import Buffer
-from ckptd.config import settings
+from ckptd.background import PoolLease, TaskPool, shared_pools
+from ckptd.config import Settings, settings
+from ckptd.errors import DeadlineError
 
 from ckptd.format import codecs
 from ckptd.format.hashing import chunk_digest
-from ckptd.format.layout import rank_data_name, rank_index_name, step_file
+from ckptd.format.layout import rank_data_name, rank_index_name, step_dir, step_file
 from ckptd.format.records import ChunkRecord, DataFile, RankEntry, RankIndex, TensorRecord, dtype_name
 from ckptd.tiers.local import AtomicFile, LocalTier
 
 
-_pool_lock = threading.Lock()
-_pools: dict[tuple[str, int], ThreadPoolExecutor] = {}
-
-
-def lower_thread_priority() -> None:
-    """Lower the calling thread's CPU priority by ``CKPTD_BACKGROUND_NICE`` (Linux: per-thread nice).
+def lower_thread_priority(increment: int | None = None) -> None:
+    """Lower the calling thread's CPU priority by ``increment`` (default ``CKPTD_BACKGROUND_NICE``;
+    Linux: per-thread nice).
 
     Called by ckptd's background threads when they start; a no-op elsewhere or when not permitted.
     """
-    increment = settings().background_nice
+    increment = settings().background_nice if increment is None else increment
     if increment <= 0 or not hasattr(os, "setpriority") or not hasattr(threading, "get_native_id"):
         return
     try:
@@ -61,21 +67,31 @@ def lower_thread_priority() -> None:
         pass
 
 
-def io_pool(purpose: str = "write") -> ThreadPoolExecutor:
+def _pool_shape(purpose: str, options: Settings) -> tuple[int, Any]:
+    if purpose == "read":
+        return max(1, options.read_threads), None
+    nice = options.background_nice
+    return max(1, options.io_threads), lambda: lower_thread_priority(nice)
+
+
+def io_pool(purpose: str = "write", options: Settings | None = None) -> TaskPool:
     """The process-wide pool for ``purpose``: ``"write"`` (``CKPTD_IO_THREADS`` threads hashing, encoding
     and writing behind a save, at lowered priority, see :func:`lower_thread_priority`) or ``"read"``
     (``CKPTD_READ_THREADS`` threads reading and verifying during a restore, which training waits for,
-    at normal priority).
+    at normal priority), sized by ``options`` (default: the current settings).
+
+    For callers that take the pool per task: the pool lives until a change of its thread count
+    supersedes it. A caller that keeps using one pool holds a lease instead (:func:`lease_io_pool`).
     Tasks submitted to a pool must never wait on other tasks of the same pool.
     """
-    threads = max(1, settings().read_threads if purpose == "read" else settings().io_threads)
-    with _pool_lock:
-        pool = _pools.get((purpose, threads))
-        if pool is None:
-            initializer = lower_thread_priority if purpose == "write" else None
-            pool = _pools[(purpose, threads)] = ThreadPoolExecutor(
-                max_workers=threads, thread_name_prefix=f"ckptd-{purpose}", initializer=initializer)
-        return pool
+    threads, initializer = _pool_shape(purpose, options or settings())
+    return shared_pools.current(purpose, threads, initializer=initializer)
+
+
+def lease_io_pool(purpose: str = "write", options: Settings | None = None) -> PoolLease:
+    """A lease on the process-wide pool for ``purpose`` (see :func:`io_pool`), held until released."""
+    threads, initializer = _pool_shape(purpose, options or settings())
+    return shared_pools.lease(purpose, threads, initializer=initializer)
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -88,15 +104,26 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
 
 class RankWriter:
     """Writes one rank's tensors of one step as chunks into its data files (``rank-NNNNN.data``,
-    ``rank-NNNNN.1.data``, ...) and its index."""
+    ``rank-NNNNN.1.data``, ...) and its index.
 
-    def __init__(self, tier: LocalTier, step: int, rank: int, *, codec: str, chunk_bytes: int) -> None:
+    ``options`` is the settings snapshot used for every chunk (default: the settings when the writer is
+    built).
+    """
+
+    def __init__(self, tier: LocalTier, step: int, rank: int, *, codec: str, chunk_bytes: int,
+                 options: Settings | None = None) -> None:
         self.tier, self.step, self.rank = tier, step, rank
         self.codec, self.chunk_bytes = codec, max(16, chunk_bytes - chunk_bytes % 16)
-        self.max_parallel_files = max(1, settings().io_threads)
-        self.direct, self.direct_min_bytes = settings().direct_io, settings().direct_io_min_bytes
+        self.options = options = options if options is not None else settings()
+        self.max_parallel_files = max(1, options.io_threads)
+        self.direct, self.direct_min_bytes = options.direct_io, options.direct_io_min_bytes
+        self.zstd_level = options.zstd_level
+        self.handoff_timeout_s = options.file_handoff_timeout_s
+        self._window = 2 * max(1, options.io_threads)
         self._files: list[AtomicFile] = []
         self._open_next_file(direct=False)  # number 0: packs the small chunks
+        self._lease: PoolLease | None = lease_io_pool("write", options)
+        self._pool = self._lease.pool
         self._free_files: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._open = True
         self._tensors: dict[str, tuple[torch.dtype, tuple[int, ...], list[Future[ChunkRecord]]]] = {}
@@ -113,12 +140,11 @@ class RankWriter:
         codec_id = codecs.codec_id_for(self.codec, floating=tensor.is_floating_point(),
                                        itemsize=tensor.element_size())
         data = tensor_bytes(tensor)
-        pool, window = io_pool(), 2 * max(1, settings().io_threads)
         futures = []
         for start in range(0, len(data), self.chunk_bytes):
-            while len(self._in_flight) >= window:
+            while len(self._in_flight) >= self._window:
                 self._in_flight.popleft().result()
-            future = pool.submit(self._store_chunk, data[start:start + self.chunk_bytes], codec_id)
+            future = self._pool.submit(self._store_chunk, data[start:start + self.chunk_bytes], codec_id)
             self._in_flight.append(future)
             futures.append(future)
         self._tensors[name] = (tensor.dtype, tuple(tensor.shape), futures)
@@ -131,7 +157,7 @@ class RankWriter:
             known = self._written.get((digest, codec_id))
         if known is not None and known.raw_length == len(raw):
             return known
-        stored = codecs.encode(codec_id, raw)
+        stored = codecs.encode(codec_id, raw, level=self.zstd_level)
         if len(stored) < self.direct_min_bytes:
             return self._append(0, stored, raw, digest, codec_id)
         number = self._take_file()
@@ -170,7 +196,15 @@ class RankWriter:
         with self._lock:
             if len(self._files) - 1 < self.max_parallel_files:
                 return self._open_next_file(direct=self.direct)
-        return self._free_files.get()
+        try:
+            return self._free_files.get(timeout=self.handoff_timeout_s)
+        except queue.Empty:
+            raise DeadlineError(
+                f"no data file of rank {self.rank} was handed back within {self.handoff_timeout_s:g} s for the "
+                f"next chunk (all {self.max_parallel_files} parallel files are being written)",
+                step=self.step, path=step_dir(self.step), tier=self.tier.label,
+                hint="a write to the local tier may hang (check the disk); raise CKPTD_FILE_HANDOFF_TIMEOUT_S "
+                "if it is only slow") from None
 
     def _drain(self) -> None:
         """Wait for every queued chunk; raises the first error after all have stopped."""
@@ -194,9 +228,11 @@ class RankWriter:
                                       chunks=tuple(f.result() for f in futures))
                    for name, (dtype, shape, futures) in self._tensors.items()}
         data_files = tuple(DataFile(name=handle.final.name, size=handle.size) for handle in self._files)
-        commits = [io_pool().submit(handle.commit, sync_directory=False) for handle in self._files]
+        commits = [self._pool.submit(functools.partial(handle.commit, sync_directory=False))
+                   for handle in self._files]
         self._open = False
         errors = [future.exception() for future in commits]
+        self._release_pool()
         first_error = next((error for error in errors if error is not None), None)
         if first_error is not None:
             self._abort_files()
@@ -217,6 +253,12 @@ class RankWriter:
         if self._open:
             self._open = False
             self._abort_files()
+        self._release_pool()
+
+    def _release_pool(self) -> None:
+        lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.release()
 
     def _abort_files(self) -> None:
         """Delete every data file of this writer, committed or not."""
