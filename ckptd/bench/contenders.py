@@ -109,13 +109,43 @@ class CkptdContender:
         end = committed[1] if committed is not None and committed[0] == self.step else time.monotonic()
         return SaveRun(stall=stall, durable=end - start, loop_ratio=ratio)
 
+    def prepare_after_restore(self, state: dict[str, torch.Tensor]) -> None:
+        """What a job does at its start: ``restore`` (nothing to restore here), which starts preparing the
+        staging buffers in the background; then wait until they are ready (training would run meanwhile)."""
+        self.manager.restore(state)
+        self.manager._saver.stager.wait_prepared(600.0)
+
     def close(self) -> None:
         self.manager.close()
 
 
-def live_targets(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Tensors to restore into, written once before timing like the parameters of a model built before
-    its restore (``torch.load`` has no such target: it allocates, and a ``load_state_dict`` would copy)."""
+def first_save_stall(state: dict[str, torch.Tensor], directory: Path, *, io_threads: int, codec: str,
+                     prepared: bool) -> float:
+    """The stall of a new manager's first save: buffers allocated by the save itself (``prepared`` False)
+    or prepared in the background after the job's ``restore`` (True)."""
+    contender = CkptdContender(fresh(directory), io_threads=io_threads, codec=codec)
+    try:
+        if prepared:
+            contender.prepare_after_restore(state)
+        return contender.save(state).stall
+    finally:
+        contender.close()
+
+
+#: What a restore writes into: ``live`` tensors written once before the timer starts, like the parameters
+#: of a model built before its restore; ``untouched`` tensors from ``torch.empty_like`` whose pages were
+#: never written; ``absent`` (an empty state: ckptd allocates every tensor, as for the state of an
+#: optimizer that has not stepped yet). ``torch.load`` always allocates (a ``load_state_dict`` from it
+#: would add a copy, which the bench leaves out).
+TARGETS = ("live", "untouched", "absent")
+
+
+def live_targets(state: dict[str, torch.Tensor], kind: str = "live") -> dict[str, torch.Tensor]:
+    """Tensors to restore into (see :data:`TARGETS`), made before the timer starts."""
+    if kind == "untouched":
+        return {name: torch.empty_like(t) for name, t in state.items()}
+    if kind == "absent":
+        return {}
     return {name: torch.zeros_like(t) for name, t in state.items()}
 
 
@@ -133,9 +163,11 @@ def restore_dcp_load(state: dict[str, torch.Tensor], directory: Path) -> float:
     return timed(lambda: dcp.load(target, storage_reader=FileSystemReader(str(directory))))
 
 
-def restore_ckptd(state: dict[str, torch.Tensor], directory: Path, *, read_threads: int) -> float:
-    """Read and verify every chunk of the newest step from disk (no memory tier) into live tensors."""
-    target = live_targets(state)
+def restore_ckptd(state: dict[str, torch.Tensor], directory: Path, *, read_threads: int,
+                  targets: str = "live") -> float:
+    """Read and verify every chunk of the newest step from disk (no memory tier) into ``targets`` (see
+    :data:`TARGETS`)."""
+    target = live_targets(state, targets)
     evict(directory)
     with override(read_threads=read_threads):
         def restore() -> None:  # the manager's restore path, without taking the writer lock

@@ -53,6 +53,12 @@ def _ckptd_durable(saver: c.CkptdContender, state: dict[str, Any], copy: Callabl
     runs["ckptd_durable"].append(durable.durable)
 
 
+def _ckptd_restore(state: dict[str, Any], directory: Path, read_threads: int, kind: str,
+                   runs: dict[str, list[float]]) -> Callable[[], None]:
+    key = "ckptd_restore" if kind == "live" else f"ckptd_restore_{kind}"
+    return lambda: runs[key].append(c.restore_ckptd(state, directory, read_threads=read_threads, targets=kind))
+
+
 def _take_turns(round_number: int, contenders: list[Callable[[], None]]) -> None:
     """Run every contender once, a different one first in each round."""
     for index in range(len(contenders)):
@@ -100,12 +106,18 @@ def run_bench(options: BenchOptions, progress: Callable[[str], None] = lambda _:
                 beside = _with_loop(loop, options.loop_seconds, lambda base: c.dcp_async_save(
                     state, c.fresh(root / "dcp_async"), loop, base))
                 runs["loop_dcp_async"].append(beside.loop_ratio)  # type: ignore[arg-type]
+                progress(f"round {round_number}/{repeats}: first saves of new managers")
+                _take_turns(round_number, [
+                    lambda: runs["ckptd_first_stall_cold"].append(c.first_save_stall(
+                        state, root / "first", io_threads=options.io_threads, codec=options.codec, prepared=False)),
+                    lambda: runs["ckptd_first_stall_prepared"].append(c.first_save_stall(
+                        state, root / "first", io_threads=options.io_threads, codec=options.codec, prepared=True)),
+                ])
                 progress(f"round {round_number}/{repeats}: restores (cold page cache)")
                 _take_turns(round_number, [  # reads right after heavy writes are slower: take turns too
                     lambda: runs["torch_load"].append(c.restore_torch_load(root / "torch")),
                     lambda: runs["dcp_load"].append(c.restore_dcp_load(state, root / "dcp")),
-                    lambda: runs["ckptd_restore"].append(
-                        c.restore_ckptd(state, root / "ckptd", read_threads=options.read_threads)),
+                    *[_ckptd_restore(state, root / "ckptd", options.read_threads, kind, runs) for kind in c.TARGETS],
                 ])
         finally:
             ckptd_saver.close()
@@ -165,6 +177,11 @@ def ratios(report: BenchReport) -> dict[str, float]:
         "durable_speedup_vs_dcp": s["dcp_save"] / s["ckptd_durable"],
         "durable_gib_per_s": gib / s["ckptd_durable"],
         "restore_speedup_vs_best": best_load / s["ckptd_restore"],
+        "restore_live_vs_torch_load": s["torch_load"] / s["ckptd_restore"],
+        "restore_untouched_vs_torch_load": s["torch_load"] / s["ckptd_restore_untouched"],
+        "restore_absent_vs_torch_load": s["torch_load"] / s["ckptd_restore_absent"],
+        "first_stall_cold_vs_later": s["ckptd_first_stall_cold"] / s["ckptd_stall"],
+        "first_stall_prepared_vs_later": s["ckptd_first_stall_prepared"] / s["ckptd_stall"],
         "restore_gib_per_s": gib / s["ckptd_restore"],
         "loop_ratio_ckptd": loop.get("ckptd", float("nan")),
         "loop_ratio_dcp_async": loop.get("dcp_async", float("nan")),

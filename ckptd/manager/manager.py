@@ -21,6 +21,7 @@ from ckptd.manager.directories import DirectorySharing, directory_identity, set_
 from ckptd.policy import Policy
 from ckptd.manager.restoring import RestoreResult, restore_state
 from ckptd.manager.saving import Saver
+from ckptd.state.staging import prepare_state
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.local import LocalTier
 
@@ -95,6 +96,7 @@ class CheckpointManager:
         self._saver = Saver(self.local, self.coordinator, policy=self.policy, codec=self.codec,
                             allow_pickle=allow_pickle, capture_rng=capture_rng, sharing=self.sharing)
         self.last_restore: RestoreResult | None = None
+        self._prepare_staging = True  # see save(): staging buffers are prepared on the first step not saved
         self._closed = False
         self.remote: StorageTier | None = None
         self._remote_sync: Any = None
@@ -121,6 +123,9 @@ class CheckpointManager:
         """
         self._check_open()
         if not force and not self.policy.saves(step):
+            if self._prepare_staging:  # once: the first save then finds its buffers allocated, faulted in
+                self._prepare_staging = False
+                prepare_state(self._saver.stager, state, allow_pickle=self.allow_pickle)
             return False
         return self._saver.save(step, state)
 
@@ -158,6 +163,7 @@ class CheckpointManager:
                                allow_pickle=self.allow_pickle, restore_rng=self.capture_rng,
                                coordinator=self.coordinator, memory=self._saver.memory)
         self.last_restore = result
+        prepare_state(self._saver.stager, state, allow_pickle=self.allow_pickle)  # off the training thread
         if result.step is not None and step is None:
             self._set_aside_newer_steps(result.step)
         if self._remote_sync is not None:
@@ -217,6 +223,7 @@ class CheckpointManager:
         if self._released:
             return
         self._closed = True
+        self._saver.stager.stop_preparing()
         try:
             self._saver.close(timeout_s)
         finally:

@@ -11,13 +11,24 @@ process can restore from it without reading disk. The background writer reads th
 :class:`~ckptd.manager.saving.Saver` never stages while a write still reads them (back-pressure), so
 host memory stays bounded by one copy of the state, and by ``CKPTD_STAGING_BUDGET_BYTES`` when set.
 
-Thread: :meth:`Stager.stage` runs on the training thread; :class:`StagedState` is read-only afterwards
-and may be read from any thread until the next ``stage``. DTensors are staged as their local shard,
-with the shard's place in the global tensor (see :class:`ShardPlacement`).
+Fresh memory faults on its first write, page by page: copying 1 GiB into never-touched buffers took
+about 10x as long as into written ones on the development machine. :meth:`Stager.prepare` therefore
+allocates and pre-faults the buffers of a state whose shapes are known on a background thread
+(``ckptd-stager-prepare``), before the first save needs them; the
+:class:`~ckptd.manager.manager.CheckpointManager` calls :func:`prepare_state` after a restore and on
+the first step it does not save. A ``stage`` that comes while the preparation still runs stops it
+after the buffer in progress, uses the buffers that are ready and allocates the others itself.
+
+Thread: :meth:`Stager.stage`, :meth:`Stager.prepare` and :meth:`Stager.release` run on the training
+thread; :class:`StagedState` is read-only afterwards and may be read from any thread until the next
+``stage``. DTensors are staged as their local shard, with the shard's place in the global tensor (see
+:class:`ShardPlacement`).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,8 +37,12 @@ import torch
 
 from ckptd.config import settings
 from ckptd.format.values import ShardPlacement
-from ckptd.errors import ConfigError
-from ckptd.tiers.direct_io import aligned_empty
+from ckptd.errors import CkptdError, ConfigError
+from ckptd.state.tree import flatten
+from ckptd.stepio.rank_writer import lower_thread_priority
+from ckptd.tiers.direct_io import aligned_empty, prefaulted_empty
+
+log = logging.getLogger("ckptd.save")
 
 
 def local_view(tensor: torch.Tensor) -> tuple[torch.Tensor, ShardPlacement | None]:
@@ -69,12 +84,57 @@ class Stager:
         want_pin = settings().pin_staging if pin is None else pin
         self.pin = bool(want_pin and torch.cuda.is_available())
         self._buffers: dict[str, torch.Tensor] = {}
+        #: Buffers allocated by the preparing thread and not yet used by a ``stage`` (under ``_lock``).
+        self._prepared: dict[str, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._stop_preparing = threading.Event()
+        self._preparing: threading.Thread | None = None
         self.allocations = 0
+        #: Buffers the preparing thread allocated (whether a stage used them or not).
+        self.prepared_allocations = 0
 
     @property
     def held_bytes(self) -> int:
-        """Host memory the buffers take now."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        """Host memory the buffers take now (prepared ones included)."""
+        with self._lock:
+            held = list(self._buffers.values()) + list(self._prepared.values())
+        return sum(b.numel() * b.element_size() for b in held)
+
+    @property
+    def preparing(self) -> bool:
+        """Whether a background preparation is still running."""
+        thread = self._preparing
+        return thread is not None and thread.is_alive()
+
+    def prepare(self, tensors: Mapping[str, torch.Tensor]) -> int:
+        """Start allocating and pre-faulting, on a background thread, the buffers that a later
+        :meth:`stage` of tensors with these names, shapes and dtypes will use; returns how many buffers
+        it will prepare. Names that already have a fitting buffer are skipped; nothing is prepared when
+        the state exceeds the staging budget (``stage`` then refuses it). A preparation still running
+        is stopped first. Only the tensors' shapes and dtypes are read, here, on the calling thread."""
+        self._finish_preparing()
+        wanted: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        needed = 0
+        for name, tensor in tensors.items():
+            local, _ = local_view(tensor.detach())
+            needed += local.numel() * local.element_size()
+            if not self._fits(self._buffers.get(name), local) and not self._fits(self._prepared.get(name), local):
+                wanted[name] = (local.shape, local.dtype)
+        if not wanted or (self.budget_bytes and needed > self.budget_bytes):
+            return 0
+        self._stop_preparing.clear()
+        self._preparing = threading.Thread(target=self._prepare, args=(wanted,), name="ckptd-stager-prepare",
+                                           daemon=True)
+        self._preparing.start()
+        return len(wanted)
+
+    def wait_prepared(self, timeout_s: float | None = None) -> bool:
+        """Block until the background preparation is done (or ``timeout_s`` passed); returns whether it
+        is done. For benchmarks and tests; a save does not need it."""
+        thread = self._preparing
+        if thread is not None:
+            thread.join(timeout_s)
+        return not self.preparing
 
     def stage(self, tensors: Mapping[str, torch.Tensor]) -> StagedState:
         """Copy every tensor into its buffer and return the staged state (training thread).
@@ -82,6 +142,7 @@ class Stager:
         On return the caller may modify the source tensors. The previous :class:`StagedState` is
         overwritten: the caller must make sure no writer still reads it.
         """
+        self._finish_preparing()
         locals_: dict[str, tuple[torch.Tensor, ShardPlacement | None]] = {
             name: local_view(tensor.detach()) for name, tensor in tensors.items()}
         needed = sum(t.numel() * t.element_size() for t, _ in locals_.values())
@@ -100,6 +161,8 @@ class Stager:
             staged[name] = buffer
             if placement is not None:
                 placements[name] = placement
+        with self._lock:
+            self._prepared.clear()  # prepared for a state that is not the one saved
         non_blocking = self.pin
         with torch.no_grad():
             for buffer, source in copies:
@@ -108,21 +171,69 @@ class Stager:
             torch.cuda.synchronize()
         return StagedState(tensors=staged, placements=placements)
 
+    @staticmethod
+    def _fits(buffer: torch.Tensor | None, source: torch.Tensor) -> bool:
+        return buffer is not None and buffer.shape == source.shape and buffer.dtype == source.dtype
+
     def _buffer(self, name: str, source: torch.Tensor) -> torch.Tensor:
         existing = self._buffers.get(name)
-        if existing is not None and existing.shape == source.shape and existing.dtype == source.dtype:
-            return existing
-        if self.pin:  # pinned host memory is page-aligned
-            buffer = torch.empty(source.shape, dtype=source.dtype, device="cpu", pin_memory=True)
-        else:
-            buffer = aligned_empty(source.shape, source.dtype)
-        self._buffers[name] = buffer
+        if self._fits(existing, source):
+            return existing  # type: ignore[return-value]
+        with self._lock:
+            prepared = self._prepared.pop(name, None)
+        buffer = prepared if self._fits(prepared, source) else self._allocate(source.shape, source.dtype)
+        self._buffers[name] = buffer  # type: ignore[assignment]
         self.allocations += 1
-        return buffer
+        return buffer  # type: ignore[return-value]
+
+    def _allocate(self, shape: torch.Size, dtype: torch.dtype, *, prefault: bool = False) -> torch.Tensor:
+        if self.pin:  # pinned host memory is page-aligned, and pinning maps its pages
+            return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
+        return prefaulted_empty(shape, dtype) if prefault else aligned_empty(shape, dtype)
+
+    def _prepare(self, wanted: dict[str, tuple[torch.Size, torch.dtype]]) -> None:
+        """The preparing thread: one buffer at a time, until done or told to stop."""
+        lower_thread_priority()  # training runs meanwhile and wins contended cores
+        try:
+            for name, (shape, dtype) in wanted.items():
+                if self._stop_preparing.is_set():
+                    return
+                buffer = self._allocate(shape, dtype, prefault=True)
+                with self._lock:
+                    self._prepared[name] = buffer
+                    self.prepared_allocations += 1
+        except Exception as error:  # noqa: BLE001 - a failed preparation only means a slower first save
+            log.warning("preparing the staging buffers failed; the next save allocates them: %s", error)
+
+    def stop_preparing(self) -> None:
+        """Stop a running preparation after the buffer in progress and wait for its thread (the owner
+        calls it when it closes); the buffers prepared so far stay for the next :meth:`stage`."""
+        self._finish_preparing()
+
+    def _finish_preparing(self) -> None:
+        thread = self._preparing
+        if thread is not None:
+            self._stop_preparing.set()
+            thread.join()
+            self._preparing = None
 
     def release(self) -> None:
         """Drop every buffer (the memory tier is gone afterwards)."""
+        self._finish_preparing()
         self._buffers.clear()
+        with self._lock:
+            self._prepared.clear()
+
+
+def prepare_state(stager: Stager, state: Mapping[str, Any], *, allow_pickle: bool) -> int:
+    """:meth:`Stager.prepare` for the tensors a save of ``state`` would stage (same names as
+    :class:`~ckptd.manager.saving.Saver` gives them); returns how many buffers it will prepare. A state
+    that cannot be flattened prepares nothing (the save reports the problem). Training thread."""
+    try:
+        tensors = flatten(state, allow_pickle=allow_pickle).tensors
+    except CkptdError:
+        return 0
+    return stager.prepare(tensors)
 
 
 def stage_tree(stager: Stager, tree: Any) -> Any:

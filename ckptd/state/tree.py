@@ -197,6 +197,7 @@ class _Loader:
                 raise ValueError(f"numpy dtype {dtype} holds Python objects")
         if kind == "ndarray":
             raw = self.read(node["ndarray"], None)
+            self.settle()  # the array is used right away: its bytes must have arrived
             array = raw.numpy().view(dtype).reshape([int(dim) for dim in node["shape"]])
             if isinstance(target, np.ndarray) and target.shape == array.shape and target.dtype == dtype \
                     and target.flags.writeable:
@@ -252,7 +253,9 @@ class _Loader:
             raise PickleRefusedError(
                 f"state entry {path!r} was saved with pickle; ckptd does not unpickle by default",
                 hint="pass allow_pickle=True only if you trust this checkpoint")
-        data = bytes(self.read(node["pickle"], None).numpy())
+        raw = self.read(node["pickle"], None)
+        self.settle()
+        data = bytes(raw.numpy())
         if node.get("torch"):
             return torch.load(io.BytesIO(data), weights_only=False)
         return pickle.loads(data)
@@ -267,9 +270,10 @@ def load_into(state: MutableMapping[str, Any], skeleton: Any, read: TensorSource
               allow_pickle: bool = False, settle: Callable[..., None] = no_pending_reads) -> None:
     """Load a saved skeleton into the live ``state`` in place (see the module docstring).
 
-    ``read`` may return a live tensor whose bytes are still arriving; ``settle()`` then waits for them
-    and raises a failed read. It is called before any object's ``load_state_dict`` and at the end, and
-    on a failure ``settle(raise_errors=False)`` runs before the failure propagates."""
+    ``read`` may return a tensor (live, or allocated for a value the live state lacks) whose bytes are
+    still arriving; ``settle()`` then waits for them and raises a failed read. It is called before any
+    object's ``load_state_dict``, before an array or a pickled value is decoded, and at the end; on a
+    failure ``settle(raise_errors=False)`` runs before the failure propagates."""
     if not isinstance(skeleton, dict) or "dict" not in skeleton:
         raise CkptdError("the state skeleton is not a mapping")
     try:

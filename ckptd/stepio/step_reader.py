@@ -8,8 +8,15 @@ with file, chunk and tier and kept in :attr:`StepReader.events`.
 
 The chunks of a tensor are read and verified in parallel on the ``ckptd-read`` pool (``preadv``, xxhash
 and zstd release the GIL); :meth:`StepReader.read_tensor` must therefore not be called from that pool.
-A restore defers the reads into live tensors, so that the chunks of all its tensors are in flight
-together, and calls :meth:`StepReader.settle` before the values are used.
+A restore defers its reads (into live tensors, and into tensors the reader allocates for values the
+live state lacks), so that the chunks of all its tensors are in flight together, and calls
+:meth:`StepReader.settle` before the values are used.
+
+Targets are often memory that was never written (``torch.empty_like``, an optimizer's state at job
+start, tensors the reader allocates): each reader thread pre-faults the pages of its chunk's target
+(:func:`~ckptd.tiers.direct_io.prefault`) just before reading it, so that the page faults run on the
+reader threads in parallel and without a trap per page, instead of inside the copy out of the
+direct-I/O bounce buffer.
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ from ckptd.format.layout import MANIFEST_NAME, step_file
 from ckptd.format.records import ChunkRecord, Manifest, RankIndex, TensorRecord
 from ckptd.stepio.rank_writer import io_pool, tensor_bytes
 from ckptd.tiers.base import StorageTier
-from ckptd.tiers.direct_io import aligned_empty
+from ckptd.tiers.direct_io import address, aligned_empty, prefault
 
 log = logging.getLogger("ckptd.restore")
 
 #: Largest manifest or index a reader loads into memory.
 MAX_METADATA_BYTES = 512 * 1024 * 1024
+#: Chunk targets from this size on are pre-faulted before their read (smaller ones span few pages).
+_PREFAULT_MIN_BYTES = 256 * 1024
 
 
 def _read_metadata(tier: StorageTier, path: str, step: int) -> bytes:
@@ -171,9 +180,10 @@ class StepReader:
     def read_tensor(self, name: str, out: torch.Tensor | None = None, *, defer: bool = False) -> torch.Tensor:
         """Read a saved tensor, into ``out`` when given (it must have the saved shape).
 
-        With ``defer``, a read straight into ``out`` (a contiguous CPU tensor of the saved dtype) only
-        starts: ``out`` is returned at once and holds the saved values after :meth:`settle`. Restores
-        use this to keep every chunk of every tensor in flight instead of waiting tensor by tensor."""
+        With ``defer``, a read straight into ``out`` (a contiguous CPU tensor of the saved dtype), or
+        into a tensor the reader allocates when ``out`` is None, only starts: the target is returned at
+        once and holds the saved values after :meth:`settle`. Restores use this to keep every chunk of
+        every tensor in flight instead of waiting tensor by tensor."""
         record = self.record(name)
         if out is not None and tuple(out.shape) != record.shape:
             from ckptd.errors import ResumeMismatchError
@@ -181,9 +191,9 @@ class StepReader:
             raise ResumeMismatchError(
                 f"tensor {name!r} was saved with shape {list(record.shape)} but the live tensor has shape "
                 f"{list(out.shape)}", step=self.index.step, hint="restore into a model of the saved shape")
-        direct = (out is not None and out.device.type == "cpu" and out.is_contiguous()
-                  and out.dtype == record.torch_dtype and not out.requires_grad)
-        target = out if direct else aligned_empty(record.shape, record.torch_dtype)
+        direct = out is None or (out.device.type == "cpu" and out.is_contiguous()
+                                 and out.dtype == record.torch_dtype and not out.requires_grad)
+        target = out if direct and out is not None else aligned_empty(record.shape, record.torch_dtype)
         view = tensor_bytes(target)
         pieces, position = [], 0
         for chunk in record.chunks:
@@ -216,6 +226,8 @@ class StepReader:
         settle_all([self], raise_errors=raise_errors)
 
     def _read_chunk(self, name: str, chunk: ChunkRecord, out: memoryview) -> None:
+        if len(out) >= _PREFAULT_MIN_BYTES:
+            prefault(address(out), len(out))
         first_error: CkptdError | None = None
         for source in self.sources:
             try:
