@@ -10,7 +10,7 @@ import os
 import pytest
 
 from ckptd.config import override
-from ckptd.errors import AlreadyCommittedError, ConfigError, NotFoundError, StorageError
+from ckptd.errors import AlreadyCommittedError, ConfigError, NotFoundError, StorageError, TierMisconfiguredError
 from ckptd.tiers import open_tier
 from ckptd.tiers.object import ObjectTier
 from test_promotion_support import object_tier
@@ -30,10 +30,10 @@ def test_timeouts_and_retries_come_from_settings_and_options_win(s3_options):
     with override(s3_connect_timeout_s=3.0, s3_read_timeout_s=7.0, s3_retries=4, s3_concurrency=3):
         tier = ObjectTier("s3://bucket/prefix", storage_options=s3_options)
         explicit = ObjectTier("s3://bucket", storage_options={**s3_options, "config_kwargs": {"read_timeout": 1}})
-    config = tier.fs.config_kwargs
+    config = tier.lanes[0].config_kwargs
     assert (config["connect_timeout"], config["read_timeout"]) == (3.0, 7.0)
-    assert config["retries"] == {"max_attempts": 4, "mode": "standard"} and tier.fs.retries == 4
-    assert explicit.fs.config_kwargs["read_timeout"] == 1
+    assert config["retries"] == {"max_attempts": 4, "mode": "standard"} and tier.lanes[0].retries == 4
+    assert explicit.lanes[0].config_kwargs["read_timeout"] == 1 and explicit.fs.config_kwargs["read_timeout"] == 1
     assert (tier.bucket, tier.prefix, explicit.prefix) == ("bucket", "prefix", "")
 
 
@@ -47,8 +47,8 @@ def test_endpoint_and_credentials_from_the_environment(variable, s3_server, s3_b
 
 
 def _wrap_calls(tier: ObjectTier, wrapper) -> None:
-    """Route every lane's S3 calls through ``wrapper(original, method, *args, **kwargs)``."""
-    for lane in tier.lanes:
+    """Route every client's S3 calls (data lanes and metadata) through ``wrapper(original, method, ...)``."""
+    for lane in [*tier.lanes, tier.fs]:
         lane._call_s3 = functools.partial(wrapper, lane._call_s3)
 
 
@@ -120,15 +120,17 @@ def test_read_ahead_serves_hinted_objects(s3_bucket, s3_options):
         assert tier.read_bytes(list(payloads)[3]) == payloads[list(payloads)[3]], "unhinted reads still work"
 
 
-def test_errors_name_the_tier_and_say_what_to_do(s3_options):
+def test_errors_name_the_tier_and_say_what_to_do(s3_bucket, s3_options):
     with pytest.raises(ConfigError, match="no bucket"):
         ObjectTier("s3://", storage_options=s3_options)
     missing = ObjectTier("s3://no-such-bucket-here/run", storage_options=s3_options)
-    with pytest.raises(NotFoundError) as caught:
+    with pytest.raises(TierMisconfiguredError) as caught:
         missing.write_bytes("x.bin", b"x")
     assert "no-such-bucket-here" in str(caught.value) and "create it" in str(caught.value)
-    with pytest.raises(NotFoundError, match="does not exist"):
+    with pytest.raises(TierMisconfiguredError, match="does not exist"):
         missing.committed_steps()
+    with pytest.raises(NotFoundError):
+        object_tier(s3_bucket, s3_options).read_bytes("step-00000001/absent.json")
 
 
 def test_if_absent_is_a_conditional_put(s3_bucket, s3_options):

@@ -15,8 +15,6 @@ from ckptd.cli.options import byte_progress, json_option, open_cli_tier, print_j
 from ckptd.errors import ConfigError, NotFoundError
 from ckptd.stepio.step_reader import load_step_manifest
 from ckptd.promotion.promoter import Promoter
-from ckptd.tiers.local import LocalTier
-from ckptd.tiers.object import ObjectTier
 
 
 @click.command("promote")
@@ -32,9 +30,9 @@ def promote(path: str, target: str, steps: tuple[int, ...], endpoint_url: str | 
     """Promote the committed steps of the local checkpoint directory PATH to an object tier."""
     local = open_cli_tier(path, endpoint_url, region)
     remote = open_cli_tier(target, endpoint_url, region)
-    if not isinstance(local, LocalTier):
+    if not local.capabilities.node_local:
         raise ConfigError(f"{path!r} is not a local checkpoint directory", hint="promote from a local path")
-    if not isinstance(remote, ObjectTier):
+    if not remote.capabilities.chunks_by_digest:
         raise ConfigError(f"--to {target!r} is not an object store URL", hint="pass --to s3://bucket/prefix")
     committed = local.committed_steps()
     chosen = list(steps) or committed

@@ -19,7 +19,7 @@ from ckptd.format.layout import MANIFEST_NAME, rank_file_prefix
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator, StoreCoordinator
 from ckptd.manager.directories import DirectorySharing, directory_identity, set_aside_step
 from ckptd.policy import Policy
-from ckptd.manager.restoring import RestoreResult, restore_state
+from ckptd.manager.restoring import RestoreResult, TierListings, restore_state
 from ckptd.manager.saving import Saver
 from ckptd.state.staging import prepare_state
 from ckptd.tiers.base import StorageTier
@@ -157,11 +157,12 @@ class CheckpointManager:
             self._saver.wait()
         except CkptdError as error:  # a failed save must not prevent recovery; restore picks another step
             log.warning("an earlier background save failed on rank %d: %s", self.rank, error)
+        listings = TierListings(self.tiers)  # each tier listed once; one that does not answer is skipped
         if self._remote_sync is not None:
-            self._remote_sync.before_restore(step)
+            self._remote_sync.before_restore(step, listings)
         result = restore_state(self.tiers, state, rank=self.rank, world_size=self.world_size, step=step,
                                allow_pickle=self.allow_pickle, restore_rng=self.capture_rng,
-                               coordinator=self.coordinator, memory=self._saver.memory)
+                               coordinator=self.coordinator, memory=self._saver.memory, listings=listings)
         self.last_restore = result
         prepare_state(self._saver.stager, state, allow_pickle=self.allow_pickle)  # off the training thread
         if result.step is not None and step is None:

@@ -4,12 +4,18 @@ Call on every rank, from the training thread, in the same order (agreement goes 
 coordinator's c10d Store; resharding through DCP issues collectives on the default process group).
 
 1. Each rank lists the steps it could restore: committed on some tier, with a manifest and (at the
-   same world size) its own index that parse and match their digests.
+   same world size) its own index that parse and match their digests. Each tier is listed once per
+   restore (:class:`TierListings`); a tier that cannot answer (unreachable, misconfigured) is named in
+   one warning and skipped for the rest of the restore, so it never blocks the tiers that work.
 2. The ranks exchange their lists through the store and take the newest step every rank listed.
 3. Each rank loads that step: from the memory tier (the staged copy of its last save) when it holds
    that committed step, else from the nearest tier that has it, with every other tier as a chunk-by-chunk
    fallback. A step saved by another world size is resharded through DCP (:mod:`ckptd.dcp.resharding`).
 4. The ranks exchange the outcome; if any rank failed, every rank drops that step and goes back to 2.
+
+When no step is left and some rank could not list a tier, the restore raises
+:class:`~ckptd.errors.TierUnreachableError` on every rank rather than report a fresh run: the tier that
+did not answer may hold the job's checkpoints.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 from ckptd.format.values import manager_skeleton, parse_values
 from ckptd.dcp.resharding import TensorReader, live_reader, resharded_source
 from ckptd.errors import CkptdError, NoIntactCheckpointError, NotFoundError, PickleRefusedError, \
-    ResumeMismatchError
+    ResumeMismatchError, StorageError, TierUnreachableError
 from ckptd.format.records import Manifest, RankIndex
 from ckptd.stepio.step_reader import ChunkSource, FallbackEvent, StepReader, load_step_manifest, load_rank_index
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator
@@ -47,17 +53,72 @@ class RestoreResult:
     resharded: bool = False
 
 
+class TierListings:
+    """The committed steps of each tier, listed once per restore, and the tiers that could not answer.
+
+    A tier whose listing fails (any :class:`~ckptd.errors.StorageError`), or that later turns out to be
+    unreachable or misconfigured (:class:`~ckptd.errors.TierUnreachableError` while reading), is logged
+    once, naming the tier and its URL, and left out of the rest of the restore. Training thread only.
+    """
+
+    def __init__(self, tiers: list[StorageTier]) -> None:
+        self.tiers = list(tiers)
+        self._steps: dict[int, frozenset[int]] = {}
+        #: Why each tier that failed was left out, by its label.
+        self.failed: dict[str, str] = {}
+
+    def committed(self, tier: StorageTier) -> frozenset[int]:
+        """The tier's committed steps (listed on first use); empty for a tier that did not answer."""
+        if tier.label in self.failed:
+            return frozenset()
+        if id(tier) not in self._steps:
+            try:
+                self._steps[id(tier)] = frozenset(tier.committed_steps())
+            except StorageError as error:
+                self.fail(tier, error)
+                return frozenset()
+        return self._steps[id(tier)]
+
+    def fail(self, tier: StorageTier, error: CkptdError) -> None:
+        """Leave ``tier`` out of the rest of the restore, with one warning."""
+        if tier.label in self.failed:
+            return
+        self.failed[tier.label] = str(error)
+        log.warning("tier %s cannot be used for this restore, restoring from the tiers that answer: %s",
+                    tier.label, error)
+
+    def answering(self) -> list[StorageTier]:
+        """The tiers that answered, nearest first (listing each one not listed yet)."""
+        for tier in self.tiers:
+            self.committed(tier)
+        return [tier for tier in self.tiers if tier.label not in self.failed]
+
+    def holding(self, step: int) -> list[StorageTier]:
+        """The tiers that answered and list ``step`` as committed, nearest first."""
+        return [tier for tier in self.answering() if step in self.committed(tier)]
+
+    def all_committed(self) -> list[int]:
+        """Every step committed on some tier that answered, newest first."""
+        return sorted({step for tier in self.answering() for step in self.committed(tier)}, reverse=True)
+
+
 class _Metadata:
     """Manifests and rank indexes read during one restore, each read and parsed at most once (failures
-    are remembered too): choosing a step and then loading it look at the same files."""
+    are remembered too): choosing a step and then loading it look at the same files. A tier found
+    unreachable while reading is left out of the rest of the restore (see :class:`TierListings`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, listings: TierListings) -> None:
+        self.listings = listings
         self._seen: dict[tuple[int, int, int | None], Manifest | RankIndex | CkptdError] = {}
 
-    def _get(self, key: tuple[int, int, int | None], read: Callable[[], Manifest | RankIndex]) -> Any:
+    def _get(self, tier: StorageTier, key: tuple[int, int, int | None],
+             read: Callable[[], Manifest | RankIndex]) -> Any:
         if key not in self._seen:
             try:
                 self._seen[key] = read()
+            except TierUnreachableError as error:
+                self.listings.fail(tier, error)
+                self._seen[key] = error
             except CkptdError as error:
                 self._seen[key] = error
         found = self._seen[key]
@@ -66,19 +127,16 @@ class _Metadata:
         return found
 
     def manifest(self, tier: StorageTier, step: int) -> Manifest:
-        return self._get((id(tier), step, None), lambda: load_step_manifest(tier, step))
+        return self._get(tier, (id(tier), step, None), lambda: load_step_manifest(tier, step))
 
     def rank_index(self, tier: StorageTier, step: int, rank: int) -> RankIndex:
-        return self._get((id(tier), step, rank),
+        return self._get(tier, (id(tier), step, rank),
                          lambda: load_rank_index(tier, self.manifest(tier, step), rank))
 
 
-def _sources(metadata: _Metadata, tiers: list[StorageTier], step: int, rank: int,
-             world_size: int) -> list[ChunkSource]:
+def _sources(metadata: _Metadata, step: int, rank: int, world_size: int) -> list[ChunkSource]:
     sources, errors = [], []
-    for tier in tiers:
-        if not tier.is_committed(step):
-            continue
+    for tier in metadata.listings.holding(step):
         try:
             manifest = metadata.manifest(tier, step)
             if manifest.world_size != world_size:
@@ -94,11 +152,10 @@ def _sources(metadata: _Metadata, tiers: list[StorageTier], step: int, rank: int
     return sources
 
 
-def _restorable(metadata: _Metadata, tiers: list[StorageTier], step: int, rank: int,
-                world_size: int) -> str | None:
+def _restorable(metadata: _Metadata, step: int, rank: int, world_size: int) -> str | None:
     """None when this rank could try ``step``; otherwise why not (metadata only, no data read)."""
     errors = []
-    for tier in tiers:
+    for tier in metadata.listings.holding(step):
         try:
             if metadata.manifest(tier, step).world_size == world_size:
                 metadata.rank_index(tier, step, rank)
@@ -110,32 +167,41 @@ def _restorable(metadata: _Metadata, tiers: list[StorageTier], step: int, rank: 
 
 def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, rank: int, world_size: int,
                   step: int | None = None, allow_pickle: bool = False, restore_rng: bool = True,
-                  coordinator: CommitCoordinator | None = None, memory: MemoryCopy | None = None) -> RestoreResult:
-    """Load the newest step intact on every rank (or ``step``) into ``state``; see the module docstring."""
+                  coordinator: CommitCoordinator | None = None, memory: MemoryCopy | None = None,
+                  listings: TierListings | None = None) -> RestoreResult:
+    """Load the newest step intact on every rank (or ``step``) into ``state``; see the module docstring.
+
+    ``listings`` shares one listing of the tiers with what ran before the restore (a read-ahead)."""
     coordinator = coordinator or SingleProcessCoordinator()
-    metadata = _Metadata()
-    committed = sorted({s for tier in tiers for s in tier.committed_steps()}, reverse=True)
+    listings = listings if listings is not None else TierListings(tiers)
+    metadata = _Metadata(listings)
+    committed = listings.all_committed()
     if step is not None:
         if step not in committed:
-            raise NotFoundError("step is not committed on any tier", step=step,
-                                tier=", ".join(t.label for t in tiers), hint="`ckptd ls` lists committed steps")
+            raise NotFoundError("step is not committed on any tier that answered", step=step,
+                                tier=", ".join(t.label for t in tiers),
+                                hint=_failed_hint(listings.failed) or "`ckptd ls` lists committed steps")
         committed = [step]
     result = RestoreResult(step=None)
     candidates = []
     for candidate in committed:
-        why = _restorable(metadata, tiers, candidate, rank, world_size)
+        why = _restorable(metadata, candidate, rank, world_size)
         if why is None:
             candidates.append(candidate)
         else:
             result.skipped.append(f"step {candidate} on rank {rank}: {why}")
             log.warning("step %d cannot be restored on rank %d, trying an older one: %s", candidate, rank, why)
+    # The first round also tells every rank which tiers some rank could not list, so that all ranks
+    # decide alike whether "nothing to restore" means a fresh run.
+    exchanged = coordinator.exchange("restore-candidates", {"steps": candidates, "failed": listings.failed})
+    lists = [answer["steps"] for answer in exchanged]
+    failed_tiers = {label: why for answer in exchanged for label, why in answer["failed"].items()}
     while True:
-        lists = coordinator.exchange("restore-candidates", candidates)
         common = set(lists[0]).intersection(*map(set, lists[1:]))
         if not common:
             break
         agreed = max(common)
-        error = _try_load(metadata, tiers, agreed, state, result, rank=rank, world_size=world_size,
+        error = _try_load(metadata, agreed, state, result, rank=rank, world_size=world_size,
                           allow_pickle=allow_pickle, restore_rng=restore_rng, memory=memory)
         outcomes = coordinator.exchange("restore-outcome", error)
         failures = {r: why for r, why in enumerate(outcomes) if why is not None}
@@ -155,19 +221,32 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
             log.warning("step %d cannot be restored on rank %d, trying an older one: %s", agreed, failed_rank,
                         why["error"])
         candidates = [c for c in candidates if c != agreed]
+        lists = coordinator.exchange("restore-candidates", candidates)
     if result.skipped or any(lists):
         raise NoIntactCheckpointError("no step is intact on every rank: " + " | ".join(result.skipped),
                                       tier=", ".join(t.label for t in tiers),
-                                      hint="`ckptd verify` shows every bad file")
+                                      hint=_failed_hint(failed_tiers) or "`ckptd verify` shows every bad file")
+    if failed_tiers:
+        raise TierUnreachableError("no tier that answered holds a committed step, and "
+                                   f"{', '.join(sorted(failed_tiers))} could not be listed: it may hold the "
+                                   "job's checkpoints, so this is not treated as a fresh run",
+                                   tier=", ".join(sorted(failed_tiers)), hint=_failed_hint(failed_tiers))
     return result
 
 
-def _try_load(metadata: _Metadata, tiers: list[StorageTier], step: int, state: MutableMapping[str, Any],
+def _failed_hint(failed: dict[str, str]) -> str | None:
+    if not failed:
+        return None
+    reasons = " | ".join(f"{label}: {why}" for label, why in sorted(failed.items()))
+    return f"restore again once the tier answers; it failed with: {reasons}"
+
+
+def _try_load(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
               result: RestoreResult, *, rank: int, world_size: int, allow_pickle: bool, restore_rng: bool,
               memory: MemoryCopy | None) -> dict[str, Any] | None:
     """None on success, else ``{"error": text, "mismatch": bool}`` (JSON, for the outcome exchange)."""
     try:
-        skeleton, read, settle = _source(metadata, tiers, step, state, result, rank=rank, world_size=world_size,
+        skeleton, read, settle = _source(metadata, step, state, result, rank=rank, world_size=world_size,
                                          allow_pickle=allow_pickle, memory=memory)
         _load(skeleton, read, settle, state, allow_pickle=allow_pickle, restore_rng=restore_rng)
     except CkptdError as error:
@@ -176,14 +255,15 @@ def _try_load(metadata: _Metadata, tiers: list[StorageTier], step: int, state: M
     return None
 
 
-def _source(metadata: _Metadata, tiers: list[StorageTier], step: int, state: MutableMapping[str, Any],
+def _source(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
             result: RestoreResult, *, rank: int, world_size: int, allow_pickle: bool,
             memory: MemoryCopy | None) -> tuple[Any, TensorReader, Callable[..., None]]:
     """The skeleton to load, the reader of its tensors, and what waits for reads that are still running."""
-    saved_world = _saved_world_size(metadata, tiers, step)
+    saved_world = _saved_world_size(metadata, step)
     if saved_world != world_size:
-        result.resharded, result.tier = True, tiers[0].label
-        return (*resharded_source(tiers, step, state, rank=rank, allow_pickle=allow_pickle), no_pending_reads)
+        holding = metadata.listings.holding(step)
+        result.resharded, result.tier = True, holding[0].label
+        return (*resharded_source(holding, step, state, rank=rank, allow_pickle=allow_pickle), no_pending_reads)
     if memory is not None and memory.step == step and memory.committed:
         result.tier = "memory"
         staged = memory.staged.tensors
@@ -196,7 +276,7 @@ def _source(metadata: _Metadata, tiers: list[StorageTier], step: int, state: Mut
             return out
 
         return memory.values.skeleton, live_reader(from_memory), no_pending_reads
-    reader = StepReader(_sources(metadata, tiers, step, rank, world_size))
+    reader = StepReader(_sources(metadata, step, rank, world_size))
     result.tier, result.events = reader.sources[0].tier.label, reader.events
 
     def read_deferred(name: str, out: torch.Tensor | None) -> torch.Tensor:
@@ -206,9 +286,9 @@ def _source(metadata: _Metadata, tiers: list[StorageTier], step: int, state: Mut
     return skeleton, live_reader(read_deferred), reader.settle
 
 
-def _saved_world_size(metadata: _Metadata, tiers: list[StorageTier], step: int) -> int:
+def _saved_world_size(metadata: _Metadata, step: int) -> int:
     errors = []
-    for tier in tiers:
+    for tier in metadata.listings.holding(step):
         try:
             return metadata.manifest(tier, step).world_size
         except CkptdError as error:

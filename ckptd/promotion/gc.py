@@ -27,8 +27,6 @@ from ckptd.policy import RetentionPolicy
 from ckptd.promotion.lease import gc_lease
 from ckptd.promotion.promoter import stored_chunks
 from ckptd.tiers.base import StorageTier
-from ckptd.tiers.local import LocalTier
-from ckptd.tiers.object import ObjectTier
 
 log = logging.getLogger("ckptd.gc")
 _INDEX_SUFFIX = ".index.json"
@@ -56,18 +54,8 @@ class GcReport:
 
 def _step_age_s(tier: StorageTier, step: int) -> float:
     """Seconds since anything in a step directory last changed."""
-    if isinstance(tier, ObjectTier):
-        objects = tier.list_objects(step_dir(step))
-        newest = max((obj.modified for obj in objects), default=0.0)
-    elif isinstance(tier, LocalTier):
-        directory = tier.root / step_dir(step)
-        try:
-            newest = max([directory.stat().st_mtime] + [entry.stat().st_mtime for entry in directory.iterdir()])
-        except OSError:
-            newest = 0.0
-    else:
-        newest = time.time()
-    return time.time() - newest
+    newest = tier.step_modified(step)
+    return time.time() - (time.time() if newest is None else newest)
 
 
 def _uncommitted(tier: StorageTier, committed: list[int], abandoned_after_s: float) -> tuple[list[int], list[int]]:
@@ -77,7 +65,7 @@ def _uncommitted(tier: StorageTier, committed: list[int], abandoned_after_s: flo
     for step in tier.list_step_numbers():
         if step in committed:
             continue
-        protected = isinstance(tier, LocalTier) and (newest is None or step > newest)
+        protected = tier.capabilities.node_local and (newest is None or step > newest)
         if not protected and _step_age_s(tier, step) >= abandoned_after_s:
             abandoned.append(step)
         else:
@@ -105,7 +93,7 @@ def collect_garbage(tier: StorageTier, *, retention: RetentionPolicy | None = No
                     abandoned_after_s: float | None = None) -> GcReport:
     """Apply ``retention`` (None: delete no committed step) and collect garbage on one tier."""
     threshold = settings().gc_abandoned_s if abandoned_after_s is None else abandoned_after_s
-    if isinstance(tier, ObjectTier) and not dry_run:
+    if tier.capabilities.chunks_by_digest and not dry_run:
         with gc_lease(tier):
             return _collect(tier, retention, dry_run, threshold)
     return _collect(tier, retention, dry_run, threshold)
@@ -122,12 +110,12 @@ def _collect(tier: StorageTier, retention: RetentionPolicy | None, dry_run: bool
             log.info("deleted step %d from %s", step, tier.label)
     report = GcReport(tier=tier.label, dry_run=dry_run, kept_steps=tuple(kept), deleted_steps=tuple(doomed),
                       abandoned_steps=tuple(abandoned), in_flight_steps=tuple(in_flight))
-    if not isinstance(tier, ObjectTier):
+    if not tier.capabilities.chunks_by_digest:
         return report
     return _sweep(tier, report, kept, in_flight, dry_run, threshold)
 
 
-def _sweep(tier: ObjectTier, report: GcReport, kept: list[int], in_flight: list[int], dry_run: bool,
+def _sweep(tier: StorageTier, report: GcReport, kept: list[int], in_flight: list[int], dry_run: bool,
            threshold: float) -> GcReport:
     candidates = stored_chunks(tier)  # listed after the lease was taken, before marking
     marked: set[str] = set()
@@ -143,7 +131,9 @@ def _sweep(tier: ObjectTier, report: GcReport, kept: list[int], in_flight: list[
     garbage = {key: size for key, size in candidates.items() if key not in marked}
     if not dry_run and garbage:
         tier.delete_files([tier.chunk_path(key) for key in sorted(garbage)])
-    if dry_run:
+    if not tier.capabilities.multipart_uploads:
+        uploads_aborted = 0
+    elif dry_run:
         uploads_aborted = sum(1 for _, _, started in tier.incomplete_uploads() if time.time() - started >= threshold)
     else:
         uploads_aborted = tier.abort_incomplete_uploads(threshold)

@@ -5,17 +5,20 @@ step restored from the object tier back to the (empty or stale) local tier."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from ckptd.errors import CkptdError, ConfigError
 from ckptd.policy import Policy
 from ckptd.promotion.pull import prefetch_step, pull_step
 from ckptd.promotion.uploader import BackgroundUploader
-from ckptd.tiers import open_tier
+from ckptd.tiers import StorageTier, open_tier
 from ckptd.tiers.local import LocalTier
-from ckptd.tiers.object import ObjectTier
 
 log = logging.getLogger("ckptd.promotion")
+
+
+class _Listings(Protocol):
+    def committed(self, tier: StorageTier) -> frozenset[int]: ...
 
 
 class RemoteSync:
@@ -26,7 +29,7 @@ class RemoteSync:
                  rank: int, world_size: int, repopulate_local: bool,
                  repopulate_ranks: tuple[int, ...] | None = None) -> None:
         remote = open_tier(url, storage_options=storage_options)
-        if not isinstance(remote, ObjectTier):
+        if not remote.capabilities.chunks_by_digest:
             raise ConfigError(f"remote={url!r} is not an object store URL", hint="pass remote='s3://bucket/prefix'")
         self.local, self.remote = local, remote
         self.rank, self.world_size = rank, world_size
@@ -40,12 +43,20 @@ class RemoteSync:
     def on_commit(self, step: int) -> None:
         self.uploader.on_commit(step)
 
-    def before_restore(self, step: int | None) -> None:
-        """Start fetching the chunks this rank will read when the step to restore is only remote."""
+    def before_restore(self, step: int | None, listings: _Listings | None = None) -> None:
+        """Start fetching the chunks this rank will read when the step to restore is only remote.
+
+        ``listings`` (the restore's :class:`~ckptd.manager.restoring.TierListings`) lists each tier once
+        for the whole restore and reports a tier that does not answer; without it the tiers are listed
+        here and a failure only disables the read-ahead."""
         try:
-            remote_steps = self.remote.committed_steps()
-            target = step if step is not None else max(remote_steps + self.local.committed_steps(), default=None)
-            if target is not None and target in remote_steps and not self.local.is_committed(target):
+            if listings is not None:
+                remote_steps, local_steps = listings.committed(self.remote), listings.committed(self.local)
+            else:
+                remote_steps = frozenset(self.remote.committed_steps())
+                local_steps = frozenset(self.local.committed_steps())
+            target = step if step is not None else max(remote_steps | local_steps, default=None)
+            if target is not None and target in remote_steps and target not in local_steps:
                 prefetch_step(self.remote, target, self.rank)
         except CkptdError as error:  # read-ahead is an optimisation; restore reports real problems
             log.debug("no read-ahead before restore: %s", error)

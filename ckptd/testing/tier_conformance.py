@@ -1,25 +1,43 @@
 """A conformance suite every :class:`~ckptd.tiers.base.StorageTier` passes.
 
 Use it by subclassing the mixins in a test module and providing a ``tier`` fixture that returns a
-fresh, empty tier::
+fresh, empty tier, and a ``write_fault`` fixture: a function that takes the tier and returns a context
+manager inside which the tier's writes fail part-way (after some bytes went out), by wrapping the
+tier's real I/O::
 
     class TestMyTier(TierConformance):
         @pytest.fixture
         def tier(self, tmp_path):
             return MyTier(...)
 
-:class:`TierConformance` combines every mixin; each mixin can also be used alone.
+        @pytest.fixture
+        def write_fault(self):
+            return my_fault_injector
+
+:class:`TierConformance` combines every mixin; each mixin can also be used alone. ckptd's own tests
+run it for every scheme in the :mod:`ckptd.tiers.registry`.
+
+The read contract the suite checks: ``read_bytes(path, offset, length)`` returns the bytes from
+``offset`` up to ``offset + length`` or the end of the file, whichever comes first, so a range that
+starts at or past the end is empty; ``read_into`` raises :class:`~ckptd.errors.IntegrityError` when
+the file cannot fill the whole buffer. A file is listed (``exists``, ``list_files``) only once it is
+complete, and a write that fails leaves nothing listed and an earlier version of the file intact.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import ContextManager
 
 import pytest
 
 from ckptd.config import override
-from ckptd.errors import AlreadyCommittedError, NotFoundError
+from ckptd.errors import AlreadyCommittedError, CkptdError, IntegrityError, NotFoundError
+from ckptd.format.layout import TEMP_MARKER
 from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
 from ckptd.tiers.base import StorageTier
 
@@ -217,6 +235,145 @@ class ConditionalWriteConformance:
         assert tier.list_files(8) == [MANIFEST_NAME]
 
 
+#: What a ``write_fault`` fixture returns: given the tier, a context manager in which its writes fail.
+WriteFault = Callable[[StorageTier], ContextManager[None]]
+
+
+def _leftovers(tier: StorageTier, step: int) -> list[str]:
+    """What a failed write may have left where the tier keeps its files, beyond what it lists."""
+    found: list[str] = []
+    if tier.capabilities.node_local:
+        directory = getattr(tier, "root") / step_dir(step)
+        found += [name for name in (os.listdir(directory) if directory.is_dir() else []) if TEMP_MARKER in name]
+    if tier.capabilities.multipart_uploads:
+        found += [path for path, _, _ in getattr(tier, "incomplete_uploads")()]
+    return found
+
+
+class AtomicVisibilityConformance:
+    """Nothing half-written is ever listed, and a failed write leaves nothing behind."""
+
+    def test_a_file_is_listed_only_when_complete(self, tier: StorageTier) -> None:
+        path = step_file(6, "rank-00000.data")
+        data = os.urandom(12 * 1024 * 1024 + 5)
+        seen_sizes: list[int] = []
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                listed = tier.exists(path) or "rank-00000.data" in tier.list_files(6)
+                if listed:
+                    seen_sizes.append(tier.size(path))
+                time.sleep(0.001)
+
+        watcher = threading.Thread(target=watch, name="conformance-watcher")
+        with override(s3_part_bytes=5 * 1024 * 1024, s3_concurrency=2):
+            watcher.start()
+            try:
+                tier.write_bytes(path, data)
+            finally:
+                done.set()
+                watcher.join(timeout=60)
+        assert all(size == len(data) for size in seen_sizes), f"listed before complete: sizes {set(seen_sizes)}"
+        assert tier.read_bytes(path) == data
+
+    @pytest.mark.parametrize("size", [1000, 11 * 1024 * 1024 + 7], ids=["small", "in-parts"])
+    def test_a_failed_write_leaves_nothing_listed(self, tier: StorageTier, write_fault: WriteFault,
+                                                  size: int) -> None:
+        path = step_file(7, "rank-00000.data")
+        tier.write_bytes(step_file(7, "rank-00000.index.json"), b"{}")
+        with override(s3_part_bytes=5 * 1024 * 1024, s3_concurrency=2), write_fault(tier), \
+                pytest.raises(CkptdError) as caught:
+            tier.write_bytes(path, os.urandom(size))
+        assert "rank-00000.data" in str(caught.value)
+        assert not tier.exists(path)
+        assert tier.list_files(7) == ["rank-00000.index.json"]
+        assert _leftovers(tier, 7) == []
+
+    def test_a_failed_overwrite_keeps_the_earlier_version(self, tier: StorageTier,
+                                                          write_fault: WriteFault) -> None:
+        path = step_file(7, "rank-00000.index.json")
+        tier.write_bytes(path, b"version one")
+        with write_fault(tier), pytest.raises(CkptdError):
+            tier.write_bytes(path, b"version two, longer than the first")
+        assert tier.read_bytes(path) == b"version one"
+        assert tier.list_files(7) == ["rank-00000.index.json"] and _leftovers(tier, 7) == []
+
+    def test_a_failed_conditional_write_leaves_nothing(self, tier: StorageTier, write_fault: WriteFault) -> None:
+        path = step_file(7, MANIFEST_NAME)
+        with write_fault(tier), pytest.raises(CkptdError):
+            tier.write_bytes(path, b"manifest", if_absent=True)
+        assert not tier.exists(path) and not tier.is_committed(7) and _leftovers(tier, 7) == []
+        tier.write_bytes(path, b"manifest", if_absent=True)  # the failed attempt does not block a retry
+        assert tier.read_bytes(path) == b"manifest"
+
+
+class ShortReadConformance:
+    """Ranges that run past the end behave the same on every tier (see the module docstring)."""
+
+    def test_ranges_past_the_end(self, tier: StorageTier) -> None:
+        data = _payload(1000, seed=7)
+        path = step_file(1, "rank-00000.data")
+        tier.write_bytes(path, data)
+        assert tier.read_bytes(path, 990, 50) == data[990:]
+        assert tier.read_bytes(path, 1000, 10) == b""
+        assert tier.read_bytes(path, 1000) == b""
+        assert tier.read_bytes(path, 5000, 10) == b""
+        assert tier.read_bytes(path, 0, 10_000) == data
+
+    def test_ranges_of_an_empty_file(self, tier: StorageTier) -> None:
+        path = step_file(1, "empty.data")
+        tier.write_bytes(path, b"")
+        assert tier.read_bytes(path, 0, 10) == b"" and tier.read_bytes(path, 3) == b""
+
+    @pytest.mark.parametrize(("offset", "length"), [(950, 100), (1000, 1), (4096, 4096)])
+    def test_read_into_past_the_end_raises(self, tier: StorageTier, offset: int, length: int) -> None:
+        path = step_file(1, "rank-00000.data")
+        tier.write_bytes(path, _payload(1000, seed=9))
+        with pytest.raises(IntegrityError) as caught:
+            tier.read_into(path, offset, memoryview(bytearray(length)))
+        assert "rank-00000.data" in str(caught.value)
+
+    def test_missing_file_ranges_raise(self, tier: StorageTier) -> None:
+        with pytest.raises(NotFoundError):
+            tier.read_bytes(step_file(1, "absent.data"), 10, 10)
+        with pytest.raises(NotFoundError):
+            tier.read_into(step_file(1, "absent.data"), 0, memoryview(bytearray(8)))
+
+
+class ConcurrentReadConformance:
+    """Several threads reading ranges of one file at once each get exactly their bytes."""
+
+    def test_concurrent_ranged_reads(self, tier: StorageTier) -> None:
+        data = os.urandom(3 * 1024 * 1024 + 11)
+        path = step_file(2, "rank-00000.data")
+        tier.write_bytes(path, data)
+        step = 97 * 1024 + 3
+        ranges = [(offset, min(step * 2, len(data) - offset)) for offset in range(0, len(data), step)]
+
+        def read(span: tuple[int, int]) -> bool:
+            offset, length = span
+            return tier.read_bytes(path, offset, length) == data[offset:offset + length]
+
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="conformance-reader") as pool:
+            assert all(pool.map(read, ranges * 2))
+
+    def test_concurrent_read_into(self, tier: StorageTier) -> None:
+        data = os.urandom(2 * 1024 * 1024)
+        path = step_file(2, "rank-00000.data")
+        tier.write_bytes(path, data)
+        piece = 256 * 1024
+        target = bytearray(len(data))
+
+        def fill(offset: int) -> None:
+            tier.read_into(path, offset, memoryview(target)[offset:offset + piece])
+
+        with ThreadPoolExecutor(max_workers=8, thread_name_prefix="conformance-reader") as pool:
+            list(pool.map(fill, range(0, len(data), piece)))
+        assert bytes(target) == data
+
+
 class TierConformance(ReadWriteConformance, MissingFileConformance, ListingConformance,
-                      ChunkStoreConformance, ConditionalWriteConformance):
+                      ChunkStoreConformance, ConditionalWriteConformance, AtomicVisibilityConformance,
+                      ShortReadConformance, ConcurrentReadConformance):
     """Every conformance test; subclass it and provide a ``tier`` fixture."""

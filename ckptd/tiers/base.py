@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from ckptd._types import Buffer
 from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
@@ -59,6 +59,15 @@ class StorageTier(abc.ABC):
 
     def __init__(self, url: str) -> None:
         self.url = url
+
+    @classmethod
+    def from_url(cls, url: str, *, storage_options: dict[str, Any] | None = None,
+                 create: bool = False) -> StorageTier:
+        """Open the tier a URL names (what :func:`ckptd.tiers.open_tier` calls on a registered class).
+
+        ``storage_options`` are the backend's connection options; ``create`` asks a tier that has
+        directories to create its root. Tiers ignore what does not apply to them."""
+        raise NotImplementedError(f"{cls.__name__} cannot be opened from a URL")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
@@ -142,6 +151,20 @@ class StorageTier(abc.ABC):
     def committed_steps(self) -> list[int]:
         """Committed steps, ascending."""
         return [step for step in self.list_step_numbers() if self.is_committed(step)]
+
+    def incomplete_uploads(self) -> list[tuple[str, str, float]]:
+        """Uploads in parts that were started and never completed nor aborted: (path, upload id, start
+        time). Empty on tiers without :attr:`TierCapabilities.multipart_uploads`."""
+        return []
+
+    def abort_incomplete_uploads(self, older_than_s: float = 0.0) -> int:
+        """Abort the incomplete uploads started more than ``older_than_s`` ago; returns how many."""
+        return 0
+
+    def step_modified(self, step: int) -> float | None:
+        """When anything in a step directory last changed (seconds since the epoch); None when the tier
+        cannot tell (GC then treats the step as fresh)."""
+        return None
 
     def delete_step(self, step: int) -> None:
         """Uncommit a step (manifest first), then delete its files and directory."""

@@ -15,6 +15,7 @@ import socket
 import threading
 import uuid
 from pathlib import Path
+from typing import Any
 
 import fsspec
 
@@ -192,6 +193,11 @@ class LocalTier(StorageTier):
             raise _storage_error(exc, self.root, "creating the checkpoint directory") from exc
         self._locks: dict[int, int] = {}
 
+    @classmethod
+    def from_url(cls, url: str, *, storage_options: dict[str, Any] | None = None,
+                 create: bool = False) -> LocalTier:
+        return cls(url, create=create)
+
     def _path(self, path: str) -> Path:
         return self.root / path
 
@@ -262,6 +268,13 @@ class LocalTier(StorageTier):
         if not directory.is_dir():
             return []
         return sorted(name for name in os.listdir(directory) if TEMP_MARKER not in name)
+
+    def step_modified(self, step: int) -> float | None:
+        directory = self.root / step_dir(step)
+        try:
+            return max([directory.stat().st_mtime] + [entry.stat().st_mtime for entry in directory.iterdir()])
+        except OSError:
+            return None
 
     def open_file(self, path: str, *, direct: bool = False) -> AtomicFile:
         """Start writing a file that becomes visible only on :meth:`AtomicFile.commit` (with direct I/O

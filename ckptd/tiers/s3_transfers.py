@@ -1,0 +1,150 @@
+"""Moving bytes to and from S3: parallel ranged reads, multipart uploads, read-ahead of whole objects.
+
+These coroutines run on an s3fs client's event loop (see :mod:`ckptd.tiers.s3_lanes`). Requests are
+retried by botocore and s3fs; a GET whose body arrives truncated or stalls is repeated here. A
+multipart upload that fails is aborted before the failure is raised, so it leaves no parts behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from ckptd.config import settings
+from ckptd.tiers.s3_errors import is_past_the_end
+
+#: Smallest part S3 accepts in a multipart upload (except the last one).
+MIN_PART_BYTES = 5 * 1024 * 1024
+
+
+def part_bytes() -> int:
+    """Size of multipart parts and of the pieces of a parallel read."""
+    return max(MIN_PART_BYTES, settings().s3_part_bytes)
+
+
+def _total_size(response: dict[str, Any], fallback: int) -> int:
+    """Object size from a ranged GET's ``Content-Range: bytes a-b/total``."""
+    _, _, total = str(response.get("ContentRange") or "").rpartition("/")
+    return int(total) if total.isdigit() else fallback
+
+
+async def get_object(client: Any, bucket: str, key: str, offset: int = 0, length: int | None = None) -> bytes:
+    """Bytes of an object from ``offset`` (``length`` None: to its end; past the end: empty). A read
+    longer than ``s3_part_bytes`` becomes parallel ranged GETs (at most ``s3_concurrency`` at once)."""
+    part = part_bytes()
+    first, total = await get_range(client, bucket, key, offset, part if length is None else min(length, part))
+    end = total if length is None else min(total, offset + length)
+    if offset + len(first) >= end:
+        return first
+    gate = asyncio.Semaphore(max(1, settings().s3_concurrency))
+
+    async def piece(start: int) -> bytes:
+        async with gate:
+            data, _ = await get_range(client, bucket, key, start, min(part, end - start))
+            return data
+
+    rest = await asyncio.gather(*[piece(start) for start in range(offset + len(first), end, part)])
+    return b"".join([first, *rest])
+
+
+async def get_range(client: Any, bucket: str, key: str, start: int, length: int) -> tuple[bytes, int]:
+    """One ranged GET and the object's total size; a range past the end gives no bytes. A body that
+    arrives truncated or stalls is retried, up to ``s3_retries`` times."""
+    attempts = max(1, settings().s3_retries)
+    for attempt in range(attempts):
+        try:
+            response = await client._call_s3("get_object", Bucket=bucket, Key=key,
+                                             Range=f"bytes={start}-{start + length - 1}")
+        except OSError as exc:
+            if is_past_the_end(exc):
+                return b"", start
+            raise
+        body = response["Body"]
+        try:
+            data = await body.read()
+            expected = response.get("ContentLength")
+            if expected is not None and len(data) != expected:
+                raise ConnectionError(f"body truncated: {len(data)} of {expected} bytes")
+            return bytes(data), _total_size(response, start + len(data))
+        except Exception:  # aiohttp/botocore streaming errors: retry the whole GET
+            if attempt + 1 == attempts:
+                raise
+            await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
+        finally:
+            body.close()
+    raise AssertionError("unreachable")
+
+
+async def multipart_upload(client: Any, bucket: str, key: str, data: memoryview, *, part: int, concurrency: int,
+                           condition: dict[str, str]) -> None:
+    """Upload ``data`` in parts of ``part`` bytes, ``concurrency`` at once; completion carries
+    ``condition`` (e.g. If-None-Match). On any failure the upload is aborted, then the failure raised."""
+    created = await client._call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    upload_id = created["UploadId"]
+    gate = asyncio.Semaphore(concurrency)
+
+    async def upload_part(number: int, start: int) -> dict[str, Any]:
+        async with gate:
+            body = bytes(data[start:start + part])
+            answer = await client._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id,
+                                           PartNumber=number, Body=body)
+            return {"PartNumber": number, "ETag": answer["ETag"]}
+
+    tasks = [asyncio.ensure_future(upload_part(number, start))
+             for number, start in enumerate(range(0, len(data), part), start=1)]
+    try:
+        parts = await asyncio.gather(*tasks)
+        await client._call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
+                              MultipartUpload={"Parts": list(parts)}, **condition)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await client._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        raise
+
+
+class ReadAhead:
+    """Fetches whole objects ahead of the reader, a bounded window at a time, on the lanes' loops.
+
+    ``fetch(path)`` returns a concurrent future of the object's bytes. Thread safety: every method may
+    be called from any thread."""
+
+    def __init__(self, fetch: Callable[[str], Future[bytes]]) -> None:
+        self._fetch = fetch
+        self._lock = threading.Lock()
+        self._pending: list[str] = []
+        self._fetching: dict[str, Future[bytes]] = {}
+
+    def start(self, paths: list[str]) -> None:
+        """Fetch ``paths`` ahead, in this order; replaces (and cancels) an earlier hint."""
+        with self._lock:
+            for future in self._fetching.values():
+                future.cancel()
+            self._fetching.clear()
+            self._pending = list(dict.fromkeys(paths))
+            self._top_up()
+
+    def take(self, path: str) -> Future[bytes] | None:
+        """The fetch of ``path`` when it was hinted and started, else None (the caller reads it itself)."""
+        with self._lock:
+            future = self._fetching.pop(path, None)
+            if future is None and path in self._pending:
+                self._pending.remove(path)
+            self._top_up()
+            return future
+
+    def _top_up(self) -> None:
+        window = settings().s3_read_ahead or settings().s3_concurrency
+        while self._pending and len(self._fetching) < window:
+            path = self._pending.pop(0)
+            self._fetching[path] = self._fetch(path)
+
+
+
+__all__ = ["MIN_PART_BYTES", "ReadAhead", "get_object", "get_range", "multipart_upload", "part_bytes"]
