@@ -281,11 +281,17 @@ class TaskPool:
 
     def __init__(self, name: str, threads: int, *, initializer: Callable[[], None] | None = None) -> None:
         self.name, self.threads = name, max(1, threads)
-        self._executor = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix=name,
-                                                               initializer=initializer)
         self._lock = threading.Lock()
         self._running: dict[int, str] = {}
         self._closed = False
+        self._executor = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix=name,
+                                                               initializer=initializer)
+
+    def live_threads(self) -> list[threading.Thread]:
+        """The pool's threads that have not ended."""
+        # ThreadPoolExecutor keeps every thread it started in ``_threads`` (CPython since 3.2); it offers
+        # no public way to join them with a deadline
+        return [thread for thread in list(getattr(self._executor, "_threads", ())) if thread.is_alive()]
 
     def submit(self, fn: Callable[..., Result], *args: Any, what: str | None = None) -> concurrent.futures.Future[Result]:
         """Run ``fn(*args)`` on a pool thread; ``what`` names the task in a deadline error."""
@@ -324,7 +330,7 @@ class TaskPool:
         Must not be called from a thread of this pool. Safe to call twice."""
         self._closed = True
         self._executor.shutdown(wait=False, cancel_futures=cancel_queued)
-        threads = list(getattr(self._executor, "_threads", ()))
+        threads = self.live_threads()
         deadline = deadline_after(timeout_s)
         for thread in threads:
             thread.join(timeout=remaining(deadline))

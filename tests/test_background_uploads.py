@@ -12,7 +12,7 @@ import torch
 
 import ckptd
 from ckptd.config import override
-from ckptd.errors import LockedError, StillRunningError, UnpromotedError
+from ckptd.errors import BackgroundError, LockedError, StillRunningError, UnpromotedError
 from ckptd.promotion.pinning import PIN_DIRECTORY
 from ckptd.testing.fault_proxy import FaultProxy
 from ckptd.testing.multirank import free_port
@@ -42,6 +42,10 @@ def test_object_tier_down_close_lists_the_unpromoted_steps_and_a_restart_promote
             manager.save(step, _state(step))
             manager.wait()  # saving goes on: every step commits locally
         assert manager.committed_steps() == [3]
+        with pytest.raises(BackgroundError) as every:  # one failure per step, not only the first
+            manager.wait_uploads()
+        failed = [(record.what, record.step) for record in every.value.failures if record.step is not None]
+        assert failed == [("promotion", 1), ("promotion", 2), ("promotion", 3)], str(every.value)
         started = time.monotonic()
         with pytest.raises(UnpromotedError) as caught:
             manager.close(timeout_s=timeout_s)

@@ -295,10 +295,7 @@ def test_superseded_shared_pool_is_shut_down() -> None:
     assert first.closed
     with pytest.raises(RuntimeError):
         first.submit(lambda: 3)
-    threads = list(first._executor._threads)
-    for thread in threads:
-        thread.join(10)
-    assert not any(thread.is_alive() for thread in threads)
+    assert first.live_threads() == [], "the superseded pool's threads did not end"
     assert second.submit(lambda: 4).result(10) == 4
     pools.shutdown()
     assert second.closed and pools.pools() == {}
