@@ -4,6 +4,7 @@ stayed unpromoted and pinned locally; a later start promotes them with the saved
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -29,12 +30,17 @@ def _state(step: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(20_000, generator=torch.Generator().manual_seed(step))}
 
 
+def _ckptd_threads() -> set[threading.Thread]:
+    return {thread for thread in threading.enumerate() if thread.name.startswith("ckptd-")}
+
+
 def test_object_tier_down_close_lists_the_unpromoted_steps_and_a_restart_promotes_them(
         tmp_path: Path, s3_server, s3_bucket) -> None:
     down = {"key": "testing", "secret": "testing",
             "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{free_port()}", "region_name": "us-east-1"}}
     url = f"s3://{s3_bucket}/run"
     timeout_s = 20.0
+    before = _ckptd_threads()
     with override(**DOWN_SETTINGS):
         manager = ckptd.CheckpointManager(tmp_path / "local", remote=url, storage_options=down, capture_rng=False,
                                           policy=ckptd.Policy(keep_local=1))
@@ -61,6 +67,8 @@ def test_object_tier_down_close_lists_the_unpromoted_steps_and_a_restart_promote
     with ckptd.CheckpointManager(tmp_path / "local", remote=url, storage_options=s3_server.storage_options,
                                  capture_rng=False, policy=ckptd.Policy(keep_local=1)) as manager:
         manager.wait_uploads()
+    leaked = _ckptd_threads() - before
+    assert not leaked, f"threads left after close: {sorted(thread.name for thread in leaked)}"
     remote = object_tier(s3_bucket, s3_server.storage_options)
     assert remote.committed_steps() == [1, 2, 3]
     for step in (1, 2, 3):

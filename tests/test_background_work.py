@@ -327,3 +327,48 @@ def test_settings_are_read_once_per_save_not_once_per_chunk(tmp_path: Path, monk
                 per_save = calls["n"]
                 assert per_save <= 8, f"step {step}: {per_save} reads of the settings"
             assert per_save > 0
+
+
+_HOLD_FOR = textwrap.dedent("""
+    import fcntl, sys, time
+    from pathlib import Path
+    with open(sys.argv[1], "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        Path(sys.argv[2]).write_text("held")
+        while not Path(sys.argv[3]).exists():
+            time.sleep(0.02)
+""")
+
+
+def test_prefetched_shard_and_prefetcher_close_wait_with_deadlines(tmp_path: Path) -> None:
+    """A shard whose load waits on another loader: take() and close() give up after their deadlines,
+    naming the shard; once the other loader is done, the load ends and its thread with it."""
+    from ckptd.data.prefetch import Prefetcher
+
+    write_jsonl_shards(tmp_path / "data", [7], payload_bytes=10)
+    record = index_dataset(str(tmp_path / "data"), "jsonl").manifest.shards[0]
+    cache = ShardCache(tmp_path / "cache", lock_timeout_s=60)
+    fetcher = VerifiedFetcher(ShardSource(str(tmp_path / "data")), cache)
+    held, done = tmp_path / "held", tmp_path / "done"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD_FOR,
+                               str(tmp_path / "cache" / ".locks" / f"{entry_name(record)}.lock"), str(held), str(done)])
+    before = _ckptd_threads()
+    try:
+        deadline = time.monotonic() + 30
+        while not held.exists():
+            assert holder.poll() is None and time.monotonic() < deadline, "the holder never took the lock"
+            time.sleep(0.02)
+        prefetcher = Prefetcher(fetcher.load, threads=1, take_timeout_s=0.3, close_timeout_s=0.3)
+        prefetcher.schedule([record])
+        with pytest.raises(DeadlineError, match=f"shard {record.path} to be loaded in the background"):
+            prefetcher.take(record)
+        with pytest.raises(StillRunningError, match=f"loading shard {record.path}"):
+            prefetcher.close()
+    finally:
+        done.write_text("done")
+        holder.wait(30)
+    loading = [t for t in threading.enumerate() if t.name.startswith("ckptd-prefetch")]
+    for thread in loading:
+        thread.join(30)
+    assert not _ckptd_threads() - before, "the prefetch thread did not end after its load"
+    assert cache.read(entry_name(record)) == (tmp_path / "data" / record.path).read_bytes()
