@@ -1,0 +1,136 @@
+"""A committed step is immutable: a later save into it (CheckpointManager or DCP), a failed save, or a DCP
+commit that lacks some rank's entry never changes or deletes its files, and the step restores its bytes."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import ckptd
+from ckptd.dcp import CkptdStorageReader, CkptdStorageWriter
+from ckptd.errors import AlreadyCommittedError, CkptdError, PickleRefusedError, WorkerError
+from ckptd.format.layout import step_dir
+from ckptd.testing import run_multirank
+
+
+def _digests(root: Path, step: int) -> dict[str, str]:
+    directory = root / step_dir(step)
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+def _state(seed: int) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(300, 70, generator=generator), "b": torch.randn(70, generator=generator)}
+
+
+def _restored(root: Path, step: int) -> dict[str, torch.Tensor]:
+    state = {"w": torch.zeros(300, 70), "b": torch.zeros(70)}
+    with ckptd.CheckpointManager(root, capture_rng=False) as manager:
+        assert manager.restore(state, step=step) == step
+    return state
+
+
+def test_a_resave_of_a_committed_step_is_refused_and_the_step_keeps_its_bytes(tmp_path: Path) -> None:
+    original = _state(1)
+    with ckptd.CheckpointManager(tmp_path, capture_rng=False) as manager:
+        manager.save(5, original)
+        manager.wait()
+        before = _digests(tmp_path, 5)
+        manager.save(5, _state(2), force=True)
+        with pytest.raises(AlreadyCommittedError, match="already committed") as refused:
+            manager.wait()
+        assert refused.value.step == 5
+        manager.save(6, _state(3))  # the manager goes on working
+    assert _digests(tmp_path, 5) == before
+    restored = _restored(tmp_path, 5)
+    assert torch.equal(restored["w"], original["w"]) and torch.equal(restored["b"], original["b"])
+
+
+def test_a_failed_save_of_an_unsupported_value_leaves_the_committed_step(tmp_path: Path) -> None:
+    original = _state(1)
+    with ckptd.CheckpointManager(tmp_path, capture_rng=False) as manager:
+        manager.save(5, original)
+        manager.wait()
+        before = _digests(tmp_path, 5)
+        with pytest.raises(PickleRefusedError):
+            manager.save(5, {**_state(2), "opaque": object()}, force=True)
+    assert _digests(tmp_path, 5) == before
+    assert torch.equal(_restored(tmp_path, 5)["w"], original["w"])
+
+
+def _resave_with_a_failing_rank(rank: int, world_size: int, root: str) -> str:
+    from ckptd.stepio import rank_writer
+
+    manager = ckptd.CheckpointManager(root, capture_rng=False)
+    manager.save(3, _state(10 + rank))
+    manager.wait()
+    if rank == 1:  # an injected write error on one rank, on top of the refusal
+        def fail(self: Any, name: str, tensor: torch.Tensor) -> None:
+            raise OSError(28, "No space left on device")
+
+        rank_writer.RankWriter.add = fail  # type: ignore[method-assign]
+    manager.save(3, _state(20 + rank), force=True)
+    try:
+        manager.wait()
+    except WorkerError as error:
+        outcome = str(error)
+    else:
+        outcome = "no error"
+    manager.close()
+    return outcome
+
+
+@pytest.mark.multirank
+def test_a_failed_resave_on_two_ranks_leaves_the_committed_step_restorable(tmp_path: Path) -> None:
+    outcomes = run_multirank(_resave_with_a_failing_rank, 2, str(tmp_path), timeout_s=120)
+    assert all("already committed" in outcome for outcome in outcomes), outcomes
+    for rank in range(2):
+        expected = _state(10 + rank)
+        got = run_multirank(_restore_rank, 2, str(tmp_path), timeout_s=120)[rank]
+        assert got == (expected["w"].numpy().tobytes(), expected["b"].numpy().tobytes())
+
+
+def _restore_rank(rank: int, world_size: int, root: str) -> tuple[bytes, bytes]:
+    state = {"w": torch.zeros(300, 70), "b": torch.zeros(70)}
+    with ckptd.CheckpointManager(root, capture_rng=False) as manager:
+        assert manager.restore(state) == 3
+    return state["w"].numpy().tobytes(), state["b"].numpy().tobytes()
+
+
+def test_a_second_dcp_save_into_a_committed_step_fails_and_deletes_nothing(tmp_path: Path) -> None:
+    original = _state(1)
+    dcp.save(dict(original), storage_writer=CkptdStorageWriter(tmp_path, step=4))
+    before = _digests(tmp_path, 4)
+    with pytest.raises(CheckpointException) as refused:
+        dcp.save(_state(2), storage_writer=CkptdStorageWriter(tmp_path, step=4))
+    assert isinstance(refused.value.failures[0][0], AlreadyCommittedError), refused.value.failures
+    assert _digests(tmp_path, 4) == before
+    loaded = {"w": torch.zeros(300, 70), "b": torch.zeros(70)}
+    dcp.load(loaded, storage_reader=CkptdStorageReader(tmp_path, step=4))
+    assert torch.equal(loaded["w"], original["w"]) and torch.equal(loaded["b"], original["b"])
+
+
+def _dcp_without_collectives(rank: int, world_size: int, root: str) -> str:
+    state = {f"rank{rank}": torch.full((64,), float(rank + 1))}
+    try:
+        dcp.save(state, storage_writer=CkptdStorageWriter(root, step=9), use_collectives=False)
+    except Exception as error:  # noqa: BLE001 - DCP may wrap the writer's CommitError
+        return f"{type(error).__name__}: {error}"
+    return "committed"
+
+
+@pytest.mark.multirank
+def test_a_dcp_save_whose_ranks_finish_alone_commits_nothing_and_says_so(tmp_path: Path) -> None:
+    outcomes = run_multirank(_dcp_without_collectives, 2, str(tmp_path), timeout_s=120)
+    for rank, outcome in enumerate(outcomes):
+        assert "nothing was committed" in outcome and "use_collectives=False" in outcome, (rank, outcome)
+    assert not (tmp_path / step_dir(9) / "manifest.json").exists()
+    with pytest.raises(CkptdError):
+        with ckptd.CheckpointManager(tmp_path, capture_rng=False) as manager:
+            manager.restore({"rank0": torch.zeros(64)}, step=9)
