@@ -293,7 +293,8 @@ class TaskPool:
         # no public way to join them with a deadline
         return [thread for thread in list(getattr(self._executor, "_threads", ())) if thread.is_alive()]
 
-    def submit(self, fn: Callable[..., Result], *args: Any, what: str | None = None) -> concurrent.futures.Future[Result]:
+    def submit(self, fn: Callable[..., Result], *args: Any,
+               what: str | None = None) -> concurrent.futures.Future[Result]:
         """Run ``fn(*args)`` on a pool thread; ``what`` names the task in a deadline error."""
         if what is None:
             return self._executor.submit(fn, *args)
@@ -316,6 +317,7 @@ class TaskPool:
 
     @property
     def closed(self) -> bool:
+        """Whether the pool accepts no new tasks (closed or retired)."""
         return self._closed
 
     def retire(self) -> None:
@@ -347,16 +349,18 @@ class TaskPool:
         self.close()
 
 
-@dataclass(frozen=True)
 class PoolLease:
     """A claim on a shared pool; the holder calls :meth:`release` (or uses it as a context manager)
-    once it submits nothing more and its tasks have ended."""
+    once it submits nothing more and its tasks have ended. Releasing twice releases once."""
 
-    pool: TaskPool
-    owner: SharedPools
+    def __init__(self, pool: TaskPool, owner: SharedPools) -> None:
+        self.pool, self.owner = pool, owner
+        self._released = False
 
     def release(self) -> None:
-        self.owner.release(self.pool)
+        if not self._released:
+            self._released = True
+            self.owner.release(self.pool)
 
     def __enter__(self) -> TaskPool:
         return self.pool

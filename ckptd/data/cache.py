@@ -4,9 +4,9 @@ Entries are named ``<digest>-<flattened path>``, so two versions of a shard neve
 with identical shards share them. Writes go to a temporary name and are renamed into place; a per-entry
 ``flock`` keeps concurrent loaders (ranks on one node, DataLoader workers, prefetch threads) from
 fetching the same shard twice; a loader waits for another one's download at most
-``CKPTD_DATA_CACHE_LOCK_TIMEOUT_S`` (then DeadlineError naming the entry). When a new shard would push the cache over its limit, the least recently
-used entries are deleted first. Readers hold a shard's bytes in memory, so deleting an entry never
-breaks a process that is reading it.
+``CKPTD_DATA_CACHE_LOCK_TIMEOUT_S`` (then DeadlineError naming the entry). When a new shard would push
+the cache over its limit, the least recently used entries are deleted first. Readers hold a shard's
+bytes in memory, so deleting an entry never breaks a process that is reading it.
 
 The cache does not verify anything itself; :mod:`ckptd.data.fetch` does, on every open.
 """
