@@ -72,7 +72,7 @@ class RefusingMadvise:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.calls = 0
-        monkeypatch.setattr(direct_io, "_populate_refused", False)  # restored after the test
+        monkeypatch.setattr(direct_io, "_populate_support", None)  # probed again; restored after the test
         monkeypatch.setattr(direct_io, "_madvise", self)
 
     def __call__(self, start: int, length: int, advice: int) -> None:
@@ -208,7 +208,7 @@ def test_where_the_kernel_refuses_to_prefault_the_restore_returns_the_saved_byte
         assert restorer.restore(absent) == 1
     assert_same_state(live, saved)
     assert_same_state(absent, saved)
-    assert refusing.calls == 1, "after EINVAL ckptd stops asking"
+    assert refusing.calls == 1, "the probe's EINVAL means unsupported: ckptd stops asking"
     assert counting.calls >= 10 and counting.populated == 0
 
 
@@ -225,6 +225,8 @@ def test_prefault_maps_whole_pages_and_keeps_their_contents() -> None:
     assert resident_pages(start, 16 * PAGE) == [False] + [True] * 9 + [False] * 6
     assert torch.all(raw[PAGE:2 * PAGE] == 7) and torch.all(raw[2 * PAGE:] == 0) and torch.all(raw[:PAGE] == 0)
     assert not direct_io.prefault(start + 1, PAGE), "a range without a whole page is left alone"
+    assert not direct_io.prefault(0, 16 * PAGE)  # nothing mapped there: that range fails, not the support
+    assert direct_io.prefault(start, PAGE)
     del raw
     pages.close()
 

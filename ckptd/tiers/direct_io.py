@@ -79,8 +79,8 @@ def aligned_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> to
 MADV_POPULATE_WRITE = 23
 _LINUX = sys.platform.startswith("linux")
 _libc: ctypes.CDLL | None = None
-#: Set once the kernel refused ``MADV_POPULATE_WRITE`` as unknown: no further attempts.
-_populate_refused = False
+#: Whether the kernel knows ``MADV_POPULATE_WRITE``: None until probed on a page of ckptd's own.
+_populate_support: bool | None = None
 
 
 def _madvise(start: int, length: int, advice: int) -> None:
@@ -95,24 +95,34 @@ def _madvise(start: int, length: int, advice: int) -> None:
         raise OSError(code, os.strerror(code))
 
 
+def _populate_supported() -> bool:
+    """Probe once, on one private anonymous page, whether the kernel pre-faults on request (an error
+    on some later range then only means that range cannot be, e.g. a device mapping)."""
+    global _populate_support
+    if _populate_support is None:
+        probe = mmap.mmap(-1, ALIGNMENT)
+        try:
+            _madvise(address(memoryview(probe)), ALIGNMENT, MADV_POPULATE_WRITE)
+            _populate_support = True
+        except (OSError, AttributeError):  # EINVAL before Linux 5.14; no madvise in this C library
+            _populate_support = False
+        finally:
+            probe.close()
+    return _populate_support
+
+
 def prefault(start: int, length: int) -> bool:
     """Map the whole pages inside ``[start, start + length)`` writable, without writing them (contents
     stay as they are), so that a later write there does not fault page by page. Pages only partly
     inside the range are left alone. Any thread; returns whether the kernel did it (False on
     platforms or kernels without ``MADV_POPULATE_WRITE``, and for memory it refuses to populate)."""
-    global _populate_refused
     first = -(-start // ALIGNMENT) * ALIGNMENT
     end = (start + length) // ALIGNMENT * ALIGNMENT
-    if end <= first or _populate_refused or not _LINUX:
+    if end <= first or not _LINUX or not _populate_supported():
         return False
     try:
         _madvise(first, end - first, MADV_POPULATE_WRITE)
-    except OSError as exc:
-        if exc.errno in (errno.EINVAL, errno.ENOSYS, errno.EPERM):  # advice unknown here: stop asking
-            _populate_refused = True
-        return False  # EFAULT, ENOMEM, EHWPOISON: memory it cannot populate; the write path decides
-    except AttributeError:  # no madvise in this C library
-        _populate_refused = True
+    except OSError:  # memory it cannot populate (not mapped, a device mapping): the write path decides
         return False
     return True
 
