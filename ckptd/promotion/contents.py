@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckptd.errors import FormatError, IntegrityError
-from ckptd.format import codecs
+from ckptd.errors import IntegrityError
 from ckptd.format.hashing import chunk_digest
+from ckptd.format.verify import decode_verified
 from ckptd.format.layout import MANIFEST_NAME, step_file
 from ckptd.format.records import ChunkRecord, Manifest, RankIndex
 from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
@@ -65,20 +65,9 @@ def read_step_contents(tier: StorageTier, step: int, ranks: list[int] | None = N
 
 def check_stored_chunk(stored: bytes, chunk: ChunkRecord, *, path: str, step: int, tier: str) -> None:
     """Decode the stored bytes of a chunk exactly as a reader would and compare their digest with the
-    record. Raises IntegrityError naming the file, step, tier and chunk."""
-    if len(stored) != chunk.length:
-        raise IntegrityError("stored chunk has the wrong length", path=path, step=step, tier=tier,
-                             chunk=chunk.digest, expected=str(chunk.length), actual=str(len(stored)))
-    try:
-        raw = codecs.decode(chunk.codec, stored, chunk.raw_length, path=path)
-    except FormatError as error:
-        raise IntegrityError(f"stored chunk does not decode: {error.message}", path=path, step=step, tier=tier,
-                             chunk=chunk.digest) from error
-    actual = chunk_digest(raw)
-    if actual != chunk.digest:
-        raise IntegrityError("chunk fails its digest", path=path, step=step, tier=tier, chunk=chunk.digest,
-                             expected=chunk.digest, actual=actual,
-                             hint="this copy is corrupt; use another tier's copy or an older step")
+    record (:func:`ckptd.format.verify.decode_verified`). Raises IntegrityError naming the file, step,
+    tier and chunk."""
+    decode_verified(chunk, stored, path=path, step=step, tier=tier)
 
 
 def stored_chunk_path(tier: StorageTier, share: RankShare, chunk: ChunkRecord) -> str:
