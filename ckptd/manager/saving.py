@@ -45,10 +45,12 @@ from ckptd.format.layout import MANIFEST_NAME, rank_files, step_file
 from ckptd.stepio.rank_writer import RankWriter, lease_io_pool, lower_thread_priority
 from ckptd.format.records import Manifest, RankEntry
 from ckptd.manager.commit import SKIPPED, CommitCoordinator, SkippedStep
+from ckptd.manager.directories import DirectorySharing
 from ckptd.policy import Policy
 from ckptd.state.staging import StagedState, Stager
 from ckptd.state import rng
 from ckptd.state.tree import flatten
+from ckptd.tiers.atomicity import DirectoryCommit
 from ckptd.tiers.local import LocalTier
 
 log = logging.getLogger("ckptd.save")
@@ -75,8 +77,13 @@ class Saver:
     """Stages steps on the training thread and writes/commits them on its writer thread."""
 
     def __init__(self, local: LocalTier, coordinator: CommitCoordinator, *, policy: Policy, codec: str,
-                 allow_pickle: bool, capture_rng: bool, stager: Stager | None = None) -> None:
+                 allow_pickle: bool, capture_rng: bool, stager: Stager | None = None,
+                 sharing: DirectorySharing | None = None) -> None:
         self.local, self.coordinator, self.policy = local, coordinator, policy
+        #: Which ranks share this rank's directory; its owner commits, applies retention and cleans up.
+        #: Default: one directory shared by the job (the CheckpointManager passes what the ranks found).
+        self.sharing = sharing or DirectorySharing(coordinator.rank, ("job",) * coordinator.world_size)
+        self._commit = DirectoryCommit(local)
         self.codec, self.allow_pickle, self.capture_rng = codec, allow_pickle, capture_rng
         self.rank, self.world_size = coordinator.rank, coordinator.world_size
         self.stager = stager or Stager()
@@ -87,6 +94,7 @@ class Saver:
         self.last_commit: tuple[int, float] | None = None
         self._memory: MemoryCopy | None = None
         self._committed_steps: set[int] = set()
+        self._closing = False
         self._closed = False
         self._pool_lease: PoolLease | None = None  # writer thread; released by close()
         self._worker: BackgroundWorker[_WriteJob] = BackgroundWorker(
@@ -96,7 +104,6 @@ class Saver:
     # --- training thread ------------------------------------------------------------------------
     def save(self, step: int, state: MutableMapping[str, Any]) -> bool:
         """Stage ``state`` as ``step`` and hand it to the writer; returns False when skipped (busy).
-        self._closing = False
 
         Raises the stored error of an earlier background write first, if there is one.
         """
@@ -191,6 +198,9 @@ class Saver:
     def _check_open(self) -> None:
         if self._closed:
             raise CkptdError("this Saver is closed")
+        if self._closing:
+            raise CkptdError("this Saver is closing: a close() gave up while a save was still being written",
+                             hint="call close() again; the checkpoint directory stays locked until it succeeds")
 
     def _with_rng(self, state: MutableMapping[str, Any]) -> dict[str, Any]:
         if rng.RNG_KEY in state:
@@ -198,9 +208,6 @@ class Saver:
         combined = dict(state)
         if self.capture_rng:
             combined[rng.RNG_KEY] = rng.capture()
-        if self._closing:
-            raise CkptdError("this Saver is closing: a close() gave up while a save was still being written",
-                             hint="call close() again; the checkpoint directory stays locked until it succeeds")
         return combined
 
     # --- writer thread --------------------------------------------------------------------------
@@ -248,6 +255,7 @@ class Saver:
         if job.staged is not None:
             writer: RankWriter | None = None
             try:
+                self._commit.check_writable(job.step)
                 writer = RankWriter(self.local, job.step, self.rank, codec=self.codec,
                                     chunk_bytes=settings().chunk_bytes)
                 for name, tensor in job.staged.tensors.items():
@@ -263,16 +271,22 @@ class Saver:
         if error is not None:  # the coordinator raises first; kept for coordinators that do not
             raise WorkerError(f"step {job.step} failed", {self.rank: error}, step=job.step)
         written: CkptdError | None = None
-        try:
-            self.local.write_bytes(step_file(job.step, MANIFEST_NAME), manifest_bytes)
-        except CkptdError as exc:
-            written = exc
+        if self.sharing.is_owner:  # one commit marker per directory, written by its owner
+            try:
+                self._commit.commit(job.step, manifest_bytes, world_size=self.world_size,
+                                    ranks_here=self.sharing.ranks_here)
+            except CkptdError as exc:
+                written = exc
         failed = self.coordinator.confirm(job.step, None if written is None else str(written))
         if written is not None:
             if self.world_size == 1:
                 raise written
-            raise WorkerError(f"step {job.step} is committed on the other ranks but not on rank {self.rank}",
-                              failed, step=job.step) from written
+            raise WorkerError(f"step {job.step} is committed on the other ranks but not in the directory of "
+                              f"rank {self.rank}", failed, step=job.step) from written
+        if self.sharing.owner in failed:
+            raise WorkerError(f"step {job.step} is committed on the other ranks but not in the directory of "
+                              f"rank {self.rank} (its owner, rank {self.sharing.owner}, could not commit it)",
+                              failed, step=job.step)
         if failed:
             log.warning("step %d could not be committed locally on rank(s) %s: %s", job.step, sorted(failed),
                         failed)
@@ -281,17 +295,12 @@ class Saver:
         self._committed(job.step)
 
     def _discard_uncommitted(self, step: int) -> None:
-        """Free the space of this rank's files of a step that failed before it was committed."""
-        if self.local.is_committed(step):
-            return
-        own = [step_file(step, name) for name in rank_files(self.local.list_files(step), self.rank)]
-        try:
-            self.local.delete_files(own)
-        except CkptdError as error:
-            log.warning("could not delete the files of failed step %d: %s", step, error)
+        """Free the space of this rank's files of a step that failed before it was committed (a committed
+        step is never touched)."""
+        self._commit.discard(step, rank_files(self.local.list_files(step), self.rank))
 
     def _committed(self, step: int) -> None:
-        if self.rank == 0:
+        if self.sharing.is_owner:
             self._apply_retention()
         for callback in self.on_commit:
             callback(step)

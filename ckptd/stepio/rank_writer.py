@@ -261,7 +261,11 @@ class RankWriter:
             lease.release()
 
     def _abort_files(self) -> None:
-        """Delete every data file of this writer, committed or not."""
+        """Delete every data file of this writer, renamed into place or not, unless the step is committed
+        (a committed step's files are never deleted by a failed writer)."""
+        committed = self.tier.is_committed(self.step)
         for handle in self._files:
             handle.abort()
-            handle.final.unlink(missing_ok=True)
+            if not committed:
+                handle.final.unlink(missing_ok=True)
+
