@@ -41,7 +41,7 @@ from ckptd.background import BackgroundWorker, FailureRecord, PoolLease
 from ckptd.config import settings
 from ckptd.format.values import SavedValues
 from ckptd.errors import CkptdError, CommitError, ConfigError, WorkerError
-from ckptd.format.layout import MANIFEST_NAME, rank_files, step_file
+from ckptd.format.layout import rank_files
 from ckptd.stepio.rank_writer import RankWriter, lease_io_pool, lower_thread_priority
 from ckptd.format.records import Manifest, RankEntry
 from ckptd.manager.commit import SKIPPED, CommitCoordinator, SkippedStep
