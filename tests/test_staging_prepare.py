@@ -172,3 +172,16 @@ def test_manager_prepares_on_the_first_step_it_does_not_save(
     assert manager_factory(checkpoint_dir).restore({"model": fresh, "optim": fresh_optimizer}) == 3
     assert_same_state(dict(fresh.state_dict()), expected_model)
     assert_same_state(fresh_optimizer.state_dict()["state"], expected_optim)
+
+
+def test_a_state_that_cannot_be_flattened_prepares_nothing_and_a_step_not_saved_still_returns(
+        manager_factory: ManagerFactory) -> None:
+    """Preparing is an optimisation: a value that fails to pickle is reported by the save, not by a step
+    the policy does not save."""
+    manager = manager_factory(policy=Policy(every_steps=5, keep_local=None), allow_pickle=True)
+    state = {"lock": threading.Lock(), "weight": torch.randn(100_000)}
+    assert not manager.save(1, state)
+    stager = manager._saver.stager
+    assert not stager.preparing and stager.held_bytes == 0
+    with pytest.raises(TypeError, match="pickle"):
+        manager.save(5, state)

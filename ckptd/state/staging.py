@@ -37,7 +37,7 @@ import torch
 
 from ckptd.config import settings
 from ckptd.format.values import ShardPlacement
-from ckptd.errors import CkptdError, ConfigError
+from ckptd.errors import ConfigError
 from ckptd.state.tree import flatten
 from ckptd.stepio.rank_writer import lower_thread_priority
 from ckptd.tiers.direct_io import aligned_empty, prefaulted_empty
@@ -228,10 +228,12 @@ class Stager:
 def prepare_state(stager: Stager, state: Mapping[str, Any], *, allow_pickle: bool) -> int:
     """:meth:`Stager.prepare` for the tensors a save of ``state`` would stage (same names as
     :class:`~ckptd.manager.saving.Saver` gives them); returns how many buffers it will prepare. A state
-    that cannot be flattened prepares nothing (the save reports the problem). Training thread."""
+    that cannot be flattened (a value that needs pickle when it is not allowed, or fails to pickle)
+    prepares nothing: this is an optimisation, and the save reports the problem. Training thread."""
     try:
         tensors = flatten(state, allow_pickle=allow_pickle).tensors
-    except CkptdError:
+    except Exception as error:  # noqa: BLE001 - see the docstring
+        log.debug("staging buffers not prepared: %s", error)
         return 0
     return stager.prepare(tensors)
 
