@@ -46,9 +46,11 @@ class Settings:
     s3_connect_timeout_s: float = 10.0
     s3_read_timeout_s: float = 60.0
     s3_retries: int = 5
-    #: Object tier: connect timeout and attempts of listings, lookups and deletes, kept short so that a
-    #: store that cannot be reached is known within seconds (restore then uses the tiers that answer).
+    #: Object tier: connect and read timeouts and attempts of listings, lookups and deletes, kept short so
+    #: that a store that cannot be reached or hangs is known within seconds (restore then uses the tiers
+    #: that answer).
     s3_metadata_connect_timeout_s: float = 2.0
+    s3_metadata_read_timeout_s: float = 10.0
     s3_metadata_retries: int = 2
     #: Object tier: parallel requests (multipart parts and ranged reads).
     s3_concurrency: int = 8

@@ -83,9 +83,9 @@ def test_a_wrong_region_names_the_region_to_use() -> None:
     classified = _classify(_wrapped(error))
     assert type(classified) is TierMisconfiguredError
     assert "eu-west-1" in str(classified) and "us-east-1" in str(classified) and "region_name" in str(classified)
-    redirect = ClientError({"Error": {"Code": "PermanentRedirect", "Message": "m"},
-                            "ResponseMetadata": {"HTTPStatusCode": 301,
-                                                 "HTTPHeaders": {"x-amz-bucket-region": "ap-south-1"}}}, "ListObjectsV2")
+    answer = {"HTTPStatusCode": 301, "HTTPHeaders": {"x-amz-bucket-region": "ap-south-1"}}
+    redirect = ClientError({"Error": {"Code": "PermanentRedirect", "Message": "m"}, "ResponseMetadata": answer},
+                           "ListObjectsV2")
     assert "ap-south-1" in str(_classify(redirect))
 
 

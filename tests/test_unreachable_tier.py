@@ -195,3 +195,31 @@ def test_two_ranks_restore_from_local_with_the_object_tier_down(tmp_path: Path) 
     results = run_multirank(_save_then_restore_with_remote_down, 2, str(tmp_path / "shared"), closed_port_options(),
                             timeout_s=120)
     assert results == [True, True]
+
+
+@pytest.mark.s3
+def test_a_store_that_never_answers_is_left_after_the_metadata_timeout(s3_server: Any, tmp_path: Path,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """An endpoint that accepts connections and then says nothing (a hung proxy): the listing gives up
+    after the short metadata read timeout, not the data transfers' one."""
+    from ckptd.config import override
+    from ckptd.testing.fault_proxy import FaultProxy
+
+    root = tmp_path / "local"
+    with ckptd.CheckpointManager(root, capture_rng=False) as manager:
+        manager.save(5, _state(5))
+    with FaultProxy(s3_server.endpoint_url, fraction=1.0, kinds=("stall",), stall_s=30.0) as proxy, \
+            override(s3_metadata_read_timeout_s=1.0, s3_read_timeout_s=60.0):
+        options = proxy.storage_options(s3_server.storage_options)
+        restorer = ckptd.CheckpointManager(root, remote="s3://bucket/run", storage_options=options,
+                                           capture_rng=False)
+        try:
+            target = _state(0)
+            with caplog.at_level(logging.WARNING):
+                step, took = _timed(lambda: restorer.restore(target))
+            assert step == 5 and took < HANG_GUARD_S
+            assert all(torch.equal(target[name], _state(5)[name]) for name in target)
+            assert len(_restore_warnings(caplog, "s3://bucket/run")) == 1
+        finally:
+            with contextlib.suppress(CkptdError):
+                restorer.close()

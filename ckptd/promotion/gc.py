@@ -20,7 +20,7 @@ from typing import Any
 
 from ckptd.config import settings
 from ckptd.errors import CkptdError
-from ckptd.format.layout import step_dir, step_file
+from ckptd.format.layout import step_file
 from ckptd.format.records import RankIndex
 from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 from ckptd.policy import RetentionPolicy

@@ -10,10 +10,10 @@ First match wins:
 
 Two kinds of client are made from one set of options. Data clients (uploads, chunk reads) get
 ``s3_connect_timeout_s``, ``s3_read_timeout_s`` and ``s3_retries``: a transfer that has started should
-ride out a slow or flaky store. The metadata client (listings, HEAD, deletes, commit markers) gets the
-short ``s3_metadata_connect_timeout_s`` and few ``s3_metadata_retries``, so that a store that cannot be
-reached is known to be down within seconds and a restore moves on to the tiers that answer. Timeouts
-or retries the caller puts in ``config_kwargs`` win over both.
+ride out a slow or flaky store. The metadata client (listings, HEAD, deletes) gets the short
+``s3_metadata_connect_timeout_s`` and ``s3_metadata_read_timeout_s`` and few ``s3_metadata_retries``,
+so that a store that cannot be reached or does not answer is known within seconds and a restore moves
+on to the tiers that answer. Timeouts or retries the caller puts in ``config_kwargs`` win over both.
 """
 
 from __future__ import annotations
@@ -50,11 +50,12 @@ def s3fs_options(options: dict[str, Any] | None, *, metadata: bool = False) -> d
         client_kwargs["region_name"] = region
     config_kwargs = dict(merged.pop("config_kwargs", None) or {})
     if metadata:
-        connect, attempts = tunables.s3_metadata_connect_timeout_s, tunables.s3_metadata_retries
+        connect, read = tunables.s3_metadata_connect_timeout_s, tunables.s3_metadata_read_timeout_s
+        attempts = tunables.s3_metadata_retries
     else:
-        connect, attempts = tunables.s3_connect_timeout_s, tunables.s3_retries
+        connect, read, attempts = tunables.s3_connect_timeout_s, tunables.s3_read_timeout_s, tunables.s3_retries
     config_kwargs.setdefault("connect_timeout", connect)
-    config_kwargs.setdefault("read_timeout", tunables.s3_read_timeout_s)
+    config_kwargs.setdefault("read_timeout", read)
     config_kwargs.setdefault("retries", {"max_attempts": max(1, attempts), "mode": "standard"})
     config_kwargs.setdefault("max_pool_connections", max(10, 2 * tunables.s3_concurrency))
     merged.setdefault("max_concurrency", max(1, tunables.s3_concurrency))
