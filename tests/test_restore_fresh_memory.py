@@ -238,3 +238,25 @@ def test_prefaulted_empty_falls_back_to_touching_the_pages(monkeypatch: pytest.M
     assert tensor.data_ptr() % PAGE == 0
     assert all(resident_pages(tensor.data_ptr(), 64 * PAGE))
     assert torch.count_nonzero(tensor) == 0
+
+
+def mapping_flags(address_: int) -> str:
+    """The permission flags (``rw-p`` / ``rw-s``) of the mapping that holds an address."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, flags = line.split()[:2]
+            low, high = (int(part, 16) for part in span.split("-"))
+            if low <= address_ < high:
+                return flags
+    raise AssertionError(f"address {address_:#x} is not mapped")
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="reads /proc/self/maps")
+def test_buffers_ckptd_allocates_are_private_memory() -> None:
+    """Python maps anonymous memory shared (shmem) unless told otherwise: dearer faults, and a forked
+    child would write into the parent's buffers."""
+    tensor = direct_io.aligned_empty((1 << 20,), torch.float32)
+    prefaulted = direct_io.prefaulted_empty((1 << 20,), torch.uint8)
+    assert mapping_flags(tensor.data_ptr()) == "rw-p"
+    assert mapping_flags(prefaulted.data_ptr()) == "rw-p"
+    assert mapping_flags(direct_io.address(direct_io._bounce_buffer())) == "rw-p"

@@ -61,6 +61,13 @@ def address(view: memoryview) -> int:
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
 
 
+def _private_pages(nbytes: int) -> mmap.mmap:
+    """Fresh private anonymous pages. Python maps anonymous memory shared by default, and shared
+    anonymous memory lives in shmem: its first-touch faults cost about 30% more (0.15-0.17 s against
+    0.11-0.12 s for 512 MiB on the development machine), and a forked child would write into it."""
+    return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+
+
 def aligned_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor whose storage starts on an :data:`ALIGNMENT` boundary (fresh anonymous pages), so
     that its bytes can be written and read with direct I/O without a bounce copy. Tensors under
@@ -71,7 +78,7 @@ def aligned_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> to
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_ALIGNED_BYTES:
         return torch.empty(shape, dtype=dtype)
-    pages = mmap.mmap(-1, nbytes)  # kept alive by the tensor's storage
+    pages = _private_pages(nbytes)  # kept alive by the tensor's storage
     return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
 
 
@@ -100,7 +107,7 @@ def _populate_supported() -> bool:
     on some later range then only means that range cannot be, e.g. a device mapping)."""
     global _populate_support
     if _populate_support is None:
-        probe = mmap.mmap(-1, ALIGNMENT)
+        probe = _private_pages(ALIGNMENT)
         try:
             _madvise(address(memoryview(probe)), ALIGNMENT, MADV_POPULATE_WRITE)
             _populate_support = True
@@ -167,7 +174,7 @@ def stop_direct(fd: int) -> None:
 def _bounce_buffer() -> memoryview:
     buffer = getattr(_bounce, "buffer", None)
     if buffer is None:
-        buffer = _bounce.buffer = memoryview(mmap.mmap(-1, _BOUNCE_BYTES))  # page-aligned
+        buffer = _bounce.buffer = memoryview(_private_pages(_BOUNCE_BYTES))  # page-aligned
     return buffer
 
 
