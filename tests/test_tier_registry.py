@@ -16,6 +16,7 @@ from ckptd.config import override
 from ckptd.errors import PluginError
 from ckptd.tiers import ENTRY_POINT_GROUP, open_tier, register_tier, registered_schemes, scheme_of
 from ckptd.tiers.local import LocalTier
+from ckptd.tiers.object import ObjectTier
 from ckptd.tiers.registry import tier_class, unregister_tier
 
 
@@ -157,3 +158,36 @@ def test_changing_settings_does_not_leak_event_loops(s3_bucket: str, s3_options:
         del tier  # dropped without close(): its finalizer stops the loops
         gc.collect()
         assert _wait_until(lambda: set(_s3_threads()) <= before), [t.name for t in _s3_threads()]
+
+
+class _CompatibleStoreTier(ObjectTier):
+    """A plugin for "another S3-compatible store" under its own scheme, as a package would register it."""
+
+    @classmethod
+    def from_url(cls, url: str, *, storage_options=None, create: bool = False) -> _CompatibleStoreTier:
+        return cls("s3://" + url.partition("://")[2], storage_options=storage_options)
+
+
+@pytest.mark.s3
+def test_a_plugin_scheme_works_as_the_managers_remote_untouched(s3_bucket: str, s3_options: dict,
+                                                                 tmp_path: Path) -> None:
+    import torch
+
+    import ckptd
+
+    register_tier("compat", _CompatibleStoreTier)
+    try:
+        state = {"weights": torch.arange(1000, dtype=torch.float32)}
+        with ckptd.CheckpointManager(tmp_path / "a", remote=f"compat://{s3_bucket}/run", storage_options=s3_options,
+                                     capture_rng=False) as manager:
+            assert isinstance(manager.remote, _CompatibleStoreTier)
+            manager.save(1, state)
+            manager.wait_uploads()
+        target = {"weights": torch.zeros(1000)}
+        with ckptd.CheckpointManager(tmp_path / "b", remote=f"compat://{s3_bucket}/run", storage_options=s3_options,
+                                     capture_rng=False) as restorer:
+            assert restorer.restore(target) == 1
+            assert restorer.last_restore is not None and restorer.last_restore.tier == restorer.remote.label
+        assert torch.equal(target["weights"], state["weights"])
+    finally:
+        unregister_tier("compat")

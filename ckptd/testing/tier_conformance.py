@@ -174,6 +174,27 @@ class ChunkStoreConformance:
         assert tier.read_bytes(path) == b"chunk bytes"
         assert tier.list_step_numbers() == []
 
+    def test_chunks_are_listed_with_their_sizes(self, tier: StorageTier) -> None:
+        tier.write_bytes(tier.chunk_path("ab/first.raw"), b"12345")
+        tier.write_bytes(tier.chunk_path("cd/second.raw"), b"")
+        tier.write_bytes(step_file(1, "rank-00000.index.json"), b"{}")
+        if not tier.capabilities.chunks_by_digest:  # its capabilities say it keeps no chunk store
+            with pytest.raises(NotImplementedError):
+                tier.list_objects("chunks")
+            return
+        listed = {obj.path: obj.size for obj in tier.list_objects("chunks")}
+        assert listed == {"chunks/ab/first.raw": 5, "chunks/cd/second.raw": 0}
+
+    def test_read_ahead_is_a_hint(self, tier: StorageTier) -> None:
+        hinted = [tier.chunk_path("ab/first.raw"), tier.chunk_path("cd/second.raw"), tier.chunk_path("ef/x.raw")]
+        tier.write_bytes(hinted[0], b"12345")
+        tier.write_bytes(hinted[1], b"")
+        tier.read_ahead(hinted)
+        assert [tier.read_bytes(path) for path in hinted[:2]] == [b"12345", b""]
+        with pytest.raises(NotFoundError):
+            tier.read_bytes(hinted[2])
+        tier.read_ahead([])
+
 
 class ConditionalWriteConformance:
     """``write_bytes(..., if_absent=True)`` writes a file once and never replaces it."""

@@ -26,6 +26,15 @@ from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
 
 
 @dataclass(frozen=True)
+class StoredObject:
+    """A file listed under a tier's root: its path relative to the root, size and modification time."""
+
+    path: str
+    size: int
+    modified: float
+
+
+@dataclass(frozen=True)
 class TierCapabilities:
     """What a tier can do, so that callers ask the tier instead of checking its class."""
 
@@ -143,6 +152,15 @@ class StorageTier(abc.ABC):
     # --- content-addressed chunks (tiers with stores_chunks_by_digest) -------------------------
     def chunk_path(self, object_key: str) -> str:
         return f"chunks/{object_key}"
+
+    def list_objects(self, directory: str) -> list[StoredObject]:
+        """Every file under ``directory`` (relative to the root), recursively, with size and time. Tiers
+        with :attr:`TierCapabilities.chunks_by_digest` implement it (promotion and GC list chunks)."""
+        raise NotImplementedError(f"{type(self).__name__} does not list objects")
+
+    def read_ahead(self, paths: list[str]) -> None:
+        """Hint that whole files ``paths`` will be read in this order; a tier may fetch them early.
+        Replaces an earlier hint. The default ignores it."""
 
     # --- derived operations ------------------------------------------------------------------
     def is_committed(self, step: int) -> bool:

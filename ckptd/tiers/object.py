@@ -21,7 +21,6 @@ import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
 from typing import Any
 
 from ckptd._types import Buffer
@@ -29,22 +28,13 @@ from ckptd.config import settings
 from ckptd.errors import AlreadyCommittedError, CkptdError, NotFoundError, PluginError, StorageError
 from ckptd.format.layout import MANIFEST_NAME, STEP_PREFIX, TEMP_MARKER, parse_step_dir, step_dir
 from ckptd.tiers import s3_errors
-from ckptd.tiers.base import StorageTier, TierCapabilities
+from ckptd.tiers.base import StorageTier, StoredObject, TierCapabilities
 from ckptd.tiers.s3_lanes import IoLanes
 from ckptd.tiers.s3_options import endpoint_of, region_of, s3fs_options, s3fs_retries, split_url
 from ckptd.tiers.s3_transfers import MIN_PART_BYTES, ReadAhead, get_object, multipart_upload, part_bytes
 
 _log = logging.getLogger(__name__)
 _DELETE_BATCH = 1000
-
-
-@dataclass(frozen=True)
-class StoredObject:
-    """An object listed under the tier root: its path relative to the root, size and modification time."""
-
-    path: str
-    size: int
-    modified: float
 
 
 class ObjectTier(StorageTier):
