@@ -267,7 +267,7 @@ def _leftovers(tier: StorageTier, step: int) -> list[str]:
         directory = getattr(tier, "root") / step_dir(step)
         found += [name for name in (os.listdir(directory) if directory.is_dir() else []) if TEMP_MARKER in name]
     if tier.capabilities.multipart_uploads:
-        found += [path for path, _, _ in getattr(tier, "incomplete_uploads")()]
+        found += [path for path, _, _ in tier.incomplete_uploads()]
     return found
 
 
@@ -297,6 +297,24 @@ class AtomicVisibilityConformance:
                 watcher.join(timeout=60)
         assert all(size == len(data) for size in seen_sizes), f"listed before complete: sizes {set(seen_sizes)}"
         assert tier.read_bytes(path) == data
+
+    def test_a_file_written_piece_by_piece_appears_at_commit(self, tier: StorageTier) -> None:
+        path = step_file(6, "rank-00000.data")
+        pieces = [os.urandom(256 * 1024) for _ in range(4)]
+        if not tier.capabilities.node_local:  # object stores take whole objects: one PUT or a multipart upload
+            tier.write_bytes(path, b"".join(pieces))
+            assert tier.read_bytes(path) == b"".join(pieces)
+            return
+        handle = getattr(tier, "open_file")(path)
+        for piece in pieces:
+            handle.write(piece)
+            assert not tier.exists(path) and tier.list_files(6) == []
+        handle.commit()
+        assert tier.read_bytes(path) == b"".join(pieces) and tier.list_files(6) == ["rank-00000.data"]
+        aborted = getattr(tier, "open_file")(step_file(6, "rank-00001.data"))
+        aborted.write(pieces[0])
+        aborted.abort()
+        assert tier.list_files(6) == ["rank-00000.data"] and _leftovers(tier, 6) == []
 
     @pytest.mark.parametrize("size", [1000, 11 * 1024 * 1024 + 7], ids=["small", "in-parts"])
     def test_a_failed_write_leaves_nothing_listed(self, tier: StorageTier, write_fault: WriteFault,
