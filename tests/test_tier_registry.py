@@ -191,3 +191,19 @@ def test_a_plugin_scheme_works_as_the_managers_remote_untouched(s3_bucket: str, 
         assert torch.equal(target["weights"], state["weights"])
     finally:
         unregister_tier("compat")
+
+
+@pytest.mark.s3
+def test_a_closed_manager_leaves_no_object_tier_threads(s3_bucket: str, s3_options: dict, tmp_path: Path) -> None:
+    import torch
+
+    import ckptd
+
+    before = set(_s3_threads())
+    manager = ckptd.CheckpointManager(tmp_path / "a", remote=f"s3://{s3_bucket}/run", storage_options=s3_options,
+                                      capture_rng=False)
+    manager.save(1, {"weights": torch.ones(10)})
+    manager.wait_uploads()
+    assert set(_s3_threads()) - before, "the object tier runs its own I/O threads"
+    manager.close()
+    assert set(_s3_threads()) <= before
