@@ -11,6 +11,7 @@ save leaves no directory listing the step it was saving.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -19,11 +20,13 @@ from typing import Any
 
 import pytest
 import torch
+from click.testing import CliRunner
 
 import ckptd
+from ckptd.cli.main import cli
 from ckptd.config import override
 from ckptd.errors import WorkerError
-from ckptd.format.layout import TEMP_MARKER
+from ckptd.format.layout import TEMP_MARKER, rank_index_name, step_dir
 from ckptd.tiers.local import LocalTier
 from ckptd.testing import run_multirank
 
@@ -118,6 +121,27 @@ def test_keep_local_bounds_every_directory_and_restore_is_exact(tmp_path: Path, 
         assert got["step"] == 4
         assert got["info"] == {"rank": rank, "step": 4}
         assert got["weights"] == want["weights"] and got["moments"] == want["moments"]
+    _assert_cli_sees_each_directory(roots, world_size, step=4)
+
+
+def _assert_cli_sees_each_directory(roots: list[str], world_size: int, *, step: int) -> None:
+    """``ckptd ls`` and ``ckptd verify`` on each node's directory: the ranks it holds, intact; a missing
+    index of a rank it holds is found."""
+    runner = CliRunner()
+    for directory in _directories(roots):
+        here = sorted(rank for rank, root in enumerate(roots) if Path(root).resolve() == directory)
+        listed = runner.invoke(cli, ["ls", str(directory), "--json"])
+        assert listed.exit_code == 0, listed.output
+        (copy,) = json.loads(listed.output)
+        assert copy["state"] == "committed" and copy["ranks"] == world_size
+        assert copy["ranks_here"] == (None if len(here) == world_size else here)
+        verified = runner.invoke(cli, ["verify", str(directory)])
+        assert verified.exit_code == 0, verified.output
+    damaged = _directories(roots)[-1]
+    victim = max(rank for rank, root in enumerate(roots) if Path(root).resolve() == damaged)
+    (damaged / step_dir(step) / rank_index_name(victim)).unlink()
+    verified = runner.invoke(cli, ["verify", str(damaged)])
+    assert verified.exit_code == 4 and rank_index_name(victim) in verified.output, verified.output
 
 
 @pytest.mark.s3

@@ -7,7 +7,9 @@ import click
 from ckptd.cli.options import json_option, open_cli_tier, print_json, s3_options
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.records import TensorRecord
+from ckptd.errors import NotFoundError
 from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
+from ckptd.tiers.atomicity import ranks_held
 
 
 def tensor_digest(record: TensorRecord) -> str:
@@ -30,7 +32,11 @@ def inspect(path: str, step: int, rank: int | None, endpoint_url: str | None, re
     tier = open_cli_tier(path, endpoint_url, region)
     try:
         manifest = load_step_manifest(tier, step)
-        ranks = [e.rank for e in manifest.ranks] if rank is None else [rank]
+        held = ranks_held(tier, step, manifest)
+        if rank is not None and rank not in held:
+            raise NotFoundError(f"this directory holds ranks {list(held)} of step {step}, not rank {rank}",
+                                step=step, tier=tier.label, hint="inspect the directory of that rank's node")
+        ranks = list(held) if rank is None else [rank]
         indexes = [load_rank_index(tier, manifest, r) for r in ranks]
     finally:
         tier.close()

@@ -11,6 +11,7 @@ from ckptd.cli.options import json_option, open_cli_tier, print_json, s3_options
 from ckptd.errors import CkptdError
 from ckptd.stepio.step_reader import load_step_manifest, verify_step
 from ckptd.tiers import StorageTier
+from ckptd.tiers.atomicity import ranks_held
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class StepCopy:
     bytes: int | None = None
     ranks: int | None = None
     detail: str | None = None
+    #: The ranks whose files this copy holds, when it holds only some (a node-local directory).
+    ranks_here: tuple[int, ...] | None = None
 
 
 def describe_step(tier: StorageTier, step: int, *, verify: bool) -> StepCopy:
@@ -36,11 +39,17 @@ def describe_step(tier: StorageTier, step: int, *, verify: bool) -> StepCopy:
         return StepCopy(step, tier.label, "corrupt", detail=str(error))
     state = "committed"
     detail = None
+    try:
+        held = ranks_held(tier, step, manifest)
+    except CkptdError as error:
+        return StepCopy(step, tier.label, "corrupt", detail=str(error))
     if verify:
         problems = list(verify_step(tier, step))
         state = "corrupt" if problems else "verified"
         detail = "; ".join(p.error for p in problems) or None
-    return StepCopy(step, tier.label, state, manifest.created, manifest.total_bytes, manifest.world_size, detail)
+    partial = held if len(held) < manifest.world_size else None
+    return StepCopy(step, tier.label, state, manifest.created, manifest.total_bytes, manifest.world_size, detail,
+                    partial)
 
 
 def _human_bytes(count: int | None) -> str:
@@ -79,6 +88,8 @@ def ls(paths: tuple[str, ...], verify: bool, endpoint_url: str | None, region: s
         created = "-" if copy.created is None else \
             datetime.datetime.fromtimestamp(copy.created, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
         ranks = "-" if copy.ranks is None else str(copy.ranks)
+        if copy.ranks_here is not None:  # "1/2": this directory holds one of the step's two ranks
+            ranks = f"{len(copy.ranks_here)}/{ranks}"
         click.echo(f"{copy.step:>10}  {copy.state:<10}  {created:<19}  {_human_bytes(copy.bytes):>10}  "
                    f"{ranks:>5}  {copy.tier}")
         if copy.detail:

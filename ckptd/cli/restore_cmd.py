@@ -10,9 +10,10 @@ import click
 import torch
 
 from ckptd.cli.options import open_cli_tier, s3_options
-from ckptd.errors import PluginError
+from ckptd.errors import NotFoundError, PluginError
 from ckptd.stepio.step_reader import ChunkSource, StepReader, load_step_manifest, load_rank_index
 from ckptd.state.tree import rebuild
+from ckptd.tiers.atomicity import ranks_held
 
 
 def _flatten_tensors(value: Any, prefix: str, tensors: dict[str, torch.Tensor], other: dict[str, Any]) -> None:
@@ -66,6 +67,10 @@ def restore(path: str, step: int, out: Path, fmt: str | None, rank: int, allow_p
     tier = open_cli_tier(path, endpoint_url, region)
     try:
         manifest = load_step_manifest(tier, step)
+        held = ranks_held(tier, step, manifest)
+        if rank not in held:
+            raise NotFoundError(f"this directory holds ranks {list(held)} of step {step}, not rank {rank}",
+                                step=step, tier=tier.label, hint="pass --rank, or export from that rank's node")
         reader = StepReader([ChunkSource(tier, load_rank_index(tier, manifest, rank))])
         state = rebuild(reader.index.values, reader.read_tensor, allow_pickle=allow_pickle)
     finally:

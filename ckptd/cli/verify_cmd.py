@@ -10,12 +10,14 @@ from ckptd.cli.options import byte_progress, json_option, open_cli_tier, print_j
 from ckptd.errors import CkptdError, IntegrityError, NotFoundError
 from ckptd.stepio.step_reader import VerifyProblem, load_step_manifest, load_rank_index, verify_step
 from ckptd.tiers import StorageTier
+from ckptd.tiers.atomicity import ranks_held
 
 
 def _step_bytes(tier: StorageTier, step: int) -> int:
     try:
         manifest = load_step_manifest(tier, step)
-        return sum(load_rank_index(tier, manifest, entry.rank).data_size for entry in manifest.ranks)
+        held = ranks_held(tier, step, manifest)
+        return sum(load_rank_index(tier, manifest, rank).data_size for rank in held)
     except CkptdError:
         return 0
 

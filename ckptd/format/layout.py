@@ -13,6 +13,9 @@ import re
 from ckptd.errors import UnsafePathError
 
 MANIFEST_NAME = "manifest.json"
+#: In a step directory that holds only some ranks' files (a node-local directory): which ranks, as JSON
+#: ``{"ranks": [...]}``, written before the manifest. Without it the directory holds every rank.
+RANKS_HERE_NAME = "ranks-here.json"
 STEP_PREFIX = "step-"
 TEMP_MARKER = ".tmp-"
 _STEP_DIR = re.compile(r"^step-(\d{12})$")

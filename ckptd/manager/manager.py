@@ -15,7 +15,7 @@ from typing import Any
 from ckptd.config import settings
 from ckptd.errors import CkptdError, ConfigError
 from ckptd.format import codecs
-from ckptd.format.layout import MANIFEST_NAME, rank_file_prefix
+from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, rank_file_prefix
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator, StoreCoordinator
 from ckptd.manager.directories import DirectorySharing, directory_identity, set_aside_step
 from ckptd.policy import Policy
@@ -89,7 +89,7 @@ class CheckpointManager:
         self.sharing = DirectorySharing(self.rank, tuple(
             self.coordinator.exchange("local-directory", directory_identity(self.local.root))))
         self._own_prefixes = (rank_file_prefix(self.rank),) + \
-            ((MANIFEST_NAME,) if self.sharing.is_owner else ())
+            ((MANIFEST_NAME, RANKS_HERE_NAME) if self.sharing.is_owner else ())
         removed = self.local.remove_temporaries(self._own_prefixes)
         if removed:
             log.info("removed %d temporary file(s) left by an earlier crash", len(removed))
@@ -98,9 +98,9 @@ class CheckpointManager:
         self.last_restore: RestoreResult | None = None
         self._prepare_staging = True  # see save(): staging buffers are prepared on the first step not saved
         self._closed = False
+        self._released = False  # True once close() released the lock (not while background work runs)
         self.remote: StorageTier | None = None
         self._remote_sync: Any = None
-        self._released = False  # True once close() released the lock (not while background work runs)
         if remote is not None:
             from ckptd.promotion.remote_sync import RemoteSync
 

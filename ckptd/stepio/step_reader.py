@@ -32,9 +32,10 @@ import torch
 from ckptd.errors import CkptdError, IntegrityError, NotFoundError
 from ckptd.format import codecs
 from ckptd.format.hashing import chunk_digest
-from ckptd.format.layout import MANIFEST_NAME, step_file
+from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, step_file
 from ckptd.format.records import ChunkRecord, Manifest, RankIndex, TensorRecord
 from ckptd.stepio.rank_writer import io_pool, tensor_bytes
+from ckptd.tiers.atomicity import ranks_held
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.direct_io import address, aligned_empty, prefault
 
@@ -294,13 +295,21 @@ class VerifyProblem:
 
 def verify_step(tier: StorageTier, step: int,
                 progress: Callable[[int], None] | None = None) -> Iterator[VerifyProblem]:
-    """Re-hash every chunk of every rank of a step on one tier, yielding each problem found."""
+    """Re-hash every chunk of every rank a step holds on one tier (:func:`~ckptd.tiers.atomicity.
+    ranks_held`), yielding each problem found."""
     try:
         manifest = load_step_manifest(tier, step)
     except CkptdError as error:
         yield VerifyProblem(step, None, error.path or step_file(step, MANIFEST_NAME), str(error))
         return
+    try:
+        held = ranks_held(tier, step, manifest)
+    except CkptdError as error:
+        yield VerifyProblem(step, None, error.path or step_file(step, RANKS_HERE_NAME), str(error))
+        return
     for entry in manifest.ranks:
+        if entry.rank not in held:  # a node-local directory holds its node's ranks only
+            continue
         try:
             index = load_rank_index(tier, manifest, entry.rank)
         except CkptdError as error:

@@ -24,11 +24,12 @@ files of a failed, uncommitted attempt and never touches a committed step.
 from __future__ import annotations
 
 import abc
+import json
 import logging
 from collections.abc import Iterable
 
-from ckptd.errors import AlreadyCommittedError, CommitError, CkptdError
-from ckptd.format.layout import MANIFEST_NAME, step_file
+from ckptd.errors import AlreadyCommittedError, CommitError, CkptdError, FormatError
+from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, step_file
 from ckptd.format.records import Manifest
 from ckptd.tiers.base import StorageTier
 
@@ -62,11 +63,17 @@ class StepCommit(abc.ABC):
                                             tier=self.tier.label)
         check_manifest_complete(manifest, step, world_size=world_size, tier=self.tier.label)
         expected = set(range(manifest.world_size)) if ranks_here is None else set(ranks_here)
+        if not expected or not expected <= set(range(manifest.world_size)):
+            raise CommitError(f"cannot commit ranks {sorted(expected)} of a {manifest.world_size}-rank step",
+                              step=step, tier=self.tier.label)
         missing = [entry.index_file for entry in manifest.ranks
                    if entry.rank in expected and not self.tier.exists(step_file(step, entry.index_file))]
         if missing:
             raise CommitError(f"cannot commit: index file(s) {missing} are not in place", step=step,
                               tier=self.tier.label, hint="every rank's files are written before the manifest")
+        if len(expected) < manifest.world_size:  # say which ranks this directory holds, before the commit
+            self.tier.write_bytes(step_file(step, RANKS_HERE_NAME),
+                                  json.dumps({"ranks": sorted(expected)}).encode())
         self._write_manifest(step, manifest_bytes)
 
     @abc.abstractmethod
@@ -122,3 +129,22 @@ def check_manifest_complete(manifest: Manifest, step: int, *, world_size: int | 
         raise CommitError(f"a manifest with entries for ranks {ranks} cannot commit a step of a {expected}-rank "
                           "job; a commit that lacks some rank's entry is refused", step=step, tier=tier,
                           hint="every rank must report its index to the committing rank")
+
+
+def ranks_held(tier: StorageTier, step: int, manifest: Manifest) -> tuple[int, ...]:
+    """The ranks whose files a committed step holds on ``tier``: all of them, unless the step directory
+    says it holds only some (a node-local directory, see :data:`~ckptd.format.layout.RANKS_HERE_NAME`)."""
+    everyone = tuple(range(manifest.world_size))
+    path = step_file(step, RANKS_HERE_NAME)
+    if tier.capabilities.chunks_by_digest or not tier.exists(path):
+        return everyone
+    try:
+        ranks = json.loads(tier.read_bytes(path))["ranks"]
+        held = tuple(sorted({int(rank) for rank in ranks}))
+    except (ValueError, TypeError, KeyError) as exc:
+        raise FormatError("the list of ranks this directory holds is malformed", path=path, step=step,
+                          tier=tier.label, hint="delete the step here and pull it from another tier") from exc
+    if not held or not set(held) <= set(everyone):
+        raise FormatError(f"this directory claims ranks {list(held)} of a {manifest.world_size}-rank step",
+                          path=path, step=step, tier=tier.label)
+    return held
