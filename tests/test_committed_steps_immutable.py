@@ -134,3 +134,27 @@ def test_a_dcp_save_whose_ranks_finish_alone_commits_nothing_and_says_so(tmp_pat
     with pytest.raises(CkptdError):
         with ckptd.CheckpointManager(tmp_path, capture_rng=False) as manager:
             manager.restore({"rank0": torch.zeros(64)}, step=9)
+
+
+def test_steps_newer_than_the_restored_one_are_set_aside_whole_and_can_be_saved_again(tmp_path: Path) -> None:
+    from ckptd.manager.directories import SET_ASIDE_DIRECTORY
+    from ckptd.testing.tamper import chunk_location, flip_bit
+
+    with ckptd.CheckpointManager(tmp_path, policy=ckptd.Policy(keep_local=None), capture_rng=False) as manager:
+        for step in (1, 2, 3):
+            manager.save(step, _state(step))
+    before = _digests(tmp_path, 3)
+    path, offset, _ = chunk_location(tmp_path, 3, "w")
+    flip_bit(path, offset + 17)  # step 3 is committed but not intact
+    damaged = _digests(tmp_path, 3)
+
+    state = {"w": torch.zeros(300, 70), "b": torch.zeros(70)}
+    with ckptd.CheckpointManager(tmp_path, policy=ckptd.Policy(keep_local=None), capture_rng=False) as manager:
+        assert manager.restore(state) == 2
+        assert manager.committed_steps() == [1, 2]
+        (kept,) = (tmp_path / SET_ASIDE_DIRECTORY).iterdir()
+        assert kept.name.startswith(step_dir(3))
+        assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(kept.iterdir())} == damaged
+        assert damaged != before
+        manager.save(3, _state(33))  # training goes on from step 2 and saves step 3 again
+    assert torch.equal(_restored(tmp_path, 3)["w"], _state(33)["w"])

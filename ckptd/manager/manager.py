@@ -19,6 +19,7 @@ from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, rank_file_prefix
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator, StoreCoordinator
 from ckptd.manager.directories import DirectorySharing, directory_identity, set_aside_step
 from ckptd.policy import Policy
+from ckptd.promotion.pinning import PIN_DIRECTORY
 from ckptd.manager.restoring import RestoreResult, TierListings, restore_state
 from ckptd.manager.saving import Saver
 from ckptd.state.staging import prepare_state
@@ -182,6 +183,10 @@ class CheckpointManager:
                     kept = set_aside_step(self.local.root, step)
                     log.warning("step %d is newer than the restored step %d: kept as %s in %s; training "
                                 "continues from step %d", step, restored, kept, self.local.root, restored)
+            pins = self.local.root / PIN_DIRECTORY  # a pinned copy would be promoted in place of the new step
+            for step in LocalTier(pins).list_step_numbers() if pins.is_dir() else []:
+                if step > restored:
+                    set_aside_step(pins, step)
         self.coordinator.exchange("newer-steps-set-aside", True)
 
     # --- lifecycle ----------------------------------------------------------------------------
