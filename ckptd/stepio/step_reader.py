@@ -33,6 +33,7 @@ from ckptd.errors import CkptdError, IntegrityError, NotFoundError
 from ckptd.format import codecs
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, step_file
+from ckptd.format.verify import check_chunk_digest, decode_verified
 from ckptd.format.records import ChunkRecord, Manifest, RankIndex, TensorRecord
 from ckptd.stepio.rank_writer import io_pool, tensor_bytes
 from ckptd.tiers.atomicity import ranks_held
@@ -109,7 +110,8 @@ class FallbackEvent:
 
 
 def read_chunk(source: ChunkSource, chunk: ChunkRecord, out: memoryview, *, tensor: str = "?") -> None:
-    """Read one chunk from one tier into ``out`` (exactly ``chunk.raw_length`` bytes) and verify it."""
+    """Read one chunk from one tier into ``out`` (exactly ``chunk.raw_length`` bytes) and verify it
+    (:mod:`ckptd.format.verify`, the check promotion and pull use too)."""
     tier, index = source.tier, source.index
     if tier.stores_chunks_by_digest:
         path = tier.chunk_path(chunk.object_key)
@@ -121,19 +123,11 @@ def read_chunk(source: ChunkSource, chunk: ChunkRecord, out: memoryview, *, tens
             stored = None
         else:
             stored = tier.read_bytes(path, chunk.offset, chunk.length)
-    if stored is not None:
-        try:
-            raw = codecs.decode(chunk.codec, stored, chunk.raw_length, path=path)
-        except IntegrityError as error:  # name the chunk, step and tier, like a digest mismatch
-            raise IntegrityError(f"chunk of tensor {tensor!r} at offset {chunk.offset} cannot be decoded: "
-                                 f"{error.message}", path=path, step=index.step, tier=tier.label,
-                                 chunk=chunk.digest) from error
-        out[:] = memoryview(raw).cast("B")
-    actual = chunk_digest(out)
-    if actual != chunk.digest:
-        raise IntegrityError(f"chunk of tensor {tensor!r} at offset {chunk.offset} fails its digest",
-                             path=path, step=index.step, tier=tier.label, chunk=chunk.digest,
-                             expected=chunk.digest, actual=actual)
+    if stored is None:
+        check_chunk_digest(chunk, out, path=path, step=index.step, tier=tier.label, tensor=tensor)
+    else:
+        out[:] = memoryview(decode_verified(chunk, stored, path=path, step=index.step, tier=tier.label,
+                                            tensor=tensor)).cast("B")
 
 
 class _DisjointSpans:
