@@ -109,6 +109,11 @@ class AlreadyCommittedError(CommitError):
     """A file that must be written only once (a commit marker) already exists; nothing was replaced."""
 
 
+class UndecidedCommitError(CommitError):
+    """A rank saw no commit decision in time: the step may still have been committed by the deciding rank,
+    so this rank's files of it are kept."""
+
+
 class StorageError(CkptdError):
     """A tier could not be read or written (unreachable endpoint, permission, full disk)."""
 

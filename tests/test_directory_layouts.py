@@ -202,3 +202,50 @@ def test_a_rank_killed_during_a_save_leaves_no_directory_listing_that_step(tmp_p
         expected = _state(rank, 1)
         assert got["step"] == 1
         assert got["weights"] == expected["weights"].numpy().tobytes()
+
+
+def _one_commit_fails_then_train_on(rank: int, world_size: int, roots: list[str]) -> list[str]:
+    from ckptd.tiers import atomicity
+
+    manager = ckptd.CheckpointManager(roots[rank], policy=ckptd.Policy(keep_local=None), capture_rng=False)
+    if rank == 1:
+        real_commit = atomicity.DirectoryCommit.commit
+        failed: list[int] = []
+
+        def commit_fails_once(self: Any, step: int, *args: Any, **kwargs: Any) -> None:
+            if step == 2 and not failed:
+                failed.append(step)
+                raise ckptd.StorageError("injected: the manifest could not be written", step=step)
+            real_commit(self, step, *args, **kwargs)
+
+        atomicity.DirectoryCommit.commit = commit_fails_once  # type: ignore[method-assign]
+    errors = []
+    for step in (1, 2, 3, 4):
+        try:  # the loop goes on after a failed save, as the Saver's docstring allows
+            manager.save(step, _state(rank, step))
+        except ckptd.CkptdError as error:
+            errors.append(f"step {step}: {error}")
+    try:
+        manager.wait()
+    except ckptd.CkptdError as error:
+        errors.append(f"wait: {error}")
+    manager.close()
+    return errors
+
+
+def test_a_commit_that_fails_on_one_node_does_not_shift_the_ranks_commit_rounds(tmp_path: Path) -> None:
+    roots = _roots(tmp_path, "node-local", 2)
+    errors = run_multirank(_one_commit_fails_then_train_on, 2, roots, timeout_s=120)
+    assert any("injected" in error for error in errors[1]), errors
+    # step 2 is committed where its owner wrote the manifest (node 0), not on node 1; 3 and 4 everywhere
+    assert LocalTier(Path(roots[0]), create=False).committed_steps() == [1, 2, 3, 4]
+    assert LocalTier(Path(roots[1]), create=False).committed_steps() == [1, 3, 4]
+    restored = run_multirank(_restore, 2, roots, None, None, False, timeout_s=120)
+    for rank, got in enumerate(restored):
+        expected = _state(rank, 4)
+        assert got["step"] == 4 and got["info"] == {"rank": rank, "step": 4}
+        assert got["weights"] == expected["weights"].numpy().tobytes()
+    runner = CliRunner()
+    for directory in _directories(roots):
+        verified = runner.invoke(cli, ["verify", str(directory)])
+        assert verified.exit_code == 0, verified.output

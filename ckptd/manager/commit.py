@@ -40,7 +40,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Protocol
 
-from ckptd.errors import CommitError, WorkerError
+from ckptd.errors import CommitError, UndecidedCommitError, WorkerError
 
 #: Error text a rank reports for a step it skipped because it was busy.
 SKIPPED = "skipped: the previous save was still being written"
@@ -187,16 +187,19 @@ class StoreCoordinator:
     def agree(self, step: int, entry: RankEntry | None, error: str | None,
               build: Callable[[list[RankEntry]], Manifest]) -> bytes:
         self._round += 1
-        base = f"{self.prefix}/commit/{self._round}"
+        # The step is part of the key: ranks whose rounds slipped out of step wait on different keys and
+        # time out with a clear error, instead of reading another step's report.
+        base = f"{self.prefix}/commit/{self._round}-step{step}"
         report = {"entry": entry.to_json() if entry else None, "error": error}
         self.store.set(f"{base}/rank/{self.rank}", json.dumps(report))
         if self.rank == 0:
             self._decide(step, base, build)
-        try:
-            self.store.wait([f"{base}/outcome"], self.timeout)
+        try:  # rank 0 decides within one timeout of its own report: wait longer than that for its answer
+            self.store.wait([f"{base}/outcome"], 2 * self.timeout)
         except Exception as exc:  # c10d raises a plain RuntimeError/DistStoreError on timeout
-            raise CommitError(f"no commit decision for step {step} within {self.timeout}", step=step,
-                              hint="rank 0 may have died; the supervisor will restart it") from exc
+            raise UndecidedCommitError(f"no commit decision for step {step} within {2 * self.timeout}",
+                                       step=step, hint="rank 0 may have died; the supervisor will restart it "
+                                       "(this rank's files are kept: the step may still be committed)") from exc
         outcome = json.loads(self.store.get(f"{base}/outcome"))
         if outcome["failures"]:
             self._leave(base)
@@ -208,7 +211,7 @@ class StoreCoordinator:
         return outcome["manifest"].encode()
 
     def confirm(self, step: int, error: str | None) -> dict[int, str]:
-        reports = self._gather(f"{self.prefix}/commit/{self._round}/written", error, step=step,
+        reports = self._gather(f"{self.prefix}/commit/{self._round}-step{step}/written", error, step=step,
                                what=f"confirm writing the manifest of step {step}")
         return {rank: why for rank, why in enumerate(reports) if why is not None}
 

@@ -44,7 +44,7 @@ from ckptd.errors import CkptdError, CommitError, ConfigError, WorkerError
 from ckptd.format.layout import rank_files
 from ckptd.stepio.rank_writer import RankWriter, lease_io_pool, lower_thread_priority
 from ckptd.format.records import Manifest, RankEntry
-from ckptd.manager.commit import SKIPPED, CommitCoordinator, SkippedStep
+from ckptd.manager.commit import SKIPPED, CommitCoordinator, SkippedStep, UndecidedCommitError
 from ckptd.manager.directories import DirectorySharing
 from ckptd.policy import Policy
 from ckptd.state.staging import StagedState, Stager
@@ -59,8 +59,10 @@ log = logging.getLogger("ckptd.save")
 @dataclass(frozen=True)
 class _WriteJob:
     step: int
-    staged: StagedState | None  # None: this rank skipped the step and only reports it
+    staged: StagedState | None  # None: this rank skipped or failed the step and only reports it
     values: Any = None
+    #: Why this rank could not stage the step (reported to the other ranks); None: skipped when busy.
+    failure: str | None = None
 
 
 @dataclass(frozen=True)
@@ -105,10 +107,23 @@ class Saver:
     def save(self, step: int, state: MutableMapping[str, Any]) -> bool:
         """Stage ``state`` as ``step`` and hand it to the writer; returns False when skipped (busy).
 
-        Raises the stored error of an earlier background write first, if there is one.
+        Raises the stored error of an earlier background write, if there is one: first with one rank; with
+        several, only after this step was handed to the writer (or reported as failed to the other ranks),
+        so that every rank takes part in every commit round in the same order whatever fails where.
         """
         self._check_open()
+        if self.world_size == 1:
+            self._raise_stored()
+            return self._stage_and_enqueue(step, state)
+        try:
+            saved = self._stage_and_enqueue(step, state)
+        except BaseException as error:
+            self._enqueue(_WriteJob(step, None, failure=f"{type(error).__name__}: {error}"))
+            raise
         self._raise_stored()
+        return saved
+
+    def _stage_and_enqueue(self, step: int, state: MutableMapping[str, Any]) -> bool:
         if self.busy:
             if self.policy.on_busy == "skip":
                 log.info("step %d skipped: the previous save is still being written", step)
@@ -117,7 +132,8 @@ class Saver:
                     self._enqueue(_WriteJob(step, None))
                 return False
             self._wait_writes()
-            self._raise_stored()
+            if self.world_size == 1:
+                self._raise_stored()
         flat = flatten(self._with_rng(state), allow_pickle=self.allow_pickle)
         self._memory = None
         staged = self.stager.stage(flat.tensors)
@@ -219,6 +235,10 @@ class Saver:
             self._write(job)
         except SkippedStep as skipped:
             log.info("%s", skipped)
+        except WorkerError as failed:
+            if job.failure is None:
+                raise
+            log.info("step %d failed on every rank, as reported: %s", job.step, failed)  # the caller has it
 
     def _renew_pool_lease(self) -> None:
         """Hold the write pool of this save's ``CKPTD_IO_THREADS``; a superseded one is released (and shut
@@ -240,7 +260,8 @@ class Saver:
         """Writer thread: free the failed step's files; one record per failed rank of the step."""
         log.warning("save of step %d failed on rank %d: %s", job.step, self.rank, error)
         try:
-            self._discard_uncommitted(job.step)
+            if not isinstance(error, UndecidedCommitError):  # else the step may be committed after all
+                self._discard_uncommitted(job.step)
         except Exception as cleanup:  # noqa: BLE001 - the save's own error is what the caller needs
             log.warning("could not clean up failed step %d on rank %d: %s", job.step, self.rank, cleanup)
         if not isinstance(error, CkptdError):
@@ -251,7 +272,7 @@ class Saver:
         return [FailureRecord("save", error, step=job.step, rank=rank) for rank in ranks]
 
     def _write(self, job: _WriteJob) -> None:
-        entry, error = None, SKIPPED if job.staged is None else None
+        entry, error = None, (job.failure or SKIPPED) if job.staged is None else None
         if job.staged is not None:
             writer: RankWriter | None = None
             try:
