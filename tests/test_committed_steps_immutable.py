@@ -64,32 +64,42 @@ def test_a_failed_save_of_an_unsupported_value_leaves_the_committed_step(tmp_pat
     assert torch.equal(_restored(tmp_path, 5)["w"], original["w"])
 
 
-def _resave_with_a_failing_rank(rank: int, world_size: int, root: str) -> str:
+def _fail_then_resave(rank: int, world_size: int, root: str) -> tuple[dict[str, str], list[str]]:
     from ckptd.stepio import rank_writer
 
-    manager = ckptd.CheckpointManager(root, capture_rng=False)
+    manager = ckptd.CheckpointManager(root, capture_rng=False, policy=ckptd.Policy(keep_local=None))
     manager.save(3, _state(10 + rank))
     manager.wait()
-    if rank == 1:  # an injected write error on one rank, on top of the refusal
+    committed = _digests(Path(root), 3)
+    outcomes = []
+    real_add = rank_writer.RankWriter.add
+    if rank == 1:  # an injected write error on one rank, in the directory that holds committed step 3
         def fail(self: Any, name: str, tensor: torch.Tensor) -> None:
             raise OSError(28, "No space left on device")
 
         rank_writer.RankWriter.add = fail  # type: ignore[method-assign]
-    manager.save(3, _state(20 + rank), force=True)
-    try:
-        manager.wait()
-    except WorkerError as error:
-        outcome = str(error)
-    else:
-        outcome = "no error"
+    for step in (4, 3):  # a new step that fails on rank 1, then a re-save of the committed step
+        manager.save(step, _state(20 + rank), force=True)
+        try:
+            manager.wait()
+        except WorkerError as error:
+            outcomes.append(str(error))
+        else:
+            outcomes.append("no error")
+        rank_writer.RankWriter.add = real_add  # type: ignore[method-assign]
     manager.close()
-    return outcome
+    return committed, outcomes
 
 
 @pytest.mark.multirank
-def test_a_failed_resave_on_two_ranks_leaves_the_committed_step_restorable(tmp_path: Path) -> None:
-    outcomes = run_multirank(_resave_with_a_failing_rank, 2, str(tmp_path), timeout_s=120)
-    assert all("already committed" in outcome for outcome in outcomes), outcomes
+def test_failed_saves_on_two_ranks_leave_the_committed_step_restorable(tmp_path: Path) -> None:
+    results = run_multirank(_fail_then_resave, 2, str(tmp_path), timeout_s=120)
+    committed = results[0][0]
+    for _, (failed_new, refused) in results:
+        assert "rank 1" in failed_new and "No space left" in failed_new, failed_new
+        assert "already committed" in refused, refused
+    assert _digests(tmp_path, 3) == committed
+    assert not (tmp_path / step_dir(4)).exists() or "manifest.json" not in _digests(tmp_path, 4)
     for rank in range(2):
         expected = _state(10 + rank)
         got = run_multirank(_restore_rank, 2, str(tmp_path), timeout_s=120)[rank]

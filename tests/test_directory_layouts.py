@@ -249,3 +249,27 @@ def test_a_commit_that_fails_on_one_node_does_not_shift_the_ranks_commit_rounds(
     for directory in _directories(roots):
         verified = runner.invoke(cli, ["verify", str(directory)])
         assert verified.exit_code == 0, verified.output
+
+
+def _restore_step(rank: int, world_size: int, roots: list[str], step: int) -> str:
+    manager = ckptd.CheckpointManager(roots[rank], capture_rng=False)
+    state = {"weights": torch.zeros(257, 31), "moments": torch.zeros(4096, dtype=torch.bfloat16), "info": {}}
+    try:
+        manager.restore(state, step=step)
+    except ckptd.NotFoundError as error:
+        outcome = f"NotFoundError: {error}"
+    else:
+        outcome = "restored"
+    with pytest.raises(ckptd.NoIntactCheckpointError):  # the ranks' store rounds are still in step
+        manager.restore(state)
+    manager.close()
+    return outcome
+
+
+def test_restore_of_a_step_one_node_lacks_fails_on_every_rank_at_once(tmp_path: Path) -> None:
+    roots = _roots(tmp_path, "node-local", 2)
+    run_multirank(_save_steps, 2, roots, [1, 2], None, None, timeout_s=120)
+    shutil.rmtree(Path(roots[1]) / step_dir(2))  # node 1 lost step 2
+    outcomes = run_multirank(_restore_step, 2, roots, 2, timeout_s=60)
+    for outcome in outcomes:
+        assert outcome.startswith("NotFoundError") and "rank 1" in outcome, outcomes

@@ -130,19 +130,23 @@ class CkptdStorageWriter(StorageWriter):
         entries = sorted((r.storage_data for rank_results in results for r in rank_results
                           if r.index.fqn.startswith(_RANK_ENTRY_FQN)), key=lambda e: e.rank)
         ranks = [e.rank for e in entries]
-        if ranks != list(range(self.world_size)):
+        # With collectives, DCP hands the coordinator one result list per rank of its process group (which
+        # may be a subgroup); without them each rank gets only its own, and the job's size says how many
+        # took part.
+        world_size = len(results) if self.use_collectives else self.world_size
+        if ranks != list(range(world_size)):
             how = "" if self.use_collectives else (" (dcp.save(..., use_collectives=False) gives each rank's "
                                                    "finish only its own results)")
-            raise CommitError(f"rank {self.rank} got index entries of ranks {ranks} for a {self.world_size}-rank "
+            raise CommitError(f"rank {self.rank} got index entries of ranks {ranks} for a {world_size}-rank "
                               f"save{how}; nothing was committed", step=self.step, path=self.checkpoint_id,
                               hint="save with use_collectives=True, or use ckptd.CheckpointManager, whose ranks "
                               "agree through the job's store")
         extra = {MANIFEST_KEY: {"planner_data": planner_data_to_json(metadata.planner_data),
                                 "version": metadata.version}}
-        manifest = Manifest(step=self.step, world_size=self.world_size, ranks=tuple(entries),  # type: ignore[arg-type]
+        manifest = Manifest(step=self.step, world_size=world_size, ranks=tuple(entries),  # type: ignore[arg-type]
                             codec=self.codec, extra=extra)
         step_commit(self._local).commit(self.step, manifest.to_json_bytes(),  # type: ignore[arg-type]
-                                        world_size=self.world_size)
+                                        world_size=world_size)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:

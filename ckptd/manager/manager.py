@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 from collections.abc import MutableMapping
 from typing import Any
 
 from ckptd.config import settings
-from ckptd.errors import CkptdError, ConfigError
+from ckptd.errors import CkptdError, ConfigError, StillRunningError, StorageError
 from ckptd.format import codecs
 from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, rank_file_prefix
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator, StoreCoordinator
@@ -86,31 +87,51 @@ class CheckpointManager:
         self.rank, self.world_size = self.coordinator.rank, self.coordinator.world_size
         self.local = LocalTier(local)
         self.local.acquire_lock(self.rank)
-        #: Which ranks share this rank's local directory (by its identity, not its path) and who owns it.
-        self.sharing = DirectorySharing(self.rank, tuple(
-            self.coordinator.exchange("local-directory", directory_identity(self.local.root))))
-        self._own_prefixes = (rank_file_prefix(self.rank),) + \
-            ((MANIFEST_NAME, RANKS_HERE_NAME) if self.sharing.is_owner else ())
-        removed = self.local.remove_temporaries(self._own_prefixes)
-        if removed:
-            log.info("removed %d temporary file(s) left by an earlier crash", len(removed))
-        self._saver = Saver(self.local, self.coordinator, policy=self.policy, codec=self.codec,
-                            allow_pickle=allow_pickle, capture_rng=capture_rng, sharing=self.sharing)
-        self.last_restore: RestoreResult | None = None
-        self._prepare_staging = True  # see save(): staging buffers are prepared on the first step not saved
-        self._closed = False
-        self._released = False  # True once close() released the lock (not while background work runs)
-        self.remote: StorageTier | None = None
-        self._remote_sync: Any = None
-        if remote is not None:
-            from ckptd.promotion.remote_sync import RemoteSync
+        self._saver: Saver | None = None
+        try:
+            #: Which ranks share this rank's local directory (by its identity, not its path) and who owns it.
+            self.sharing = DirectorySharing(self.rank, tuple(
+                self.coordinator.exchange("local-directory", directory_identity(self.local.root))))
+            self._own_prefixes = (rank_file_prefix(self.rank),) + \
+                ((MANIFEST_NAME, RANKS_HERE_NAME) if self.sharing.is_owner else ())
+            removed = self.local.remove_temporaries(self._own_prefixes)
+            if removed:
+                log.info("removed %d temporary file(s) left by an earlier crash", len(removed))
+            self._saver = Saver(self.local, self.coordinator, policy=self.policy, codec=self.codec,
+                                allow_pickle=allow_pickle, capture_rng=capture_rng, sharing=self.sharing)
+            self.last_restore: RestoreResult | None = None
+            self._prepare_staging = True  # see save(): staging buffers are prepared on the first step not saved
+            self._closed = False
+            self._released = False  # True once close() released the lock (not while background work runs)
+            self.remote: StorageTier | None = None
+            self._remote_sync: Any = None
+            if remote is not None:
+                from ckptd.promotion.remote_sync import RemoteSync
 
-            self._remote_sync = RemoteSync(self.local, remote, storage_options=storage_options, policy=self.policy,
-                                           rank=self.rank, world_size=self.world_size,
-                                           repopulate_local=repopulate_local,
-                                           repopulate_ranks=self.sharing.ranks_here if self.sharing.is_owner else ())
-            self.remote = self._remote_sync.remote
-            self._saver.on_commit.append(self._remote_sync.on_commit)
+                owned = self.sharing.ranks_here if self.sharing.is_owner else ()
+                self._remote_sync = RemoteSync(self.local, remote, storage_options=storage_options,
+                                               policy=self.policy, rank=self.rank, world_size=self.world_size,
+                                               repopulate_local=repopulate_local, repopulate_ranks=owned)
+                self.remote = self._remote_sync.remote
+                self._saver.on_commit.append(self._remote_sync.on_commit)
+        except BaseException:  # nothing of a manager that failed to start may linger: thread, lock, tiers
+            self._abandon_start()
+            raise
+
+    def _abandon_start(self) -> None:
+        """Undo a constructor that failed half-way: stop the writer and the uploader, release the lock
+        (kept when the writer does not stop, as :meth:`close` does)."""
+        stopped = True
+        for part in (self._saver, getattr(self, "_remote_sync", None)):
+            if part is None:
+                continue
+            try:
+                part.close(timeout_s=5.0)
+            except CkptdError as error:
+                log.warning("a manager that failed to start could not stop its background work: %s", error)
+                stopped = stopped and part is not self._saver
+        if stopped:
+            self.local.close()
 
     # --- saving -------------------------------------------------------------------------------
     def save(self, step: int, state: MutableMapping[str, Any], *, force: bool = False) -> bool:
@@ -156,6 +177,8 @@ class CheckpointManager:
         self._check_open()
         try:
             self._saver.wait()
+        except StillRunningError:  # a save still being written: restoring now could race with it
+            raise
         except CkptdError as error:  # a failed save must not prevent recovery; restore picks another step
             log.warning("an earlier background save failed on rank %d: %s", self.rank, error)
         listings = TierListings(self.tiers)  # each tier listed once; one that does not answer is skipped
@@ -177,17 +200,28 @@ class CheckpointManager:
         newer than it (not intact on every rank) are renamed aside by the directory's owner (kept, never
         deleted), so that those saves do not meet a committed step. ``restore(step=N)`` sets nothing aside:
         a later save of a committed step is refused."""
-        if self.sharing.is_owner:
-            for step in self.local.committed_steps():
-                if step > restored:
-                    kept = set_aside_step(self.local.root, step)
+        failure: str | None = None
+        try:
+            if self.sharing.is_owner:
+                self._set_aside_in(self.local.root, restored, report=True)
+                pins = self.local.root / PIN_DIRECTORY  # a pinned copy would be promoted instead of the new step
+                if pins.is_dir():
+                    self._set_aside_in(pins, restored, report=False)
+        except CkptdError as error:  # told to every rank, so that all leave the round together
+            failure = f"rank {self.rank}: {error}"
+        failures = [why for why in self.coordinator.exchange("newer-steps-set-aside", failure) if why]
+        if failures:
+            raise StorageError("newer steps could not be set aside after the restore: " + " | ".join(failures),
+                               step=restored, tier=self.local.label,
+                               hint="fix the directory's permissions; the restored state is loaded")
+
+    def _set_aside_in(self, root: Path, restored: int, *, report: bool) -> None:
+        for step in LocalTier(root).committed_steps() if report else LocalTier(root).list_step_numbers():
+            if step > restored:
+                kept = set_aside_step(root, step)
+                if report:
                     log.warning("step %d is newer than the restored step %d: kept as %s in %s; training "
-                                "continues from step %d", step, restored, kept, self.local.root, restored)
-            pins = self.local.root / PIN_DIRECTORY  # a pinned copy would be promoted in place of the new step
-            for step in LocalTier(pins).list_step_numbers() if pins.is_dir() else []:
-                if step > restored:
-                    set_aside_step(pins, step)
-        self.coordinator.exchange("newer-steps-set-aside", True)
+                                "continues from step %d", step, restored, kept, root, restored)
 
     # --- lifecycle ----------------------------------------------------------------------------
     @property

@@ -176,12 +176,11 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
     listings = listings if listings is not None else TierListings(tiers)
     metadata = _Metadata(listings)
     committed = listings.all_committed()
-    if step is not None:
+    missing = None
+    if step is not None:  # a rank that lacks it still takes part in the exchange, then every rank raises
         if step not in committed:
-            raise NotFoundError("step is not committed on any tier that answered", step=step,
-                                tier=", ".join(t.label for t in tiers),
-                                hint=_failed_hint(listings.failed) or "`ckptd ls` lists committed steps")
-        committed = [step]
+            missing = f"rank {rank}: not committed on any tier that answered ({', '.join(t.label for t in tiers)})"
+        committed = [step] if missing is None else []
     result = RestoreResult(step=None)
     candidates = []
     for candidate in committed:
@@ -193,9 +192,15 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
             log.warning("step %d cannot be restored on rank %d, trying an older one: %s", candidate, rank, why)
     # The first round also tells every rank which tiers some rank could not list, so that all ranks
     # decide alike whether "nothing to restore" means a fresh run.
-    exchanged = coordinator.exchange("restore-candidates", {"steps": candidates, "failed": listings.failed})
+    exchanged = coordinator.exchange("restore-candidates", {"steps": candidates, "failed": listings.failed,
+                                                            "missing": missing})
     lists = [answer["steps"] for answer in exchanged]
     failed_tiers = {label: why for answer in exchanged for label, why in answer["failed"].items()}
+    lacking = [answer["missing"] for answer in exchanged if answer["missing"]]
+    if lacking:
+        raise NotFoundError("the step asked for is not committed on every rank: " + " | ".join(lacking), step=step,
+                            tier=", ".join(t.label for t in tiers),
+                            hint=_failed_hint(failed_tiers) or "`ckptd ls` lists committed steps on each node")
     while True:
         common = set(lists[0]).intersection(*map(set, lists[1:]))
         if not common:

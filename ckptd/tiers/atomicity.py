@@ -72,8 +72,10 @@ class StepCommit(abc.ABC):
             raise CommitError(f"cannot commit: index file(s) {missing} are not in place", step=step,
                               tier=self.tier.label, hint="every rank's files are written before the manifest")
         if len(expected) < manifest.world_size:  # say which ranks this directory holds, before the commit
-            self.tier.write_bytes(step_file(step, RANKS_HERE_NAME),
-                                  json.dumps({"ranks": sorted(expected)}).encode())
+            self.check_writable(step)
+            path = step_file(step, RANKS_HERE_NAME)
+            self.tier.delete_files([path])  # left by an attempt that failed before its commit
+            self.tier.write_bytes(path, json.dumps({"ranks": sorted(expected)}).encode(), if_absent=True)
         self._write_manifest(step, manifest_bytes)
 
     @abc.abstractmethod
