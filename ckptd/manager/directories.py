@@ -7,9 +7,11 @@ So every directory carries an identity: a random id in the file ``.ckptd-directo
 (atomically: the first rank to link its file into place wins, every other rank reads the winner's id).
 At construction the ranks exchange their ids through the job's store and group by them.
 
-The lowest rank of each group owns its directory: it alone writes the commit manifest there, applies
-retention, removes other ranks' leftovers and re-populates the directory from the object tier, so every
-directory is bounded by the policy whatever the layout. Every rank removes its own temporary files.
+The lowest rank of each group owns its directory: it alone writes the commit marker there (and, when
+the directory holds only some ranks' files, the list of those ranks), applies retention (which deletes
+whole steps, every rank's files with them, and uncommitted steps older than the newest committed one) and
+re-populates the directory from the object tier, so every directory is bounded by the policy whatever the
+layout. Every rank removes its own temporary files at start; the owner also those of the commit marker.
 """
 
 from __future__ import annotations
