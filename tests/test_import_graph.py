@@ -8,7 +8,8 @@ class, or under ``if TYPE_CHECKING:`` (a type-only import is still a dependency)
   ``dcp``, ``promotion``, ``data`` (3) < ``daemon``, ``elastic`` and the ``ckptd`` package itself, which
   re-exports the public API (4) < ``cli``, ``demo``, ``bench``, ``embedded_s3`` (5). A module imports its
   own layer or a lower one, never a higher one;
-- leaves (``errors``, ``config``, ``_types``, ``_version``, ``policy``, ``background``) may be imported
+- leaves (``errors``, ``config``, ``_types``, ``_version``, ``policy``, ``background``, ``plugin_loading``)
+  may be imported
   from anywhere and import only leaves; ``errors`` and ``_version`` import nothing of ckptd, ``policy``
   only ``errors``;
 - ``format`` imports nothing of ckptd but ``errors``, ``config``, ``_types``, ``_version`` and itself;
@@ -50,6 +51,7 @@ LEAVES: dict[str, frozenset[str]] = {
     "config": frozenset({"errors", "_types"}),
     "policy": frozenset({"errors"}),
     "background": frozenset({"errors", "config", "_types"}),
+    "plugin_loading": frozenset({"errors"}),
 }
 FORMAT_MAY_IMPORT = frozenset({"format", "errors", "config", "_types", "_version"})
 ANYTHING_GOES = frozenset({"testing"})

@@ -13,6 +13,7 @@ from typing import Any
 
 from ckptd.data.reader_api import ShardReader
 from ckptd.errors import PluginError
+from ckptd.plugin_loading import entry_points, load_class
 
 #: Entry-point group that shard readers register under.
 ENTRY_POINT_GROUP = "ckptd.shard_readers"
@@ -27,7 +28,7 @@ _registered: dict[str, type[ShardReader]] = {}
 
 
 def _entry_points() -> dict[str, metadata.EntryPoint]:
-    return {entry.name: entry for entry in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    return entry_points(ENTRY_POINT_GROUP)
 
 
 def register_reader(name: str, reader: type[ShardReader]) -> None:
@@ -52,14 +53,7 @@ def reader_class(name: str) -> type[ShardReader]:
         raise PluginError(f"no shard reader named {name!r}",
                           hint=f"known formats: {', '.join(available_formats()) or 'none'}; a third-party "
                                f"reader registers under the entry-point group {ENTRY_POINT_GROUP!r}")
-    try:
-        loaded = entry.load()
-    except ImportError as exc:
-        hint = _INSTALL_HINTS.get(name) or f"install the package that provides {entry.value!r}"
-        raise PluginError(f"the {name!r} shard reader could not be imported ({exc})", hint=hint) from exc
-    if not (isinstance(loaded, type) and issubclass(loaded, ShardReader)):
-        raise PluginError(f"entry point {name!r} ({entry.value}) is not a ckptd ShardReader subclass",
-                          hint="fix the plugin's entry point")
+    loaded = load_class(entry, ShardReader, what=f"the {name!r} shard reader", install_hint=_INSTALL_HINTS.get(name))
     with _lock:
         _registered.setdefault(name, loaded)
         return _registered[name]

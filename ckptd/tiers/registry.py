@@ -22,6 +22,7 @@ from importlib import metadata
 from typing import Any
 
 from ckptd.errors import PluginError
+from ckptd.plugin_loading import entry_points, load_class
 from ckptd.tiers.base import StorageTier
 
 #: Entry-point group that storage tiers register under.
@@ -50,7 +51,7 @@ def scheme_of(url: str) -> str:
 
 
 def _entry_points() -> dict[str, metadata.EntryPoint]:
-    return {entry.name: entry for entry in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+    return entry_points(ENTRY_POINT_GROUP)
 
 
 def register_tier(scheme: str, tier: type[StorageTier]) -> None:
@@ -83,15 +84,8 @@ def tier_class(scheme: str) -> type[StorageTier]:
                                               f"plugin registers one under the entry-point group "
                                               f"{ENTRY_POINT_GROUP!r}")
         raise PluginError(f"no storage tier for URLs of scheme {scheme!r}", hint=hint)
-    try:
-        loaded = entry.load()
-    except ImportError as exc:
-        hint = _INSTALL_HINTS.get(scheme) or f"install the package that provides {entry.value!r}"
-        raise PluginError(f"the storage tier for {scheme!r} URLs could not be imported ({exc})", hint=hint) \
-            from exc
-    if not (isinstance(loaded, type) and issubclass(loaded, StorageTier)):
-        raise PluginError(f"entry point {scheme!r} ({entry.value}) is not a ckptd StorageTier subclass",
-                          hint="fix the plugin's entry point")
+    loaded = load_class(entry, StorageTier, what=f"the storage tier for {scheme!r} URLs",
+                        install_hint=_INSTALL_HINTS.get(scheme))
     with _lock:
         _registered.setdefault(scheme, loaded)
         return _registered[scheme]
