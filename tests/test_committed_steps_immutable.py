@@ -36,12 +36,17 @@ def _restored(root: Path, step: int) -> dict[str, torch.Tensor]:
     return state
 
 
+def _commit_step_5(manager: ckptd.CheckpointManager, root: Path, state: dict[str, Any]) -> dict[str, str]:
+    """Save and commit ``state`` as step 5; returns the digests of its files."""
+    manager.save(5, state)
+    manager.wait()
+    return _digests(root, 5)
+
+
 def test_a_resave_of_a_committed_step_is_refused_and_the_step_keeps_its_bytes(tmp_path: Path) -> None:
     original = _state(1)
     with ckptd.CheckpointManager(tmp_path, capture_rng=False) as manager:
-        manager.save(5, original)
-        manager.wait()
-        before = _digests(tmp_path, 5)
+        before = _commit_step_5(manager, tmp_path, original)
         manager.save(5, _state(2), force=True)
         with pytest.raises(AlreadyCommittedError, match="already committed") as refused:
             manager.wait()
@@ -55,9 +60,7 @@ def test_a_resave_of_a_committed_step_is_refused_and_the_step_keeps_its_bytes(tm
 def test_a_failed_save_of_an_unsupported_value_leaves_the_committed_step(tmp_path: Path) -> None:
     original = _state(1)
     with ckptd.CheckpointManager(tmp_path, capture_rng=False) as manager:
-        manager.save(5, original)
-        manager.wait()
-        before = _digests(tmp_path, 5)
+        before = _commit_step_5(manager, tmp_path, original)
         with pytest.raises(PickleRefusedError):
             manager.save(5, {**_state(2), "opaque": object()}, force=True)
     assert _digests(tmp_path, 5) == before

@@ -52,6 +52,18 @@ def _wrap_calls(tier: ObjectTier, wrapper) -> None:
         lane._call_s3 = functools.partial(wrapper, lane._call_s3)
 
 
+def _record_calls(tier: ObjectTier) -> list[tuple[str, str | None]]:
+    """(method, IfNoneMatch) of every S3 call the tier makes from now on."""
+    sent: list[tuple[str, str | None]] = []
+
+    async def recording(original, method, *args, **kwargs):
+        sent.append((method, kwargs.get("IfNoneMatch")))
+        return await original(method, *args, **kwargs)
+
+    _wrap_calls(tier, recording)
+    return sent
+
+
 def test_multipart_upload_sends_parts_in_parallel(s3_bucket, s3_options):
     tier = object_tier(s3_bucket, s3_options)
     active, peak = [0], [0]
@@ -135,13 +147,7 @@ def test_errors_name_the_tier_and_say_what_to_do(s3_bucket, s3_options):
 
 def test_if_absent_is_a_conditional_put(s3_bucket, s3_options):
     tier = object_tier(s3_bucket, s3_options)
-    sent = []
-
-    async def recording(original, method, *args, **kwargs):
-        sent.append((method, kwargs.get("IfNoneMatch")))
-        return await original(method, *args, **kwargs)
-
-    _wrap_calls(tier, recording)
+    sent = _record_calls(tier)
     assert tier.capabilities.conditional_put
     tier.write_bytes("step-00000001/manifest.json", b"one", if_absent=True)
     with pytest.raises(AlreadyCommittedError):
@@ -153,13 +159,7 @@ def test_if_absent_is_a_conditional_put(s3_bucket, s3_options):
 def test_without_conditional_put_it_looks_up_then_writes(s3_bucket, s3_options):
     with override(s3_conditional_put=False):
         tier = object_tier(s3_bucket, s3_options)
-    sent = []
-
-    async def recording(original, method, *args, **kwargs):
-        sent.append((method, kwargs.get("IfNoneMatch")))
-        return await original(method, *args, **kwargs)
-
-    _wrap_calls(tier, recording)
+    sent = _record_calls(tier)
     assert not tier.capabilities.conditional_put
     tier.write_bytes("step-00000001/manifest.json", b"one", if_absent=True)
     assert sent[:2] == [("head_object", None), ("put_object", None)]

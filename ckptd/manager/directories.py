@@ -110,18 +110,6 @@ class DirectorySharing:
         return self.owner == self.rank
 
     @property
-    def owners(self) -> tuple[int, ...]:
-        """The owner of every directory of the job, ascending."""
-        first: dict[str, int] = {}
-        for rank, identity in enumerate(self.identities):
-            first.setdefault(identity, rank)
-        return tuple(sorted(first.values()))
-
-    def owner_of(self, rank: int) -> int:
-        """The owner of ``rank``'s directory."""
-        return self.identities.index(self.identities[rank])
-
-    @property
     def layout(self) -> str:
         """``"single"``, ``"node-local"`` (one rank per directory), ``"job-shared"`` (one directory) or
         ``"mixed"`` (directories shared by some ranks, e.g. one per node)."""

@@ -190,12 +190,12 @@ class CheckpointManager:
         self.last_restore = result
         prepare_state(self._saver.stager, state, allow_pickle=self.allow_pickle)  # off the training thread
         if result.step is not None and step is None:
-            self._set_aside_newer_steps(result.step)
+            self._set_aside_newer_steps(result.step, listings.committed(self.local))
         if self._remote_sync is not None:
             self._remote_sync.after_restore(result.step, result.tier)
         return result.step
 
-    def _set_aside_newer_steps(self, restored: int) -> None:
+    def _set_aside_newer_steps(self, restored: int, committed: frozenset[int]) -> None:
         """Training goes on from ``restored`` and will save the steps after it again: committed local steps
         newer than it (not intact on every rank) are renamed aside by the directory's owner (kept, never
         deleted), so that those saves do not meet a committed step. ``restore(step=N)`` sets nothing aside:
@@ -203,10 +203,10 @@ class CheckpointManager:
         failure: str | None = None
         try:
             if self.sharing.is_owner:
-                self._set_aside_in(self.local.root, restored, report=True)
+                self._set_aside_in(self.local.root, sorted(committed), restored, report=True)
                 pins = self.local.root / PIN_DIRECTORY  # a pinned copy would be promoted instead of the new step
                 if pins.is_dir():
-                    self._set_aside_in(pins, restored, report=False)
+                    self._set_aside_in(pins, LocalTier(pins).list_step_numbers(), restored, report=False)
         except CkptdError as error:  # told to every rank, so that all leave the round together
             failure = f"rank {self.rank}: {error}"
         failures = [why for why in self.coordinator.exchange("newer-steps-set-aside", failure) if why]
@@ -215,8 +215,9 @@ class CheckpointManager:
                                step=restored, tier=self.local.label,
                                hint="fix the directory's permissions; the restored state is loaded")
 
-    def _set_aside_in(self, root: Path, restored: int, *, report: bool) -> None:
-        for step in LocalTier(root).committed_steps() if report else LocalTier(root).list_step_numbers():
+    @staticmethod
+    def _set_aside_in(root: Path, steps: list[int], restored: int, *, report: bool) -> None:
+        for step in steps:
             if step > restored:
                 kept = set_aside_step(root, step)
                 if report:

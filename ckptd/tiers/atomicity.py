@@ -43,9 +43,6 @@ class StepCommit(abc.ABC):
     def __init__(self, tier: StorageTier) -> None:
         self.tier = tier
 
-    def is_committed(self, step: int) -> bool:
-        return self.tier.is_committed(step)
-
     def check_writable(self, step: int) -> None:
         """Raise AlreadyCommittedError when ``step`` is committed on this tier (nothing may be written)."""
         if self.tier.is_committed(step):
