@@ -38,14 +38,35 @@ class Settings:
     #: Chunks of at least this many stored bytes go to the parallel (direct-I/O) data files; smaller ones
     #: are packed into the rank's first data file through the page cache (no padding to 4 KiB).
     direct_io_min_bytes: int = 256 * 1024
+    #: Chunks of fewer raw bytes (and those of fewer stored bytes than direct_io_min_bytes) go into the
+    #: rank's pack, its first data file, which the object tier stores as one object per rank and step and
+    #: reads by range; larger chunks are stored there by digest and shared by the steps that hold them.
+    #: 0: no pack (every chunk by digest, as in format 2).
+    pack_below_bytes: int = 1024 * 1024
     #: Seconds a rank waits for the others to agree on a commit before failing the step.
     commit_timeout_s: float = 300.0
     #: Seconds after which a temporary file left in a tier is considered abandoned.
     stale_temp_s: float = 0.0
-    #: Object tier: connect and read timeouts in seconds, and retry attempts per request.
-    s3_connect_timeout_s: float = 10.0
-    s3_read_timeout_s: float = 60.0
-    s3_retries: int = 5
+    #: Object tier: connect and read timeouts in seconds of data requests (uploads, chunk reads). The read
+    #: timeout bounds a silence on the socket, not a whole transfer.
+    s3_connect_timeout_s: float = 3.0
+    s3_read_timeout_s: float = 20.0
+    #: Object tier: retries of one operation, all its requests together (a multipart upload's parts, a
+    #: ranged read's pieces), with botocore's jittered exponential back-off.
+    s3_retries: int = 4
+    #: Object tier: of those, retries after a connection could not be made (refused, connect timeout,
+    #: unknown host), so that a dead endpoint is known within about two connect timeouts.
+    s3_connect_retries: int = 1
+    #: Object tier: back-off before the first retry of an operation (full jitter, doubling each retry),
+    #: and its cap, in seconds.
+    s3_backoff_base_s: float = 0.2
+    s3_backoff_max_s: float = 5.0
+    #: Object tier: checksum asked of the store at upload (computed by zlib) and compared by promotion's
+    #: dedup with the local bytes: CRC32, or "" for a store that refuses checksum headers.
+    s3_upload_checksum: str = "CRC32"
+    #: Object tier: seconds an owner record of a multipart upload stays valid; the uploader refreshes it
+    #: every third of that, and GC aborts an upload only when its owner is dead or its record expired.
+    s3_upload_owner_lease_s: float = 120.0
     #: Object tier: connect and read timeouts and attempts of listings, lookups and deletes, kept short so
     #: that a store that cannot be reached or hangs is known within seconds (restore then uses the tiers
     #: that answer).
@@ -67,6 +88,12 @@ class Settings:
     gc_lease_s: float = 600.0
     #: GC: seconds after which an uncommitted step directory counts as abandoned and may be removed.
     gc_abandoned_s: float = 3600.0
+    #: Promotion: most local steps kept pinned while they wait for the object tier (per local directory
+    #: and rank); past it the oldest unpromoted pins are released (the newest is always kept).
+    pin_max_steps: int = 4
+    #: Promotion: most bytes held only by pins (of steps local retention already deleted) per local
+    #: directory and rank (0: no byte limit); past it the oldest unpromoted pins are released.
+    pin_max_bytes: int = 32 * 1024 * 1024 * 1024
     #: Host memory the stager may hold for one save (0: no limit).
     staging_budget_bytes: int = 0
     #: Pin the stager's host buffers when CUDA is present (faster device-to-host copies).
@@ -98,6 +125,11 @@ class Settings:
     data_fetch_attempts: int = 3
     #: Data shards: threads that read and hash shards while indexing.
     data_index_threads: int = 4
+    #: Elastic (``ckptd launch``): seconds a rank waits, after a failure, for the supervisor's next
+    #: generation and for every rank to join it (and, at the end, for every rank to finish) before it exits.
+    elastic_rejoin_timeout_s: float = 120.0
+    #: Elastic: seconds a collective of the process group may block (gloo's timeout) in each generation.
+    elastic_collective_timeout_s: float = 60.0
 
 
 _overrides: dict[str, Any] = {}

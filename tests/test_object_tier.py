@@ -32,7 +32,8 @@ def test_timeouts_and_retries_come_from_settings_and_options_win(s3_options):
         explicit = ObjectTier("s3://bucket", storage_options={**s3_options, "config_kwargs": {"read_timeout": 1}})
     config = tier.lanes[0].config_kwargs
     assert (config["connect_timeout"], config["read_timeout"]) == (3.0, 7.0)
-    assert config["retries"] == {"max_attempts": 4, "mode": "standard"} and tier.lanes[0].retries == 4
+    assert config["retries"] == {"max_attempts": 5, "mode": "standard"} and tier.lanes[0].retries == 1
+    assert tier.lanes[0].ckptd_budget().retries == 4, "s3_retries is the budget of one operation"
     assert explicit.lanes[0].config_kwargs["read_timeout"] == 1 and explicit.fs.config_kwargs["read_timeout"] == 1
     assert (tier.bucket, tier.prefix, explicit.prefix) == ("bucket", "prefix", "")
 

@@ -10,13 +10,16 @@ temporary names; a step's indexes and chunks are uploaded first and ``manifest.j
 A step without its manifest is never listed as committed. A multipart upload that fails is aborted;
 uploads left by a crashed process are removed by :meth:`ObjectTier.abort_incomplete_uploads` (GC calls it).
 
-Chunks live content-addressed under ``chunks/<2 hex>/<digest>.<codec>`` and are shared by steps and ranks.
+Chunks live content-addressed under ``chunks/<2 hex>/<digest>.<codec>`` and are shared by steps and ranks,
+except a rank's small chunks, which stay in its pack (one object in the step directory, read by range:
+see :mod:`ckptd.stepio.packs`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Iterator
@@ -30,7 +33,8 @@ from ckptd.format.layout import MANIFEST_NAME, STEP_PREFIX, TEMP_MARKER, parse_s
 from ckptd.tiers import s3_errors
 from ckptd.tiers.base import StorageTier, StoredObject, TierCapabilities
 from ckptd.tiers.s3_lanes import IoLanes
-from ckptd.tiers.s3_options import endpoint_of, region_of, s3fs_options, s3fs_retries, split_url
+from ckptd.tiers.s3_budget import budgeted_filesystem_class
+from ckptd.tiers.s3_options import endpoint_of, region_of, retry_budget, s3fs_options, s3fs_retries, split_url
 from ckptd.tiers.s3_transfers import MIN_PART_BYTES, ReadAhead, get_object, multipart_upload, part_bytes
 
 _log = logging.getLogger(__name__)
@@ -51,7 +55,7 @@ class ObjectTier(StorageTier):
         self.bucket, self.prefix = split_url(url)
         super().__init__(f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}")
         try:
-            import s3fs
+            import s3fs  # noqa: F401  (the tier needs it; its subclass is made lazily)
         except ImportError as exc:
             raise PluginError("the object tier needs s3fs", hint="install it with: pip install 'ckptd[s3]'") \
                 from exc
@@ -61,8 +65,10 @@ class ObjectTier(StorageTier):
         data_retries, metadata_retries = s3fs_retries(), s3fs_retries(metadata=True)
 
         def make_client(loop: asyncio.AbstractEventLoop, metadata: bool) -> Any:
-            client = s3fs.S3FileSystem(loop=loop, **(metadata_options if metadata else data_options))
+            filesystem = budgeted_filesystem_class()
+            client = filesystem(loop=loop, **(metadata_options if metadata else data_options))
             client.retries = metadata_retries if metadata else data_retries
+            client.ckptd_budget = functools.partial(retry_budget, metadata=metadata)
             return client
 
         self._lanes = IoLanes(settings().s3_io_threads, make_client)

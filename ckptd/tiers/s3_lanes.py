@@ -20,6 +20,8 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from ckptd.tiers.s3_budget import OperationBudget, within_budget
+
 _log = logging.getLogger(__name__)
 _CLOSE_TIMEOUT_S = 5.0
 _names = itertools.count()
@@ -61,10 +63,17 @@ def _stop_all(loops: list[_Loop], clients: list[list[Any]]) -> None:
         loop.stop(on_loop)
 
 
+def _budget_of(client: Any) -> OperationBudget:
+    """A fresh retry budget for one operation on ``client`` (made by its ``ckptd_budget`` factory)."""
+    factory = getattr(client, "ckptd_budget", None)
+    return factory() if factory is not None else OperationBudget(retries=0, connect_retries=0)
+
+
 class IoLanes:
     """Event loops and the s3fs clients on them, owned by one object tier (see the module docstring).
 
-    ``make_client(loop, metadata)`` builds an s3fs client bound to ``loop``. Thread safety: every method
+    ``make_client(loop, metadata)`` builds an s3fs client bound to ``loop``; its ``ckptd_budget``
+    attribute, when set, makes the retry budget of each operation. Thread safety: every method
     may be called from any thread; :meth:`close` waits for nothing but the loops' own shutdown.
     """
 
@@ -109,14 +118,15 @@ class IoLanes:
         return clients[next(self._turn) % len(clients)]
 
     def run(self, client: Any, coroutine_factory: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
-        """Run a coroutine on ``client``'s loop from a caller's thread and return its result."""
+        """Run a coroutine on ``client``'s loop from a caller's thread and return its result: one
+        operation, whose requests share one retry budget (:mod:`ckptd.tiers.s3_budget`)."""
         from fsspec.asyn import sync
 
-        return sync(client.loop, coroutine_factory)
+        return sync(client.loop, within_budget, _budget_of(client), coroutine_factory)
 
     def submit(self, client: Any, coroutine: Coroutine[Any, Any, Any]) -> Any:
-        """Schedule a coroutine on ``client``'s loop; returns a concurrent future."""
-        return asyncio.run_coroutine_threadsafe(coroutine, client.loop)
+        """Schedule a coroutine on ``client``'s loop as one operation; returns a concurrent future."""
+        return asyncio.run_coroutine_threadsafe(within_budget(_budget_of(client), lambda: coroutine), client.loop)
 
     @property
     def running(self) -> bool:

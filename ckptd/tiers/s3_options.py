@@ -9,11 +9,14 @@ First match wins:
   (environment, ``~/.aws/credentials``, instance roles).
 
 Two kinds of client are made from one set of options. Data clients (uploads, chunk reads) get
-``s3_connect_timeout_s``, ``s3_read_timeout_s`` and ``s3_retries``: a transfer that has started should
-ride out a slow or flaky store. The metadata client (listings, HEAD, deletes) gets the short
-``s3_metadata_connect_timeout_s`` and ``s3_metadata_read_timeout_s`` and few ``s3_metadata_retries``,
-so that a store that cannot be reached or does not answer is known within seconds and a restore moves
-on to the tiers that answer. Timeouts or retries the caller puts in ``config_kwargs`` win over both.
+``s3_connect_timeout_s``, ``s3_read_timeout_s`` and a budget of ``s3_retries`` per operation: a transfer
+that has started should ride out a slow or flaky store, but a dead endpoint is known in seconds. The
+metadata client (listings, HEAD, deletes) gets the short ``s3_metadata_connect_timeout_s`` and
+``s3_metadata_read_timeout_s`` and few ``s3_metadata_retries``, so that a store that cannot be reached or
+does not answer is known within seconds and a restore moves on to the tiers that answer. Timeouts or
+retries the caller puts in ``config_kwargs`` win over both. Retries are botocore's (``standard`` mode:
+jittered exponential back-off); :func:`retry_budget` bounds them per operation
+(:mod:`ckptd.tiers.s3_budget`), and s3fs adds none of its own.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 from ckptd.config import settings
 from ckptd.errors import ConfigError
+from ckptd.tiers.s3_budget import OperationBudget
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -53,7 +57,7 @@ def s3fs_options(options: dict[str, Any] | None, *, metadata: bool = False) -> d
         connect, read = tunables.s3_metadata_connect_timeout_s, tunables.s3_metadata_read_timeout_s
         attempts = tunables.s3_metadata_retries
     else:
-        connect, read, attempts = tunables.s3_connect_timeout_s, tunables.s3_read_timeout_s, tunables.s3_retries
+        connect, read, attempts = tunables.s3_connect_timeout_s, tunables.s3_read_timeout_s, 1 + tunables.s3_retries
     config_kwargs.setdefault("connect_timeout", connect)
     config_kwargs.setdefault("read_timeout", read)
     config_kwargs.setdefault("retries", {"max_attempts": max(1, attempts), "mode": "standard"})
@@ -65,8 +69,15 @@ def s3fs_options(options: dict[str, Any] | None, *, metadata: bool = False) -> d
 
 
 def s3fs_retries(*, metadata: bool = False) -> int:
-    """Attempts s3fs itself makes on top of botocore's (truncated bodies, SlowDown)."""
-    return 1 if metadata else max(1, settings().s3_retries)
+    """Attempts s3fs itself makes of a call: one, since botocore retries within the operation's budget."""
+    return 1
+
+
+def retry_budget(*, metadata: bool = False) -> OperationBudget:
+    """A fresh budget for one operation of a data client (or, with ``metadata=True``, the metadata one)."""
+    tunables = settings()
+    retries = max(0, tunables.s3_metadata_retries - 1) if metadata else max(0, tunables.s3_retries)
+    return OperationBudget(retries=retries, connect_retries=min(retries, max(0, tunables.s3_connect_retries)))
 
 
 def endpoint_of(options: dict[str, Any]) -> str | None:
@@ -81,4 +92,4 @@ def region_of(options: dict[str, Any]) -> str | None:
         or os.environ.get("AWS_DEFAULT_REGION")
 
 
-__all__ = ["endpoint_of", "region_of", "s3fs_options", "s3fs_retries", "split_url"]
+__all__ = ["endpoint_of", "region_of", "retry_budget", "s3fs_options", "s3fs_retries", "split_url"]

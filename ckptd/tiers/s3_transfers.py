@@ -1,7 +1,8 @@
 """Moving bytes to and from S3: parallel ranged reads, multipart uploads, read-ahead of whole objects.
 
 These coroutines run on an s3fs client's event loop (see :mod:`ckptd.tiers.s3_lanes`). Requests are
-retried by botocore and s3fs; a GET whose body arrives truncated or stalls is repeated here. A
+retried by botocore within the operation's budget (:mod:`ckptd.tiers.s3_budget`); a GET whose body
+arrives truncated or stalls is repeated here, from the same budget. A
 multipart upload that fails is aborted before the failure is raised, so it leaves no parts behind.
 """
 
@@ -9,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 from ckptd.config import settings
+from ckptd.tiers.s3_budget import OperationBudget, backoff_s, current_budget, within_budget
 from ckptd.tiers.s3_errors import is_past_the_end
 
 #: Smallest part S3 accepts in a multipart upload (except the last one).
@@ -53,9 +56,9 @@ async def get_object(client: Any, bucket: str, key: str, offset: int = 0, length
 
 async def get_range(client: Any, bucket: str, key: str, start: int, length: int) -> tuple[bytes, int]:
     """One ranged GET and the object's total size; a range past the end gives no bytes. A body that
-    arrives truncated or stalls is retried, up to ``s3_retries`` times."""
-    attempts = max(1, settings().s3_retries)
-    for attempt in range(attempts):
+    arrives truncated or stalls is retried while the operation's retry budget lasts."""
+    attempt = 0
+    while True:
         try:
             response = await client._call_s3("get_object", Bucket=bucket, Key=key,
                                              Range=f"bytes={start}-{start + length - 1}")
@@ -71,12 +74,13 @@ async def get_range(client: Any, bucket: str, key: str, start: int, length: int)
                 raise ConnectionError(f"body truncated: {len(data)} of {expected} bytes")
             return bytes(data), _total_size(response, start + len(data))
         except Exception:  # aiohttp/botocore streaming errors: retry the whole GET
-            if attempt + 1 == attempts:
+            budget = current_budget()
+            if budget is None or not budget.take(connect_failure=False):
                 raise
-            await asyncio.sleep(min(0.1 * 2 ** attempt, 2.0))
+            await asyncio.sleep(backoff_s(attempt))
+            attempt += 1
         finally:
             body.close()
-    raise AssertionError("unreachable")
 
 
 async def multipart_upload(client: Any, bucket: str, key: str, data: memoryview, *, part: int, concurrency: int,
@@ -104,8 +108,12 @@ async def multipart_upload(client: Any, bucket: str, key: str, data: memoryview,
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await client._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        spent = current_budget()
+        cleanup = OperationBudget(spent.retries, spent.connect_retries) if spent is not None else None
+        with contextlib.suppress(Exception):  # the abort gets a budget of its own: cleanup is not starved
+            abort = functools.partial(client._call_s3, "abort_multipart_upload", Bucket=bucket, Key=key,
+                                      UploadId=upload_id)
+            await (within_budget(cleanup, abort) if cleanup is not None else abort())
         raise
 
 

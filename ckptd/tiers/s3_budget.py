@@ -1,0 +1,141 @@
+"""One retry budget per object-tier operation, on top of botocore's own retry decisions.
+
+botocore (``standard`` mode) knows which failures are worth repeating (connection errors, throttling,
+5xx, transient codes); left alone, it gives every *request* its own attempts, so an operation made of
+many requests (a multipart upload's parts, a large read's ranges) multiplies them, and s3fs repeats
+whole calls on top. Here each operation (one :meth:`IoLanes.run` or ``submit``) gets one
+:class:`OperationBudget`: a hook that runs before botocore's retry handler asks botocore's own retry
+conditions whether a failure is retryable; if so, the retry spends from the budget and waits a
+full-jitter exponential back-off (``s3_backoff_base_s`` doubling, capped at ``s3_backoff_max_s``); once
+the budget is spent the failure is raised as it is (and :mod:`ckptd.tiers.s3_errors` classifies it). Retries after a connection could not be made at all spend
+from a smaller allowance too, so a dead endpoint is known within about two connect timeouts.
+
+The budget lives in a context variable of the operation's task; the tasks it starts (the parts of a
+multipart upload) inherit it. The hooks are installed on each botocore client the first time s3fs
+creates it (:func:`budgeted_filesystem_class`). Requests made outside an operation keep botocore's
+per-request limit.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import random
+import threading
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptd.config import settings
+
+_current: contextvars.ContextVar[OperationBudget | None] = contextvars.ContextVar("ckptd_s3_budget", default=None)
+_HOOKED = "_ckptd_budget_hooks"
+
+
+@dataclass
+class OperationBudget:
+    """Retries left to one operation, and what it has sent so far (for logs and tests).
+
+    Thread safety: used from one event loop; the lock only guards against a caller reading it."""
+
+    retries: int
+    connect_retries: int
+    requests: int = 0
+    retried: int = 0
+    connect_retried: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def take(self, *, connect_failure: bool) -> bool:
+        """Spend one retry; False when the operation has none left (the failure is then raised)."""
+        with self._lock:
+            if self.retried >= self.retries or (connect_failure and self.connect_retried >= self.connect_retries):
+                return False
+            self.retried += 1
+            self.connect_retried += int(connect_failure)
+            return True
+
+
+def current_budget() -> OperationBudget | None:
+    """The budget of the operation running in this task, if any."""
+    return _current.get()
+
+
+async def within_budget(budget: OperationBudget, factory: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    """Run ``factory()`` as one operation spending from ``budget``."""
+    token = _current.set(budget)
+    try:
+        return await factory()
+    finally:
+        _current.reset(token)
+
+
+def _is_connect_failure(exc: BaseException | None) -> bool:
+    from botocore import exceptions as boto
+
+    return isinstance(exc, (boto.EndpointConnectionError, boto.ConnectTimeoutError, boto.ProxyConnectionError))
+
+
+@functools.lru_cache(maxsize=1)
+def _conditions() -> Any:
+    """botocore's own test of whether a failure is worth a retry (attempt limit aside)."""
+    from aiobotocore.retries.standard import AioStandardRetryConditions
+
+    return AioStandardRetryConditions(max_attempts=1 << 30)
+
+
+def backoff_s(retry: int) -> float:
+    """Seconds to wait before retry number ``retry`` (0-based) of an operation: full jitter, capped."""
+    tunables = settings()
+    return random.uniform(0.0, min(tunables.s3_backoff_max_s, tunables.s3_backoff_base_s * 2 ** retry))
+
+
+async def _retry_within_budget(**kwargs: Any) -> float | bool | None:
+    """``needs-retry`` hook, run before botocore's own: for a failure botocore deems worth retrying, the
+    jittered delay when the operation's budget pays for one more retry, False (raise it) when not."""
+    budget = _current.get()
+    if budget is None or (kwargs.get("response") is None and kwargs.get("caught_exception") is None):
+        return None
+    from botocore.retries.standard import RetryEventAdapter
+
+    context = RetryEventAdapter().create_retry_context(**kwargs)
+    if not await _conditions().is_retryable(context):
+        return None  # botocore will not retry either
+    retry = budget.retried
+    if not budget.take(connect_failure=_is_connect_failure(kwargs.get("caught_exception"))):
+        return False
+    return backoff_s(retry)
+
+
+def _count_request(**_: Any) -> None:
+    budget = _current.get()
+    if budget is not None:
+        budget.requests += 1
+
+
+def install_hooks(client: Any) -> None:
+    """Make a botocore S3 client spend from the current operation's budget (once per client)."""
+    if getattr(client, _HOOKED, False):
+        return
+    events = client.meta.events
+    events.register_first("needs-retry.s3", _retry_within_budget, unique_id="ckptd-retry-budget")
+    events.register("before-send.s3", _count_request, unique_id="ckptd-request-count")
+    setattr(client, _HOOKED, True)
+
+
+@functools.lru_cache(maxsize=1)
+def budgeted_filesystem_class() -> type:
+    """``s3fs.S3FileSystem`` whose botocore clients spend from operation budgets."""
+    import s3fs
+
+    class BudgetedS3FileSystem(s3fs.S3FileSystem):  # type: ignore[misc]
+        """s3fs with ckptd's retry-budget hooks on every client it creates."""
+
+        async def set_session(self, *args: Any, **kwargs: Any) -> Any:
+            client = await super().set_session(*args, **kwargs)
+            install_hooks(client)
+            return client
+
+    return BudgetedS3FileSystem
+
+
+__all__ = ["OperationBudget", "backoff_s", "budgeted_filesystem_class", "current_budget", "install_hooks", "within_budget"]
