@@ -57,6 +57,11 @@ class ConfigError(CkptdError):
     exit_code = 2
 
 
+class LoaderPositionError(ConfigError):
+    """A save's step does not fit the batches the data loader handed out: resuming from it would skip or
+    repeat batches (see :mod:`ckptd.data.position`)."""
+
+
 class FormatError(CkptdError):
     """A manifest, index or data file is malformed (bad JSON, bad extents, unsafe paths)."""
 
@@ -208,6 +213,13 @@ class BackgroundError(CkptdError):
         self.failures = tuple(failures)
         listed = "; ".join(record.describe() for record in self.failures)
         super().__init__(f"{message}: {listed}" if listed else message, **kwargs)  # type: ignore[arg-type]
+
+
+class GenerationEndedError(CkptdError):
+    """An elastic job moved on to a new generation (a rank failed and is being replaced): a store call of
+    the old generation is refused, so that a survivor leaves it and a stale process cannot touch the new one."""
+
+    exit_code = 12
 
 
 class UnpromotedError(StorageError):

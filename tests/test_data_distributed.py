@@ -56,7 +56,7 @@ def _rank_main(phase: str, config: dict[str, Any]) -> None:
             raise RuntimeError("the resumed job did not restore the saved step")
         seen = []
         for batch in loader:
-            seen.append([sample["id"] for sample in batch])
+            seen.append(list(batch["id"]))
             if phase == "first" and len(seen) == STOP_AT:
                 manager.save(STOP_AT, state, force=True)
                 break
@@ -71,7 +71,7 @@ def test_two_gloo_ranks_resume_exactly(tmp_path: Path) -> None:
     save_dataset_manifest(manifest, tmp_path / "manifest.json")
     config = {"manifest": str(tmp_path / "manifest.json"), "cache": str(tmp_path / "cache"),
               "checkpoints": str(tmp_path / "ckpt"), "out": str(tmp_path)}
-    reference = [[s["id"] for s in batch]
+    reference = [list(batch["id"])
                  for batch in ShardLoader(ShardDataset(manifest, global_batch_size=GLOBAL_BATCH, seed=3,
                                                        cache_dir=tmp_path / "cache"))]
     _launch(config, "first", 2)

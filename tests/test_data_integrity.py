@@ -36,7 +36,7 @@ def _loader(manifest: DatasetManifest, cache: Path, **options: Any) -> ShardLoad
 
 
 def _ids(loader: ShardLoader) -> list[str]:
-    return [sample["id"] for batch in loader for sample in batch]
+    return [sample_id for batch in loader for sample_id in batch["id"]]
 
 
 def test_flipped_bit_in_source_raises_naming_shard_and_digests(manifest: DatasetManifest, dataset_dir: Path,
@@ -129,7 +129,7 @@ def test_skip_policy_is_deterministic_and_recorded(manifest: DatasetManifest, da
     assert uninterrupted.state_dict()["skipped_shards"] == [bad.path]
     first = _loader(manifest, tmp_path / "c2", on_corrupt="skip")
     iterator = iter(first)
-    head = [sample["id"] for _ in range(6) for sample in next(iterator)]
+    head = [sample_id for _ in range(6) for sample_id in next(iterator)["id"]]
     state = first.state_dict()
     resumed = _loader(manifest, tmp_path / "c3", on_corrupt="skip")
     resumed.load_state_dict(state)

@@ -80,7 +80,7 @@ def _ids_per_step(manifest: DatasetManifest, tmp_path: Path, world: int, workers
                                cache_dir=tmp_path / "cache")
         loader = ShardLoader(dataset, num_workers=workers)
         loader.load_state_dict({**loader.state_dict(), "epoch": epoch})
-        per_rank.append([[sample["id"] for sample in batch] for batch in loader])
+        per_rank.append([list(batch["id"]) for batch in loader])
     return [sum((rank_batches[step] for rank_batches in per_rank), []) for step in range(len(per_rank[0]))]
 
 

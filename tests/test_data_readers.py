@@ -14,13 +14,15 @@ import pytest
 
 from ckptd.data import ShardDataset, ShardLayout, ShardLoader, index_dataset
 from ckptd.data import registry
+from ckptd.data.collate import list_batch
 from ckptd.errors import ConfigError, FormatError, PluginError
 
 
 def _read_all(directory: Path, fmt: str, tmp_path: Path, **options: Any) -> list[Any]:
     """Index ``directory`` and read every sample in manifest order (no shuffle) through the loader."""
     manifest = index_dataset(str(directory), fmt, reader_options=options).manifest
-    dataset = ShardDataset(manifest, global_batch_size=1, shuffle=False, cache_dir=tmp_path / "cache")
+    dataset = ShardDataset(manifest, global_batch_size=1, shuffle=False, cache_dir=tmp_path / "cache",
+                           collate_fn=list_batch)
     return [batch[0] for batch in ShardLoader(dataset)]
 
 
@@ -92,7 +94,7 @@ def test_shuffled_parquet_reads_every_row_once(tmp_path: Path) -> None:
                        tmp_path / "data" / f"part-{part}.parquet", row_group_size=6)
     manifest = index_dataset(str(tmp_path / "data"), "parquet").manifest
     dataset = ShardDataset(manifest, global_batch_size=4, seed=3, cache_dir=tmp_path / "cache")
-    seen = [row["id"] for batch in ShardLoader(dataset) for row in batch]
+    seen = [row_id for batch in ShardLoader(dataset) for row_id in batch["id"].tolist()]
     assert sorted(seen) == [p * 100 + i for p in range(3) for i in range(20)]
     assert seen != sorted(seen)
 

@@ -74,7 +74,7 @@ class _Ranks:
         raise AssertionError("an epoch yielded no batch")
 
     def step(self) -> list[str]:
-        return [sample["id"] for rank in range(len(self.loaders)) for sample in self._next(rank)]
+        return [sample_id for rank in range(len(self.loaders)) for sample_id in self._next(rank)["id"]]
 
 
 def _train(ranks: _Ranks, steps: range, manager: CheckpointManager | None, stop_at: int | None

@@ -1,8 +1,8 @@
 """ShardDataset: a torch IterableDataset that yields this rank's slice of every global batch.
 
 Each item is a :class:`RankBatch`: one rank's ``global_batch_size / world_size`` samples of one global
-step, collated by ``collate_fn`` (a list of samples by default), tagged with the epoch position it ends
-at. Under a DataLoader with ``num_workers=K``, worker ``w`` produces the batches of steps ``w, w+K, ...``;
+step, collated by ``collate_fn`` (torch tensors by default, see :mod:`ckptd.data.collate`), tagged with
+the epoch position it ends at and, when asked for, the ids of its samples. Under a DataLoader with ``num_workers=K``, worker ``w`` produces the batches of steps ``w, w+K, ...``;
 the DataLoader takes one batch from each worker in turn, so the training loop sees the same sequence
 as with no workers. Use :class:`ckptd.data.ShardLoader` to get this wiring plus a resumable state;
 iterate the dataset alone only for custom loaders.
@@ -14,8 +14,9 @@ and stops them when the iteration ends or is abandoned.
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ckptd.config import settings
 from ckptd.data.cache import ShardCache
+from ckptd.data.collate import CollateFn, SplitTargets, tensor_batch
 from ckptd.data.fetch import VerifiedFetcher
 from ckptd.data.manifest import DatasetManifest, load_dataset_manifest
 from ckptd.data.order import EpochOrder, RankSchedule
@@ -43,10 +45,14 @@ class RankBatch:
     batch: Any
     #: Shards this worker skipped for the first time while building this batch.
     newly_skipped: tuple[str, ...] = ()
+    #: ``"<shard path>#<index in shard>"`` of every sample, in batch order (when the loader asks for them).
+    sample_ids: tuple[str, ...] | None = None
 
+    def pin_memory(self) -> RankBatch:
+        """This batch with its tensors in pinned memory (what DataLoader's ``pin_memory=True`` calls)."""
+        from torch.utils.data._utils.pin_memory import pin_memory
 
-def _list_batch(samples: list[Any]) -> Any:
-    return samples
+        return dataclasses.replace(self, batch=pin_memory(self.batch))
 
 
 def distributed_rank_and_world() -> tuple[int, int]:
@@ -67,6 +73,10 @@ class ShardDataset(IterableDataset):  # type: ignore[type-arg]
     ``world_size`` default to torch.distributed's. ``root`` reads the shards from another root than
     the manifest's. ``cache_dir``/``cache_bytes`` place and bound the local shard cache.
     ``verify=False`` skips digest checks (benchmarks only). ``on_corrupt``: ``"raise"`` or ``"skip"``.
+    ``collate_fn`` builds a batch from the list of samples (default :func:`~ckptd.data.collate.
+    tensor_batch`: tensors, token windows as int64 ``[batch, seq_len]``; pass
+    :func:`~ckptd.data.collate.list_batch` for the samples as read). ``split_targets=True`` yields
+    ``(inputs, targets) = (tokens[:, :-1], tokens[:, 1:])`` for next-token prediction.
     """
 
     def __init__(
@@ -85,7 +95,8 @@ class ShardDataset(IterableDataset):  # type: ignore[type-arg]
         cache_bytes: int | None = None,
         verify: bool = True,
         on_corrupt: str = "raise",
-        collate_fn: Callable[[list[Any]], Any] | None = None,
+        collate_fn: CollateFn | None = None,
+        split_targets: bool = False,
         prefetch_shards: int | None = None,
         fetch_attempts: int | None = None,
     ) -> None:
@@ -107,17 +118,24 @@ class ShardDataset(IterableDataset):  # type: ignore[type-arg]
         self.seed, self.shuffle, self.block_shards = seed, shuffle, block_shards
         self.cache_dir, self.cache_bytes = cache_dir, cache_bytes
         self.verify, self.on_corrupt = verify, on_corrupt
-        self.collate_fn = collate_fn or _list_batch
+        self.collate_fn: CollateFn = collate_fn or tensor_batch
+        if split_targets:
+            self.collate_fn = SplitTargets(self.collate_fn)
+        #: Whether batches carry their sample ids (set by the loader through :meth:`set_position`).
+        self.sample_ids = False
         self.prefetch_shards = settings().data_prefetch_shards if prefetch_shards is None else prefetch_shards
         self.fetch_attempts = fetch_attempts
         self._epoch, self._start, self._skipped = 0, 0, frozenset[str]()
 
-    def set_position(self, epoch: int, start: int, skipped: frozenset[str] = frozenset()) -> None:
+    def set_position(self, epoch: int, start: int, skipped: frozenset[str] = frozenset(), *,
+                     sample_ids: bool = False) -> None:
         """Where the next iteration begins: ``start`` global samples into ``epoch``, leaving out the
-        shards in ``skipped``. Workers copy this when a DataLoader iterator is created."""
+        shards in ``skipped``; ``sample_ids``: batches carry the ids of their samples. Workers copy this
+        when a DataLoader iterator is created."""
         if epoch < 0 or start < 0:
             raise ConfigError(f"epoch and start position must be >= 0, got {epoch} and {start}")
         self._epoch, self._start, self._skipped = epoch, start, frozenset(skipped)
+        self.sample_ids = sample_ids
 
     def epoch_order(self, epoch: int) -> EpochOrder:
         """The global sample order of ``epoch``."""
@@ -136,6 +154,10 @@ class ShardDataset(IterableDataset):  # type: ignore[type-arg]
                             skipped=self._skipped, prefetch_shards=self.prefetch_shards,
                             open_shards=2 * self.block_shards)
 
+    def _ids(self, pairs: list[tuple[int, int]], skipped: set[str]) -> tuple[str, ...]:
+        paths = [shard.path for shard in self.manifest.shards]
+        return tuple(f"{paths[shard]}#{index}" for shard, index in pairs if paths[shard] not in skipped)
+
     def __iter__(self) -> Iterator[RankBatch]:
         worker = get_worker_info()
         worker_id, workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
@@ -146,9 +168,11 @@ class ShardDataset(IterableDataset):  # type: ignore[type-arg]
             for step in range(worker_id, self.schedule.steps(order.total, start), workers):
                 first, stop = self.schedule.rank_slice(start, step)
                 reading.advance(order, first)
-                samples = reading.samples(order.samples(first, stop))
+                pairs = order.samples(first, stop)
+                samples = reading.samples(pairs)
                 newly, reading.newly_skipped = tuple(reading.newly_skipped), []
                 yield RankBatch(epoch=epoch, end_position=start + (step + 1) * self.schedule.global_batch_size,
-                                batch=self.collate_fn(samples), newly_skipped=newly)
+                                batch=self.collate_fn(samples), newly_skipped=newly,
+                                sample_ids=self._ids(pairs, reading.skipped) if self.sample_ids else None)
         finally:
             reading.close()

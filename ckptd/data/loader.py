@@ -1,15 +1,19 @@
 """ShardLoader: a DataLoader over a ShardDataset whose state is part of the checkpoint.
 
 The state is (epoch, global samples consumed, seed, manifest digest) plus the shards skipped under
-``on_corrupt="skip"``. "Consumed" counts batches handed to the training loop, not batches that workers
-prepared ahead, so a checkpoint taken after step ``s`` resumes at step ``s + 1`` exactly, with any
-world size or worker count. Put the loader in the state given to
-:class:`ckptd.CheckpointManager`; it is saved and restored through :meth:`state_dict` /
-:meth:`load_state_dict`.
+``on_corrupt="skip"`` and the step it was saved for. The position saved is that of the next batch the
+training loop will *train on*, not the next one it will *take*: :class:`ckptd.CheckpointManager` hands
+the step it saves to :meth:`ShardLoader.state_dict_for_step`, which maps it to a batch by the
+convention of :mod:`ckptd.data.position` (the step counts the training steps done; ``batches_per_step``
+micro-batches each; ``start_step`` for loops that number otherwise). Batches the loop took ahead (the
+next batch fetched before the save, a prefetcher's queue) are therefore not lost, and a save whose step
+does not fit the batches taken raises :class:`~ckptd.errors.LoaderPositionError`. The position is
+global, so a resume is exact with any world size or worker count.
 
 Call order: construct; optionally :meth:`load_state_dict` (or ``CheckpointManager.restore``); iterate.
-One iteration runs from the current position to the end of the epoch, then the state moves to the
-start of the next epoch. Iterating from the main thread only.
+Without ``steps``, one iteration runs from the current position to the end of the epoch, then the state
+moves to the start of the next epoch; with ``steps=N`` one iteration runs across epochs until the run
+has taken ``N * batches_per_step`` batches in all. Iterating from the main thread only.
 """
 
 from __future__ import annotations
@@ -23,38 +27,48 @@ import torch
 from torch.utils.data import DataLoader
 
 from ckptd.data.dataset import RankBatch, ShardDataset
+from ckptd.data.position import BatchLedger, Position, StepConvention
 from ckptd.errors import ConfigError, ResumeMismatchError
 
 log = logging.getLogger("ckptd.data")
 
-#: Version of the loader state layout.
-STATE_VERSION = 1
+#: Version of the loader state layout (1: without the saved step; still read).
+STATE_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True)
 class LoaderState:
-    """Where a ShardLoader stands; its JSON form is what the checkpoint holds."""
+    """Where a ShardLoader stands; its JSON form is what the checkpoint holds.
+
+    ``step``: the training step the state was saved for (None when saved by plain ``state_dict()``,
+    which records the position after the last batch handed out).
+    """
 
     epoch: int
     samples_consumed: int
     seed: int
     manifest_digest: str
     skipped_shards: tuple[str, ...] = ()
+    step: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "epoch": self.epoch, "samples_consumed": self.samples_consumed,
                 "seed": self.seed, "manifest_digest": self.manifest_digest,
-                "skipped_shards": list(self.skipped_shards)}
+                "skipped_shards": list(self.skipped_shards), "step": self.step}
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> LoaderState:
-        if raw.get("version") != STATE_VERSION:
+        if raw.get("version") not in _READABLE_VERSIONS:
             raise ResumeMismatchError(f"data loader state version {raw.get('version')!r} is not supported "
-                                      f"(expected {STATE_VERSION})", hint="resume with the ckptd that saved it")
+                                      f"(expected one of {_READABLE_VERSIONS})",
+                                      hint="resume with the ckptd that saved it")
         try:
+            step = raw.get("step")
             state = cls(epoch=int(raw["epoch"]), samples_consumed=int(raw["samples_consumed"]),
                         seed=int(raw["seed"]), manifest_digest=str(raw["manifest_digest"]),
-                        skipped_shards=tuple(str(path) for path in raw.get("skipped_shards") or ()))
+                        skipped_shards=tuple(str(path) for path in raw.get("skipped_shards") or ()),
+                        step=None if step is None else int(step))
         except (KeyError, TypeError, ValueError) as exc:
             raise ResumeMismatchError(f"the data loader state is malformed: {exc!r}",
                                       hint="was it saved by a ShardLoader?") from exc
@@ -71,25 +85,38 @@ class ShardLoader:
     """Iterates a :class:`ShardDataset` through a torch DataLoader and tracks the resumable state.
 
     ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``multiprocessing_context`` go to the
-    DataLoader (workers are started for each epoch). ``allow_manifest_change=True`` lets
-    :meth:`load_state_dict` accept a state saved with another manifest (the position is kept, the
-    samples behind it differ).
+    DataLoader (workers are started for each epoch). ``batches_per_step`` (micro-batches per training
+    step, for gradient accumulation), ``start_step`` (the step number a save before any training would
+    carry; 0 when the step you save counts the steps done) and ``max_ahead`` (batches a loop may hold
+    untrained at a save) map saved steps to batches, see :mod:`ckptd.data.position`. ``steps=N`` runs one
+    iteration across epochs for N training steps in all (the epoch is in the state).
+    ``with_sample_ids=True`` yields ``(batch, ids)`` with the ``"<shard path>#<index>"`` of each sample.
+    ``allow_manifest_change=True`` lets :meth:`load_state_dict` accept a state saved with another
+    manifest (the position is kept, the samples behind it differ).
     """
 
     def __init__(self, dataset: ShardDataset, *, num_workers: int = 0, pin_memory: bool = False,
                  prefetch_factor: int | None = None, multiprocessing_context: Any = None,
+                 batches_per_step: int = 1, start_step: int = 0, max_ahead: int | None = None,
+                 steps: int | None = None, with_sample_ids: bool = False,
                  allow_manifest_change: bool = False) -> None:
         if num_workers < 0:
             raise ConfigError(f"num_workers must be >= 0, got {num_workers}")
+        if steps is not None and steps < 0:
+            raise ConfigError(f"steps must be >= 0, got {steps}")
         self.dataset = dataset
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.prefetch_factor = prefetch_factor
         self.multiprocessing_context = multiprocessing_context
+        self.convention = StepConvention(batches_per_step, start_step, max_ahead)
+        self.steps = steps
+        self.with_sample_ids = with_sample_ids
         self.allow_manifest_change = allow_manifest_change
         self._epoch = 0
         self._consumed = 0
         self._skipped: set[str] = set()
+        self._ledger = BatchLedger(self.convention, start_step, Position(0, 0))
 
     # --- position ------------------------------------------------------------------------------
     @property
@@ -105,9 +132,24 @@ class ShardLoader:
     def skipped_shards(self) -> frozenset[str]:
         return frozenset(self._skipped)
 
+    @property
+    def batches_taken(self) -> int:
+        """Batches of the whole run handed to the training loop: epochs done times batches per epoch,
+        plus the batches of the current epoch."""
+        return self._global_batch(Position(self._epoch, self._consumed))
+
+    def _global_batch(self, position: Position) -> int:
+        return position.epoch * self.dataset.steps_in_epoch(0) + \
+            position.samples_consumed // self.dataset.schedule.global_batch_size
+
     def __len__(self) -> int:
-        """Batches left in the current epoch."""
-        return self.dataset.steps_in_epoch(self._consumed)
+        """Batches the next iteration yields: those left in the epoch, or, with ``steps``, in the run."""
+        if self.steps is None:
+            return self.dataset.steps_in_epoch(self._consumed)
+        return max(self._batch_limit() - self.batches_taken, 0)
+
+    def _batch_limit(self) -> int:
+        return (self.steps or 0) * self.convention.batches_per_step
 
     # --- iteration -----------------------------------------------------------------------------
     def _data_loader(self) -> DataLoader:  # type: ignore[type-arg]
@@ -123,26 +165,58 @@ class ShardLoader:
                           pin_memory=self.pin_memory, generator=generator, **options)
 
     def __iter__(self) -> Iterator[Any]:
-        """This rank's batches from the current position to the end of the epoch."""
-        self.dataset.set_position(self._epoch, self._consumed, frozenset(self._skipped))
+        """This rank's batches from the current position to the end of the epoch (with ``steps``: to the
+        end of the run, across epochs)."""
+        if self.steps is None:
+            yield from self._epoch_batches()
+            return
+        if self.dataset.steps_in_epoch(0) == 0 and self._batch_limit() > 0:
+            raise ConfigError(f"the dataset holds fewer samples than one global batch of "
+                              f"{self.dataset.schedule.global_batch_size}: steps={self.steps} would never end",
+                              hint="use a smaller global_batch_size or more data")
+        while self.batches_taken < self._batch_limit():
+            yield from self._epoch_batches()
+
+    def _epoch_batches(self) -> Iterator[Any]:
+        self.dataset.set_position(self._epoch, self._consumed, frozenset(self._skipped),
+                                  sample_ids=self.with_sample_ids)
+        batch_size = self.dataset.schedule.global_batch_size
         for item in self._data_loader():
             if item.epoch != self._epoch:
                 raise ResumeMismatchError(f"a worker produced a batch of epoch {item.epoch} during epoch "
                                           f"{self._epoch}", hint="do not change the loader while iterating")
+            self._ledger.handed(Position(item.epoch, item.end_position - batch_size))
             self._consumed = item.end_position
             self._skipped.update(item.newly_skipped)
-            yield item.batch
+            yield (item.batch, list(item.sample_ids or ())) if self.with_sample_ids else item.batch
+            if self.steps is not None and self.batches_taken >= self._batch_limit():
+                return
         self._epoch += 1
         self._consumed = 0
 
     # --- checkpoint state ----------------------------------------------------------------------
-    def loader_state(self) -> LoaderState:
-        return LoaderState(epoch=self._epoch, samples_consumed=self._consumed, seed=self.dataset.seed,
-                           manifest_digest=self.dataset.manifest.digest,
-                           skipped_shards=tuple(sorted(self._skipped)))
+    def loader_state(self, step: int | None = None) -> LoaderState:
+        """The state to save: for ``step``, the position the steps after it start from (raises
+        LoaderPositionError when ``step`` does not fit the batches handed out); without a step, the
+        position after the last batch handed out."""
+        position = Position(self._epoch, self._consumed)
+        if step is not None:
+            position = self._ledger.position_for(step, position, what=self._describe())
+        return LoaderState(epoch=position.epoch, samples_consumed=position.samples_consumed,
+                           seed=self.dataset.seed, manifest_digest=self.dataset.manifest.digest,
+                           skipped_shards=tuple(sorted(self._skipped)), step=step)
+
+    def _describe(self) -> str:
+        return f"the data loader of rank {self.dataset.schedule.rank}"
+
+    def state_dict_for_step(self, step: int) -> dict[str, Any]:
+        """JSON-able state of a checkpoint of training step ``step``: the position of the first batch the
+        steps after ``step`` consume. :class:`ckptd.CheckpointManager` calls this when it saves."""
+        return self.loader_state(step).to_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-able state for a checkpoint (see the module docstring)."""
+        """JSON-able state at the position after the last batch handed out (right for a loop that
+        trains every batch it takes before it saves; a manager's save uses :meth:`state_dict_for_step`)."""
         return self.loader_state().to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -163,3 +237,8 @@ class ShardLoader:
             self.dataset.seed = loaded.seed
         self._epoch, self._consumed = loaded.epoch, loaded.samples_consumed
         self._skipped = set(loaded.skipped_shards)
+        position = Position(loaded.epoch, loaded.samples_consumed)
+        step = loaded.step
+        if step is None:  # saved without a step: the batches taken then count the steps done
+            step = self.convention.start_step + self._global_batch(position) // self.convention.batches_per_step
+        self._ledger = BatchLedger(self.convention, step, position)

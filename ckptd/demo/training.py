@@ -45,8 +45,8 @@ class TokenModel(torch.nn.Module):
         return self.head(self.embed(tokens).mean(dim=1))
 
 
-def to_tensors(batch: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.from_numpy(np.stack(batch).astype(np.int64))
+def to_tensors(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and class labels of a batch of token windows (int64, ``[batch, SEQ_LEN]``)."""
     return tokens[:, :-1], tokens[:, -1] % CLASSES
 
 

@@ -134,7 +134,7 @@ class Saver:
             self._wait_writes()
             if self.world_size == 1:
                 self._raise_stored()
-        flat = flatten(self._with_rng(state), allow_pickle=self.allow_pickle)
+        flat = flatten(self._with_rng(state), allow_pickle=self.allow_pickle, step=step)
         self._memory = None
         staged = self.stager.stage(flat.tensors)
         shards = {name: (name, placement) for name, placement in staged.placements.items()}

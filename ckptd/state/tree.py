@@ -7,6 +7,12 @@ name plus a JSON *skeleton* that records the structure. Nothing is pickled unles
 ``allow_pickle=True``; then values of any other type are pickled, and loading them again needs the
 same opt-in.
 
+Plain values (JSON scalars, bytes, numpy scalars, and the dicts and lists holding them) are snapshots:
+their JSON goes into the skeleton when the state is saved, so what a step holds is the value in the
+state at that ``save()``. A counter kept in a local variable and put into the state once, before the
+loop, is saved with its first value: update the state entry before each save, or keep such values in
+an object with ``state_dict()``/``load_state_dict()``, which is asked for its state at every save.
+
 :func:`load_into` walks a skeleton against the live state and loads in place: tensors are copied into
 existing tensors of the same shape, dicts and lists are updated in place, and objects with
 ``load_state_dict`` receive their rebuilt state dict. Tensors that were views of one storage are saved
@@ -55,8 +61,9 @@ def _escape(key: Any) -> str:
 
 
 class _Flattener:
-    def __init__(self, allow_pickle: bool) -> None:
+    def __init__(self, allow_pickle: bool, step: int | None = None) -> None:
         self.allow_pickle = allow_pickle
+        self.step = step
         self.tensors: dict[str, torch.Tensor] = {}
 
     def _name(self, path: str) -> str:
@@ -104,7 +111,7 @@ class _Flattener:
             kind = "list" if isinstance(value, list) else "tuple"
             return {kind: [self.node(child, f"{path}/{i}") for i, child in enumerate(value)]}
         if _has_state_dict(value):
-            return {"stateful": self.node(value.state_dict(), path)}
+            return {"stateful": self.node(_saved_state(value, self.step), path)}
         return self._pickle(value, path, f"a value of type {type(value).__name__}")
 
     def _pickle(self, value: Any, path: str, what: str) -> Any:
@@ -120,10 +127,21 @@ class _Flattener:
         return {"pickle": name, "torch": isinstance(value, torch.Tensor)}
 
 
-def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False) -> FlatState:
+def _saved_state(value: Any, step: int | None) -> Any:
+    """An object's state for a save of ``step``: ``value.state_dict_for_step(step)`` when the object has
+    that method and the step is known (ckptd's ShardLoader saves the position the steps after ``step``
+    start from), else ``value.state_dict()``."""
+    for_step = getattr(value, "state_dict_for_step", None)
+    if step is not None and callable(for_step):
+        return for_step(step)
+    return value.state_dict()
+
+
+def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False, step: int | None = None) -> FlatState:
     """Take a state apart into tensors and a JSON skeleton. Raises PickleRefusedError on values that
-    need pickle when ``allow_pickle`` is False."""
-    flattener = _Flattener(allow_pickle)
+    need pickle when ``allow_pickle`` is False. ``step``: the step being saved, handed to objects with
+    ``state_dict_for_step(step)`` (None: every object's ``state_dict()``)."""
+    flattener = _Flattener(allow_pickle, step)
     skeleton = flattener.node(state, "")
     return FlatState(skeleton=skeleton, tensors=flattener.tensors)
 
@@ -171,10 +189,17 @@ class _Loader:
         if kind in ("list", "tuple"):
             return self._sequence(node[kind], kind, target, path)
         if kind == "stateful":
+            if target is None:
+                raise ResumeMismatchError(
+                    f"the checkpoint holds an object's state (saved through state_dict()) under key {path!r}, "
+                    "but the live state has no value there",
+                    hint=f"build the object and put it under {path!r} before restoring, or restore the other "
+                         "keys with restore(state, keys=[...])")
             if not _has_state_dict(target):
                 raise ResumeMismatchError(
-                    f"the checkpoint holds an object's state at {path!r} but the live state has "
-                    f"{type(target).__name__} there", hint="pass the same kind of object as when saving")
+                    f"the checkpoint holds an object's state (saved through state_dict()) under key {path!r}, "
+                    f"but the live state has a {type(target).__name__} there",
+                    hint="pass the same kind of object as when saving")
             rebuilt = self.node(node["stateful"], target.state_dict(), path)
             self.settle()  # the object may copy or cast the tensors it receives
             target.load_state_dict(rebuilt)
@@ -230,18 +255,18 @@ class _Loader:
             raise _malformed(path, "a dict entry is not a [key, value] pair with a JSON scalar key")
         if isinstance(target, MutableMapping):
             for key, child in node["dict"]:
-                target[key] = self.node(child, target.get(key), f"{path}/{key}")
+                target[key] = self.node(child, target.get(key), _child_path(path, key))
             return target
         rebuilt: dict[Any, Any] = collections.OrderedDict() if node.get("ordered") else {}
         for key, child in node["dict"]:
-            rebuilt[key] = self.node(child, None, f"{path}/{key}")
+            rebuilt[key] = self.node(child, None, _child_path(path, key))
         return rebuilt
 
     def _sequence(self, children: list[Any], kind: str, target: Any, path: str) -> Any:
         if not isinstance(children, list):
             raise _malformed(path, f"a {kind} entry is not a JSON list")
         same_shape = isinstance(target, (list, tuple)) and len(target) == len(children)
-        values = [self.node(child, target[i] if same_shape else None, f"{path}/{i}")
+        values = [self.node(child, target[i] if same_shape else None, _child_path(path, i))
                   for i, child in enumerate(children)]
         if kind == "list" and isinstance(target, list) and same_shape:
             target[:] = values
@@ -259,6 +284,11 @@ class _Loader:
         if node.get("torch"):
             return torch.load(io.BytesIO(data), weights_only=False)
         return pickle.loads(data)
+
+
+def _child_path(path: str, key: Any) -> str:
+    """The path of a state entry as errors name it: keys joined by ``/`` (``model``, ``optim/state/0``)."""
+    return f"{path}/{key}" if path else str(key)
 
 
 def _malformed(path: str, why: str) -> FormatError:
