@@ -67,6 +67,8 @@ class Settings:
     #: Object tier: seconds an owner record of a multipart upload stays valid; the uploader refreshes it
     #: every third of that, and GC aborts an upload only when its owner is dead or its record expired.
     s3_upload_owner_lease_s: float = 120.0
+    #: This machine's identity in owner records of uploads and GC leases ("": the host name).
+    host_id: str = ""
     #: Object tier: connect and read timeouts and attempts of listings, lookups and deletes, kept short so
     #: that a store that cannot be reached or hangs is known within seconds (restore then uses the tiers
     #: that answer).

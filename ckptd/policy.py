@@ -30,6 +30,10 @@ class RetentionPolicy(Protocol):
         """Steps to delete, given every committed step ascending. Never the newest one."""
 
 
+#: Newer steps a retention policy is shown when :meth:`Policy.may_supersede` asks whether it keeps a
+#: step for good.
+_SUPERSEDE_PROBE = 64
+
 #: What ``Policy.keep_local``/``Policy.keep_remote`` accept: a count of newest steps, None (keep
 #: everything) or a retention policy object.
 Retention = Union[int, None, RetentionPolicy]
@@ -108,7 +112,9 @@ class Policy:
       common multiple, so it is refused with a :class:`~ckptd.errors.ConfigError` naming that).
     - ``keep_local`` / ``keep_remote``: which committed steps the local and object tiers keep: an
       integer (the newest N), ``None`` (all), or a :class:`RetentionPolicy` such as
-      :class:`KeepLatest` or :class:`KeepEvery`. The newest committed step is never deleted.
+      :class:`KeepLatest` or :class:`KeepEvery`. The newest committed step is never deleted. When
+      steps commit faster than they upload, a newer step supersedes the promoted steps still queued
+      behind the one in flight, except those ``keep_remote`` keeps for good (see :meth:`may_supersede`).
     - ``on_busy``: when a save is requested while the previous one is still being written, ``"wait"``
       for it or ``"skip"`` the new one.
     """
@@ -142,6 +148,22 @@ class Policy:
         """Whether a saved (committed) step is promoted to the object tier; every one when
         ``remote_every_steps`` is None."""
         return self.remote_every_steps is None or step % self.remote_every_steps == 0
+
+    def may_supersede(self, step: int) -> bool:
+        """Whether a promoted step still waiting for its upload may be dropped for a newer committed step.
+
+        When steps commit faster than they upload, the uploader promotes the newest one and drops those
+        queued behind it (their local pins are released). ``keep_remote`` decides which may go: with an
+        integer or None (a :class:`KeepLatest`) any step may, since that retention only ever keeps the
+        newest steps; another retention (such as :class:`KeepEvery`) keeps for good the steps it would not
+        delete however many newer steps follow, and those are never dropped. ``remote_every_steps`` is
+        respected by construction: only steps it promotes are ever queued."""
+        retention = self.remote_retention
+        if isinstance(retention, KeepLatest):
+            return True
+        spacing = self.remote_every_steps or self.every_steps
+        newer = [step + spacing * offset for offset in range(1, _SUPERSEDE_PROBE + 1)]
+        return step in retention.deletable([step, *newer])
 
     @property
     def local_retention(self) -> RetentionPolicy:

@@ -42,8 +42,9 @@ def test_object_tier_down_close_lists_the_unpromoted_steps_and_a_restart_promote
     timeout_s = 20.0
     before = _ckptd_threads()
     with override(**DOWN_SETTINGS):
+        # keep_remote=KeepEvery(1): every step is one the object tier keeps, so none is superseded by a newer one
         manager = ckptd.CheckpointManager(tmp_path / "local", remote=url, storage_options=down, capture_rng=False,
-                                          policy=ckptd.Policy(keep_local=1))
+                                          policy=ckptd.Policy(keep_local=1, keep_remote=ckptd.KeepEvery(1)))
         for step in (1, 2, 3):
             manager.save(step, _state(step))
             manager.wait()  # saving goes on: every step commits locally

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
-from collections.abc import MutableMapping
 from typing import Any
 
 from ckptd.config import settings
@@ -20,6 +20,7 @@ from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, rank_file_prefix
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator, StoreCoordinator
 from ckptd.manager.directories import DirectorySharing, directory_identity, set_aside_step
 from ckptd.policy import Policy
+from ckptd.promotion.lag import PromotionLag
 from ckptd.promotion.pinning import PIN_DIRECTORY
 from ckptd.manager.restoring import RestoreResult, TierListings, restore_state
 from ckptd.manager.saving import Saver
@@ -161,13 +162,25 @@ class CheckpointManager:
         """Tiers restore reads from, nearest first."""
         return [self.local] + ([self.remote] if self.remote is not None else [])
 
-    def restore(self, state: MutableMapping[str, Any], step: int | None = None) -> int | None:
+    def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
+                keys: Sequence[str] | None = None) -> int | None:
         """Load the newest intact step (or ``step``) into ``state`` in place; returns the step, or None
         when there is no checkpoint. A corrupt step is reported and the next older one is tried.
 
         Tensors are copied into the live tensors; dict and list entries are replaced in place;
-        objects with ``load_state_dict`` receive their saved state. If no step is intact,
-        NoIntactCheckpointError is raised and ``state`` may hold values of a partly read step.
+        objects with ``load_state_dict`` receive their saved state. Plain values (numbers, strings,
+        dicts and lists of them) are what the state held at that ``save()``. If no step is intact,
+        NoIntactCheckpointError is raised and ``state`` may hold values of a partly read step. A state
+        that does not fit the step raises ResumeMismatchError naming the key: a live key the step does
+        not hold, an object (saved through ``state_dict()``) the live state lacks, a tensor of another
+        shape.
+
+        ``keys`` restores only those top-level keys (a partial restore), reading only the tensors they
+        hold and leaving every other entry of ``state`` (and the RNG states) alone, e.g. a run's config
+        before the model built from it: ``step = mgr.restore(state, keys=["config"])``. A key the step
+        does not hold raises ResumeMismatchError. A later full restore that lands on another step (the
+        newest was found corrupt while reading its tensors) logs a warning naming both steps.
+        ``last_restore`` tells what the newest restore read, and from which tiers.
 
         Every rank must call it (training thread): the ranks agree through the store on the newest step
         intact on all of them. Pending saves are waited for first (an error of one is logged, not
@@ -182,12 +195,18 @@ class CheckpointManager:
         except CkptdError as error:  # a failed save must not prevent recovery; restore picks another step
             log.warning("an earlier background save failed on rank %d: %s", self.rank, error)
         listings = TierListings(self.tiers)  # each tier listed once; one that does not answer is skipped
-        if self._remote_sync is not None:
+        if self._remote_sync is not None and keys is None:  # a partial restore reads too little to fetch ahead
             self._remote_sync.before_restore(step, listings)
         result = restore_state(self.tiers, state, rank=self.rank, world_size=self.world_size, step=step,
                                allow_pickle=self.allow_pickle, restore_rng=self.capture_rng,
-                               coordinator=self.coordinator, memory=self._saver.memory, listings=listings)
-        self.last_restore = result
+                               coordinator=self.coordinator, memory=self._saver.memory, listings=listings,
+                               keys=keys)
+        earlier, self.last_restore = self.last_restore, result
+        if keys is not None:  # the full restore that follows prepares staging, sets aside, re-populates
+            return result.step
+        if earlier is not None and earlier.keys is not None and earlier.step != result.step:
+            log.warning("keys %s were restored from step %s, the rest of the state from step %s: restore "
+                        "those keys again", ", ".join(map(repr, earlier.keys)), earlier.step, result.step)
         prepare_state(self._saver.stager, state, allow_pickle=self.allow_pickle)  # off the training thread
         if result.step is not None and step is None:
             self._set_aside_newer_steps(result.step, listings.committed(self.local))
@@ -244,6 +263,13 @@ class CheckpointManager:
     def upload_reports(self) -> list[Any]:
         """One :class:`~ckptd.promotion.PromotionReport` per step promoted by this manager, in order."""
         return list(self._remote_sync.uploader.reports) if self._remote_sync is not None else []
+
+    @property
+    def promotion_lag(self) -> PromotionLag | None:
+        """How far the object tier is behind the local tier: steps and seconds between the newest local
+        commit and the newest remote commit (None without an object tier). Known without I/O once this
+        manager has committed and promoted; before that the tiers are listed once."""
+        return self._remote_sync.uploader.promotion_lag() if self._remote_sync is not None else None
 
     def wait_uploads(self) -> None:
         """Block until every step queued for the object tier is promoted; re-raise an upload failure."""

@@ -16,6 +16,18 @@ left unpromoted (and pinned locally). Once ``close`` has begun, a promotion that
 tier (it is down) drops the steps still queued, so that ``close`` reports them at once instead of
 trying each against a tier that does not answer.
 
+Cadence: the object tier is at most one step in flight and one queued behind the local tier. A step
+committed while another waits for its upload supersedes it: the waiting step is not promoted and its pin is
+released (unless ``keep_remote`` keeps it for good, see :meth:`~ckptd.policy.Policy.may_supersede`), and
+once a step is promoted, older steps whose promotion failed are released the same way. Nothing on the save
+path waits for the uploader: :meth:`~BackgroundUploader.on_commit` links the step's files into the pin
+directory without an fsync (the uploader thread makes the pin durable before it promotes). Pins are capped
+(:class:`~ckptd.promotion.pinning.PinCap`, settings ``pin_max_steps``/``pin_max_bytes``): past the cap the
+oldest unpromoted pins are released with a warning naming how far the object tier is behind. With several
+ranks each rank decides alone, so steps are superseded only when ``world_size == 1`` (a rank that dropped
+a step rank 0 still promotes would make rank 0 wait for its share); the pin cap applies on every rank.
+:attr:`~BackgroundUploader.lag` says how far the object tier is behind, without any I/O.
+
 The node daemon reuses this class with its own queue of steps.
 """
 
@@ -23,14 +35,17 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from ckptd.background import BackgroundWorker, FailureRecord, raise_failures
 from ckptd.config import settings
 from ckptd.errors import CkptdError, StillRunningError, StorageError, UnpromotedError
 from ckptd.format.layout import MANIFEST_NAME, rank_files, rank_index_name
+from ckptd.stepio.step_reader import load_step_manifest
 from ckptd.policy import Policy
 from ckptd.promotion.gc import collect_garbage
-from ckptd.promotion.pinning import PinnedSteps
+from ckptd.promotion.lag import PromotionLag, lag_between, promotion_lag
+from ckptd.promotion.pinning import PinCap, PinnedSteps, pins_over_cap
 from ckptd.promotion.promoter import Promoter, PromotionReport
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
@@ -47,15 +62,30 @@ class BackgroundUploader:
     """
 
     def __init__(self, local: LocalTier, remote: ObjectTier, *, policy: Policy, rank: int = 0,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, pin_cap: PinCap | None = None) -> None:
         self.local, self.remote, self.policy = local, remote, policy
         self.rank, self.world_size = rank, world_size
         self.pins = PinnedSteps(local)
+        #: Most pinned steps and pin-only bytes kept (default: the ``pin_max_*`` settings).
+        self.pin_cap = pin_cap or PinCap.from_settings()
         self.promoter = Promoter(self.pins.tier, remote)
         self.reports: list[PromotionReport] = []
+        #: Steps dropped, unpromoted, because a newer step superseded them (ascending as they happen).
+        self.superseded: list[int] = []
+        #: Steps whose pins the pin cap released before they were promoted.
+        self.released: list[int] = []
         self._queued: set[int] = set()
         #: Steps handed to this uploader and not promoted yet (queued, running or failed): pinned locally.
         self._unpromoted: set[int] = set()
+        #: Steps whose promotion failed (and were not promoted since), with the error in words.
+        self._failed_steps: dict[int, str] = {}
+        self._current: int | None = None
+        #: (step, manifest time) of the newest local commit seen and of the newest step promoted.
+        self._local_newest: tuple[int, float | None] | None = None
+        self._remote_newest: tuple[int, float | None] | None = None
+        self._commit_times: dict[int, float] = {}
+        self._logged_behind = 0
+        self._asked_tiers = False
         self._collection_due = False
         self._closing = False
         self._lock = threading.Lock()
@@ -69,14 +99,49 @@ class BackgroundUploader:
         return self.policy.promotes(step)
 
     def on_commit(self, step: int) -> None:
-        """Saver callback: pin and queue a step the policy promotes."""
+        """Saver callback (writer thread, after each local commit): note the commit for :attr:`lag`; pin and
+        queue a step the policy promotes, superseding the steps still queued. Never waits for an upload."""
+        now = time.time()
+        with self._lock:
+            if self._local_newest is None or step > self._local_newest[0]:
+                self._local_newest = (step, now)
+            self._commit_times[step] = now
         if self.wants(step):
-            self.submit(step)
+            self.submit(step, supersede=self.world_size == 1)
+        self._log_lag_growth()
 
-    def submit(self, step: int) -> None:
-        """Pin a committed local step and queue its promotion."""
-        self.pins.pin(step, self._own_files(self.pins.local, step))
+    def submit(self, step: int, *, supersede: bool = False) -> None:
+        """Pin a committed local step and queue its promotion; with ``supersede``, the steps still queued
+        (not started) that the policy lets go are dropped and their pins released. Then the pin cap is
+        applied."""
+        self.pins.pin(step, self._own_files(self.pins.local, step), durable=False)
+        dropped: list[int] = []
+        with self._lock:
+            if supersede:
+                dropped = sorted(queued for queued in self._queued
+                                 if queued < step and self.policy.may_supersede(queued))
+                if self._current is None and dropped:  # nothing in flight: the oldest is about to start
+                    dropped = dropped[1:]
+                self._withdraw(dropped)
+                self.superseded.extend(dropped)
+        if dropped:
+            log.info("step %d supersedes step(s) %s queued for %s: they are not promoted", step,
+                     ", ".join(map(str, dropped)), self.remote.label)
+            self._release_pins(dropped)
         self._enqueue(step)
+        self._apply_pin_cap()
+
+    @property
+    def lag(self) -> PromotionLag:
+        """How far the object tier is behind the newest local commit this uploader saw (no I/O; the newest
+        remote step is what this uploader promoted, or found there when its thread started)."""
+        with self._lock:
+            local, remote = self._local_newest, self._remote_newest
+        if local is None:
+            return lag_between(None, None if remote is None else remote[0])
+        if remote is None:
+            return lag_between(local[0], None)
+        return lag_between(local[0], remote[0], local_created=local[1], remote_created=remote[1])
 
     def resume_pending(self) -> list[int]:
         """Queue the steps pinned by an earlier run that crashed before promoting them."""
@@ -130,22 +195,59 @@ class BackgroundUploader:
             steps = self.unpromoted
             raise UnpromotedError(f"uploads to the object tier did not finish within {timeout_s:g} s: "
                                   f"step(s) {', '.join(map(str, steps))} stay unpromoted and pinned locally "
-                                  f"({error.running})", steps, tier=self.remote.label,
+                                  f"({error.running}){self._failures_in_words()}", steps, tier=self.remote.label,
                                   hint=_RESUME_HINT) from error
         self.remote.close()
         records = self._worker.take_failures()
         steps = self.unpromoted
         if steps:
-            why = "; ".join(record.describe() for record in records) or "not promoted"
             raise UnpromotedError(f"step(s) {', '.join(map(str, steps))} could not be promoted to the object tier "
-                                  f"and stay pinned locally: {why}", steps, tier=self.remote.label,
+                                  f"and stay pinned locally{self._failures_in_words()}", steps,
+                                  tier=self.remote.label,
                                   hint=_RESUME_HINT) from (records[0].error if records else None)
         raise_failures(records)
+
+    def _failures_in_words(self) -> str:
+        """Every step whose promotion failed and was not promoted since, with its error (for close)."""
+        with self._lock:
+            failed = sorted(self._failed_steps.items())
+            released = set(self.released) | set(self.superseded)
+        if not failed:
+            return ""
+        parts = [f"step {step}{' (pin since released)' if step in released else ''}: {why}" for step, why in failed]
+        return f"; {len(failed)} failed promotion(s): " + "; ".join(parts)
 
     # --- the uploader thread ----------------------------------------------------------------------
     def _own_files(self, tier: LocalTier, step: int) -> list[str]:
         """This rank's files of a step on ``tier``, and the manifest."""
         return rank_files(tier.list_files(step), self.rank) + [MANIFEST_NAME]
+
+    def promotion_lag(self) -> PromotionLag:
+        """:attr:`lag`; the first time it lacks a tier's newest step, both tiers are listed once to learn it
+        (a tier that does not answer is skipped: the lag then counts from what this uploader saw)."""
+        if not self._asked_tiers and not self.knows_both_tiers:
+            self._asked_tiers = True
+            try:
+                self.learn_remote(promotion_lag(self.pins.local, self.remote))
+            except CkptdError as error:
+                log.debug("could not list the tiers for the promotion lag: %s", error)
+        return self.lag
+
+    def learn_remote(self, lag: PromotionLag) -> None:
+        """Take the newest steps of a :func:`~ckptd.promotion.lag.promotion_lag` computed from the tiers as
+        what :attr:`lag` starts from (steps seen or promoted by this uploader since are kept)."""
+        with self._lock:
+            if lag.local_step is not None and (self._local_newest is None or lag.local_step > self._local_newest[0]):
+                self._local_newest = (lag.local_step, None)
+            if lag.remote_step is not None and (self._remote_newest is None
+                                                or lag.remote_step > self._remote_newest[0]):
+                self._remote_newest = (lag.remote_step, None)
+
+    @property
+    def knows_both_tiers(self) -> bool:
+        """Whether :attr:`lag` knows a newest step of both tiers (else ask the tiers, see :meth:`learn_remote`)."""
+        with self._lock:
+            return self._local_newest is not None and self._remote_newest is not None
 
     def _enqueue(self, step: int) -> None:
         with self._lock:
@@ -155,6 +257,52 @@ class BackgroundUploader:
             self._unpromoted.add(step)
         self._worker.submit(step)
 
+    def _withdraw(self, steps: list[int]) -> None:
+        """Under the lock: forget ``steps`` as unpromoted; a queued job of one of them then does nothing."""
+        for step in steps:
+            self._queued.discard(step)
+            self._unpromoted.discard(step)
+
+    def _release_pins(self, steps: list[int]) -> None:
+        for step in steps:
+            try:
+                self._unpin(step)
+            except CkptdError as error:  # the pin stays; the next start resumes it
+                log.warning("could not release the pin of step %d: %s", step, error)
+
+    def _unpin(self, step: int) -> None:
+        self.pins.unpin(step, None if self.world_size == 1 else self._own_files(self.pins.tier, step))
+
+    def _apply_pin_cap(self) -> None:
+        """Release the oldest unpromoted pins past :attr:`pin_cap` (never the newest, nor the one in flight)."""
+        with self._lock:
+            pinned = sorted(self._unpromoted)
+            current = self._current
+        if len(pinned) <= 1:
+            return
+        held = {step: self.pins.held_bytes(step) if self.pin_cap.max_bytes else 0 for step in pinned}
+        over = pins_over_cap(held, self.pin_cap, keep=() if current is None else (current,))
+        with self._lock:
+            over = [step for step in over if step in self._unpromoted and step != self._current]
+            self._withdraw(over)
+            self.released.extend(over)
+        if not over:
+            return
+        self._release_pins(over)
+        lag = self.lag
+        log.warning("pins capped at %d step(s) / %s: released the local pins of step(s) %s, which will not "
+                    "reach %s; %s", self.pin_cap.max_steps,
+                    f"{self.pin_cap.max_bytes} bytes" if self.pin_cap.max_bytes else "no byte limit",
+                    ", ".join(map(str, over)), self.remote.label, lag.describe())
+
+    def _log_lag_growth(self) -> None:
+        lag = self.lag
+        if lag.steps_behind == 0:
+            self._logged_behind = 0
+        elif lag.steps_behind > self._logged_behind:
+            self._logged_behind = lag.steps_behind
+            log.info("promotion lag grows: %s", lag.describe())
+
     def _forget_queued(self, step: int) -> None:
         with self._lock:
             self._queued.discard(step)
@@ -163,17 +311,43 @@ class BackgroundUploader:
         return f"step {step} is still being promoted to {self.remote.label} by rank {self.rank}"
 
     def _promote(self, step: int) -> None:
-        """Uploader thread: promote one step (its failure is kept by the worker, see :meth:`_failed`)."""
+        """Uploader thread: promote one step (its failure is kept by the worker, see :meth:`_failed`); a
+        step superseded or released while queued is skipped."""
+        with self._lock:
+            self._queued.discard(step)
+            if step not in self._unpromoted:
+                return
+            self._current = step
         try:
+            self.pins.make_durable(step)
             ranks = None if self.world_size == 1 else [self.rank]
             report = self.promoter.promote(step, ranks=ranks)
             self.reports.append(report)
-            self.pins.unpin(step, None if ranks is None else self._own_files(self.pins.tier, step))
+            created = self._commit_times.get(step)
+            if created is None:
+                created = load_step_manifest(self.pins.tier, step).created
+            self._unpin(step)
             with self._lock:
                 self._unpromoted.discard(step)
+                self._failed_steps.pop(step, None)
+                self._commit_times = {kept: at for kept, at in self._commit_times.items() if kept > step}
+                if self._remote_newest is None or step > self._remote_newest[0]:
+                    self._remote_newest = (step, created)
+                older = sorted(failed for failed in self._unpromoted
+                               if failed < step and failed not in self._queued and self.policy.may_supersede(failed))
+                if self.world_size == 1:
+                    self._withdraw(older)
+                    self.superseded.extend(older)
+                else:
+                    older = []
+            if older:
+                log.info("step %d is promoted: the failed step(s) %s it supersedes are released", step,
+                         ", ".join(map(str, older)))
+                self._release_pins(older)
             self._collection_due = self.rank == 0 and self.policy.keep_remote is not None
         finally:
-            self._forget_queued(step)
+            with self._lock:
+                self._current = None
 
     def _failed(self, step: int, error: BaseException) -> list[FailureRecord]:
         """Uploader thread: log a failed promotion and keep it; while closing, a tier that fails drops the
@@ -186,9 +360,13 @@ class BackgroundUploader:
             crashed = CkptdError(f"uploader crashed: {error!r}", step=step, tier=self.remote.label)
             crashed.__cause__ = error
             error = crashed
+        with self._lock:
+            self._failed_steps[step] = str(error)
         if self._closing and isinstance(error, StorageError):
             for dropped in self._worker.drop_queued():
                 self._forget_queued(dropped)
+        else:
+            self._apply_pin_cap()
         return [FailureRecord("promotion", error, step=step, rank=self.rank)]
 
     def _collect_if_due(self) -> None:

@@ -1,0 +1,151 @@
+"""Promotion at training cadence: saves that commit faster than they upload (a proxy that delays every
+request to moto's server) never leave more than one step in flight and one queued; the newest step is
+promoted in the end, every remote step is whole and restores bit for bit; the promotion lag, computed
+from the tiers or known by the manager, says how far the object tier is behind."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd
+from ckptd.config import override
+from ckptd.format.layout import MANIFEST_NAME, step_file
+from ckptd.format.records import Manifest
+from ckptd.policy import KeepEvery, Policy
+from ckptd.promotion import promote_step
+from ckptd.promotion.lag import PromotionLag, lag_between, promotion_lag
+from ckptd.promotion.pinning import PIN_DIRECTORY
+from ckptd.stepio.step_reader import verify_step
+from ckptd.testing.fault_proxy import FaultProxy
+from ckptd.tiers.local import LocalTier
+from test_promotion_support import object_tier, same_bytes, save_local, zero_like
+
+pytestmark = pytest.mark.s3
+
+
+class DelayingProxy(FaultProxy):
+    """The fault proxy, forwarding every request only after ``delay_s`` seconds (a slow object store)."""
+
+    def __init__(self, upstream: str, *, delay_s: float) -> None:
+        super().__init__(upstream, fraction=0.0)
+        self.delay_s = delay_s
+
+    def choose_fault(self) -> str | None:
+        time.sleep(self.delay_s)
+        return super().choose_fault()
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return {f"layer{index}": torch.randn(8_192, generator=generator) for index in range(6)}
+
+
+def test_saves_faster_than_uploads_keep_one_in_flight_and_one_queued(tmp_path: Path, s3_server, s3_bucket) -> None:
+    url = f"s3://{s3_bucket}/run"
+    direct = object_tier(s3_bucket, s3_server.storage_options)  # behind the proxy's back
+    pins = LocalTier(tmp_path / "local" / PIN_DIRECTORY)
+    steps = range(1, 41)
+    samples: list[tuple[int, list[int], int | None]] = []
+    with DelayingProxy(s3_server.endpoint_url, delay_s=0.08) as proxy:
+        with ckptd.CheckpointManager(tmp_path / "local", remote=url, capture_rng=False,
+                                     storage_options=proxy.storage_options(s3_server.storage_options),
+                                     policy=Policy(keep_local=2)) as manager:
+            uploader = manager._remote_sync.uploader
+            for step in steps:
+                manager.save(step, _state(step))
+                manager.wait()
+                remote_steps = direct.committed_steps()
+                samples.append((step, pins.list_step_numbers(), remote_steps[-1] if remote_steps else None))
+                assert len(uploader.unpromoted) <= 2, f"after step {step}: {uploader.unpromoted} wait for upload"
+                lag = manager.promotion_lag
+                assert lag is not None and lag.local_step == step and lag.steps_behind == step - (lag.remote_step or 0)
+            manager.wait_uploads()
+            superseded, promoted = list(uploader.superseded), [report.step for report in manager.upload_reports]
+            final_lag = manager.promotion_lag
+    for step, pinned, _ in samples:
+        assert len(pinned) <= 2, f"after step {step} the local tier held {pinned} waiting for upload"
+    newest_remote = [remote for _, _, remote in samples if remote is not None]
+    assert newest_remote == sorted(newest_remote), "the object tier's newest step never goes back"
+    assert superseded, "steps commit faster than they upload here, so queued steps must have been superseded"
+    assert promoted[-1] == steps[-1], "the newest step is promoted in the end"
+    assert sorted(set(promoted) | set(superseded)) == list(steps), "each step is promoted or superseded"
+    assert not set(promoted) & set(superseded)
+    assert final_lag == PromotionLag(steps[-1], steps[-1], 0, 0.0)
+    assert pins.list_step_numbers() == [], "every pin is released once the newest step is promoted"
+
+    committed = direct.committed_steps()
+    assert committed == sorted(promoted)
+    assert direct.list_step_numbers() == committed, "no step directory is left half-written on the object tier"
+    for step in committed:
+        assert list(verify_step(direct, step)) == []
+        restored = zero_like(_state(step))
+        with ckptd.CheckpointManager(tmp_path / f"reader{step}", remote=url, capture_rng=False,
+                                     storage_options=s3_server.storage_options) as reader:
+            assert reader.restore(restored, step=step) == step
+        assert same_bytes(restored, _state(step)), f"step {step} restored from the object tier differs"
+
+
+def test_steps_that_keep_remote_keeps_for_good_are_never_superseded(tmp_path: Path, s3_server, s3_bucket) -> None:
+    url = f"s3://{s3_bucket}/run"
+    policy = Policy(keep_local=2, keep_remote=KeepEvery(5, latest=1))
+    with DelayingProxy(s3_server.endpoint_url, delay_s=0.08) as proxy:
+        with ckptd.CheckpointManager(tmp_path / "local", remote=url, capture_rng=False, policy=policy,
+                                     storage_options=proxy.storage_options(s3_server.storage_options)) as manager:
+            for step in range(1, 16):
+                manager.save(step, _state(step))
+                manager.wait()
+            manager.wait_uploads()
+            superseded = list(manager._remote_sync.uploader.superseded)
+    assert superseded and not {5, 10, 15} & set(superseded), superseded
+    committed = object_tier(s3_bucket, s3_server.storage_options).committed_steps()
+    assert {5, 10, 15} <= set(committed), committed
+
+
+def _created(tier: LocalTier, step: int) -> float:
+    return Manifest.from_json_bytes(tier.read_bytes(step_file(step, MANIFEST_NAME)), path=MANIFEST_NAME).created
+
+
+def test_promotion_lag_from_the_tiers(tmp_path: Path, s3_server, s3_bucket) -> None:
+    remote = object_tier(s3_bucket, s3_server.storage_options)
+    local = save_local(tmp_path / "local", {step: _state(step) for step in (2, 4, 6)})
+    assert promotion_lag(local, remote) == PromotionLag(6, None, 6, None), "nothing promoted yet"
+    promote_step(local, remote, 2)
+    lag = promotion_lag(local, remote)
+    assert (lag.local_step, lag.remote_step, lag.steps_behind) == (6, 2, 4)
+    assert lag.seconds_behind == pytest.approx(_created(local, 6) - _created(local, 2))
+    assert lag.behind and "4 step(s) behind" in lag.describe()
+    promote_step(local, remote, 6)
+    assert promotion_lag(local, remote) == PromotionLag(6, 6, 0, 0.0)
+    assert promotion_lag(LocalTier(tmp_path / "empty"), remote) == PromotionLag(None, 6, 0, None)
+    assert lag_between(3, 7) == PromotionLag(3, 7, 0, 0.0), "an object tier ahead is not behind"
+
+
+def test_manager_promotion_lag_while_the_object_tier_refuses(tmp_path: Path, s3_server, s3_bucket) -> None:
+    url = f"s3://{s3_bucket}/run"
+    with override(s3_connect_timeout_s=0.5, s3_read_timeout_s=1.0, s3_retries=1, s3_metadata_retries=1), \
+            FaultProxy(s3_server.endpoint_url, fraction=0.0, kinds=("500",)) as proxy:
+        with ckptd.CheckpointManager(tmp_path / "local", remote=url, capture_rng=False,
+                                     storage_options=proxy.storage_options(s3_server.storage_options)) as manager:
+            assert manager.promotion_lag == PromotionLag(None, None, 0, None)
+            manager.save(3, _state(3))
+            manager.wait_uploads()
+            assert manager.promotion_lag == PromotionLag(3, 3, 0, 0.0)
+            proxy.fraction = 1.0  # every request now fails
+            for step in (4, 5):
+                manager.save(step, _state(step))
+                with pytest.raises(ckptd.errors.CkptdError):
+                    manager.wait_uploads()
+            lag = manager.promotion_lag
+            assert (lag.local_step, lag.remote_step, lag.steps_behind) == (5, 3, 2)
+            assert lag.seconds_behind is not None and lag.seconds_behind > 0
+            proxy.fraction = 0.0
+            manager.save(6, _state(6))
+            manager.wait_uploads()
+            assert manager.promotion_lag == PromotionLag(6, 6, 0, 0.0)
+    assert manager.promotion_lag.steps_behind == 0
+    with ckptd.CheckpointManager(tmp_path / "plain", capture_rng=False) as plain:
+        assert plain.promotion_lag is None
