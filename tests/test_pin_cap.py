@@ -1,0 +1,128 @@
+"""Bounded pins: while the object tier is down, the local disk holds at most ``pin_max_steps`` pinned steps
+beyond what ``keep_local`` keeps (measured in bytes under the local root), the oldest pins are released
+with a warning saying how far the object tier is behind, and once it answers again the newest step is
+promoted. close() after several failed promotions names every one of them, within its deadline."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd
+from ckptd.config import override
+from ckptd.errors import CkptdError, ConfigError, StillRunningError, UnpromotedError
+from ckptd.policy import Policy
+from ckptd.promotion.pinning import PIN_DIRECTORY, PinCap, pins_over_cap
+from ckptd.testing.fault_proxy import FaultProxy
+from ckptd.tiers.local import LocalTier
+from test_promotion_support import object_tier, same_bytes, zero_like
+
+pytestmark = pytest.mark.s3
+
+#: A tier that refuses is known within a second or two.
+FAIL_FAST = {"s3_connect_timeout_s": 0.5, "s3_read_timeout_s": 2.0, "s3_retries": 1, "s3_metadata_retries": 1}
+STEP_BYTES = 4 * 65_536 * 4
+
+
+def _state(step: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return {f"w{index}": torch.randn(65_536, generator=generator) for index in range(4)}
+
+
+def _disk_bytes(root: Path) -> int:
+    """Bytes of the files under ``root``, each inode once (a pin is a hard link until its step is deleted)."""
+    seen: dict[tuple[int, int], int] = {}
+    for directory, _, names in os.walk(root):
+        for name in names:
+            stat = os.lstat(os.path.join(directory, name))
+            seen[(stat.st_dev, stat.st_ino)] = stat.st_size
+    return sum(seen.values())
+
+
+def test_pins_over_cap_releases_the_oldest_and_keeps_the_newest_and_the_one_in_flight() -> None:
+    assert pins_over_cap({1: 0, 2: 0, 3: 0, 4: 0}, PinCap(2)) == [1, 2]
+    assert pins_over_cap({1: 0, 2: 0, 3: 0, 4: 0}, PinCap(2), keep=[1]) == [2, 3]
+    assert pins_over_cap({1: 50, 2: 50, 3: 50}, PinCap(10, max_bytes=60)) == [1, 2]
+    assert pins_over_cap({1: 50, 2: 10, 3: 500}, PinCap(10, max_bytes=60)) == [1, 2], "the newest stays"
+    assert pins_over_cap({1: 50, 2: 50}, PinCap(10, max_bytes=0)) == [], "0 bytes: no byte limit"
+    assert pins_over_cap({}, PinCap(1)) == []
+    with pytest.raises(ConfigError, match="CKPTD_PIN_MAX_STEPS"):
+        PinCap(0)
+    with override(pin_max_steps=7, pin_max_bytes=123):
+        assert PinCap.from_settings() == PinCap(7, 123)
+
+
+def test_object_tier_down_for_ten_saves_stays_within_the_pin_cap_then_the_newest_is_promoted(
+        tmp_path: Path, s3_server, s3_bucket, caplog: pytest.LogCaptureFixture) -> None:
+    url, root, keep_local, cap = f"s3://{s3_bucket}/run", tmp_path / "local", 2, 3
+    pins = LocalTier(root / PIN_DIRECTORY)
+    caplog.set_level(logging.WARNING, logger="ckptd.promotion")
+    with override(pin_max_steps=cap, **FAIL_FAST), \
+            FaultProxy(s3_server.endpoint_url, fraction=1.0, kinds=("500",)) as proxy:
+        with ckptd.CheckpointManager(root, remote=url, capture_rng=False, policy=Policy(keep_local=keep_local),
+                                     storage_options=proxy.storage_options(s3_server.storage_options)) as manager:
+            uploader = manager._remote_sync.uploader
+            most_bytes = 0
+            for step in range(1, 11):
+                manager.save(step, _state(step))
+                manager.wait()
+                most_bytes = max(most_bytes, _disk_bytes(root))
+                assert len(pins.list_step_numbers()) <= cap, f"after step {step}: pinned {pins.list_step_numbers()}"
+            with pytest.raises(CkptdError):  # the failed promotions, kept since the last wait
+                manager.wait_uploads()
+            assert 10 in pins.committed_steps(), "the newest pin is always kept"
+            assert uploader.released, "ten unpromoted steps do not fit a cap of three"
+            assert most_bytes <= (keep_local + cap) * STEP_BYTES * 1.1, \
+                f"{most_bytes} bytes under the local root, past keep_local + pin cap"
+            assert most_bytes < 10 * STEP_BYTES, "pins of every unpromoted step would hold ten steps"
+            capped = [record.getMessage() for record in caplog.records if "pins capped" in record.getMessage()]
+            assert capped and "behind" in capped[-1] and "remote none" in capped[-1], capped
+
+            proxy.fraction = 0.0  # the object tier answers again
+            manager.save(11, _state(11))
+            manager.wait_uploads()
+            lag = manager.promotion_lag
+    remote = object_tier(s3_bucket, s3_server.storage_options)
+    assert remote.committed_steps()[-1] == 11, "the newest step is promoted once the tier is back"
+    assert lag is not None and lag.steps_behind == 0
+    assert pins.list_step_numbers() == [], "the older failed pins are superseded by the promoted newest step"
+    restored = zero_like(_state(11))
+    with ckptd.CheckpointManager(tmp_path / "reader", remote=url, capture_rng=False,
+                                 storage_options=s3_server.storage_options) as reader:
+        assert reader.restore(restored) == 11
+    assert same_bytes(restored, _state(11))
+
+
+def test_close_names_every_failed_step_and_gives_up_in_time(tmp_path: Path, s3_server, s3_bucket) -> None:
+    url, timeout_s = f"s3://{s3_bucket}/run", 2.0
+    with override(pin_max_steps=2, **FAIL_FAST), \
+            FaultProxy(s3_server.endpoint_url, fraction=1.0, kinds=("500",), stall_s=20.0) as proxy:
+        manager = ckptd.CheckpointManager(tmp_path / "local", remote=url, capture_rng=False,
+                                          storage_options=proxy.storage_options(s3_server.storage_options))
+        for step in (1, 2, 3):
+            manager.save(step, _state(step))
+            with pytest.raises(CkptdError):  # each promotion fails (and is forgotten by wait) before the next save
+                manager.wait_uploads()
+        proxy.kinds = ("stall",)  # step 4 hangs on the object tier
+        manager.save(4, _state(4))
+        manager.wait()
+        started = time.monotonic()
+        with pytest.raises(UnpromotedError) as caught:
+            manager.close(timeout_s=timeout_s)
+        elapsed = time.monotonic() - started
+        text = str(caught.value)
+        assert isinstance(caught.value.__cause__, StillRunningError)
+        assert "3 failed promotion(s)" in text, text
+        for step in (1, 2, 3):
+            assert f"step {step}" in text, f"step {step} missing from: {text}"
+        assert "pin since released" in text, "the pin cap of two released the oldest failed steps"
+        assert 4 in caught.value.steps and "step 4 is still being promoted" in text
+        assert elapsed < timeout_s + 10, f"close took {elapsed:.1f} s past its {timeout_s} s deadline"
+        proxy.stop()
+        with pytest.raises(UnpromotedError):
+            manager.close(timeout_s=60)
