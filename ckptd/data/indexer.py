@@ -1,5 +1,9 @@
 """Building a dataset manifest: list the shards under a root, hash and scan them in parallel.
 
+The shards are the files that :mod:`ckptd.data.selection` picks (include/exclude globs, else the
+reader's suffixes; several splits without a pattern are refused). A URI naming one file indexes that
+file alone, under its directory as the root.
+
 Re-indexing with the previous manifest at hand only reads shards whose size or storage version (mtime,
 ETag) changed, or that the previous manifest does not list; every other record is reused as is.
 Progress is reported through a callback, once per shard, from the calling thread.
@@ -8,6 +12,8 @@ Progress is reported through a callback, once per shard, from the calling thread
 from __future__ import annotations
 
 import concurrent.futures
+import glob
+import posixpath
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +22,7 @@ from ckptd.config import settings
 from ckptd.data.manifest import DatasetManifest, ShardRecord
 from ckptd.data.reader_api import ShardReader
 from ckptd.data.registry import make_reader
+from ckptd.data.selection import select
 from ckptd.data.source import ListedFile, ShardSource
 from ckptd.errors import ConfigError, NotFoundError
 from ckptd.format.hashing import shard_digest
@@ -41,6 +48,15 @@ def _index_one(source: ShardSource, reader: ShardReader, listed: ListedFile) -> 
                        layout=dict(layout.locator), source_version=listed.version)
 
 
+def resolve_root(uri: str, storage_options: Mapping[str, Any] | None = None) -> tuple[str, str | None]:
+    """(dataset root, the one file to index or None): a URI naming a file has its directory as root."""
+    source = ShardSource(uri, storage_options)
+    if not source.is_file():
+        return uri, None
+    stripped = uri.rstrip("/")
+    return posixpath.dirname(stripped), posixpath.basename(stripped)
+
+
 def _reusable(previous: DatasetManifest | None, fmt: str, options: Mapping[str, Any]
               ) -> dict[str, ShardRecord]:
     if previous is None or previous.format != fmt or dict(previous.reader_options) != dict(options):
@@ -56,22 +72,32 @@ def index_dataset(
     storage_options: Mapping[str, Any] | None = None,
     previous: DatasetManifest | None = None,
     suffixes: tuple[str, ...] | None = None,
+    include: tuple[str, ...] = (),
+    exclude: tuple[str, ...] = (),
     threads: int | None = None,
     progress: ProgressCallback | None = None,
 ) -> IndexResult:
     """Index every shard of format ``fmt`` under ``uri`` and return the manifest.
 
+    ``uri`` is a directory or prefix, or one file (then its directory is the manifest's root).
     ``previous`` (an earlier manifest of the same root and format) lets unchanged shards skip reading.
-    ``suffixes`` overrides the file endings the reader claims. ``threads`` read and hash in parallel
-    (default ``CKPTD_DATA_INDEX_THREADS``).
+    ``suffixes`` overrides the file endings the reader claims; ``include``/``exclude`` globs pick the
+    files (:mod:`ckptd.data.selection`). ``threads`` read and hash in parallel (default
+    ``CKPTD_DATA_INDEX_THREADS``).
     """
     reader = make_reader(fmt, dict(reader_options or {}))
+    uri, only_file = resolve_root(uri, storage_options)
+    if only_file is not None:
+        include, exclude = ("/" + glob.escape(only_file),), ()
     source = ShardSource(uri, storage_options)
-    listed = list(source.list_files(tuple(suffixes or reader.suffixes)))
+    endings = tuple(suffixes or reader.suffixes)
+    listed = select(source.list_files(), lambda item: item.path, suffixes=endings, include=include,
+                    exclude=exclude, where=f"the dataset root {uri}")
     if not listed:
-        raise NotFoundError(f"no {fmt} shards (files ending in {', '.join(suffixes or reader.suffixes)}) "
-                            f"under the dataset root", path=uri,
-                            hint="check the URI, the --format, or pass --suffix")
+        chosen = f"files matching {', '.join(include)}" if include else f"files ending in {', '.join(endings)}"
+        left_out = f", less those matching {', '.join(exclude)}" if exclude else ""
+        raise NotFoundError(f"no {fmt} shards ({chosen}{left_out}) under the dataset root", path=uri,
+                            hint="check the URI, the --format, --include/--exclude, or pass --suffix")
     workers = threads if threads is not None else settings().data_index_threads
     if workers < 1:
         raise ConfigError(f"indexing needs at least one thread, got {workers}")

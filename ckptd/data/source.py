@@ -58,8 +58,15 @@ class ShardSource:
         """A readable name of a shard for messages (root URL + relative path)."""
         return f"{self.root_url.rstrip('/')}/{relative}"
 
-    def list_files(self, suffixes: tuple[str, ...]) -> Iterator[ListedFile]:
-        """Every file under the root whose name ends with one of ``suffixes``, sorted by path."""
+    def is_file(self) -> bool:
+        """Whether the root names one file rather than a directory or prefix."""
+        try:
+            return bool(self.fs.isfile(self.root))
+        except OSError:
+            return False
+
+    def list_files(self, suffixes: tuple[str, ...] | None = None) -> Iterator[ListedFile]:
+        """Every file under the root (whose name ends with one of ``suffixes``, when given), sorted by path."""
         try:
             found = self.fs.find(self.root, detail=True)
         except FileNotFoundError as exc:
@@ -71,7 +78,7 @@ class ShardSource:
             if info.get("type", "file") != "file" or not full.startswith(prefix):
                 continue
             relative = full[len(prefix):]
-            if relative.endswith(suffixes):
+            if suffixes is None or relative.endswith(suffixes):
                 yield ListedFile(path=relative, size=int(info.get("size") or 0), version=_version_token(info))
 
     def read(self, relative: str) -> bytes:
