@@ -6,8 +6,6 @@ from pathlib import Path
 
 import click
 
-from ckptd.demo.runner import DemoOptions, run_demo
-
 
 @click.command("demo")
 @click.option("--steps", type=int, default=60, show_default=True, help="Training steps in every run.")
@@ -22,6 +20,8 @@ from ckptd.demo.runner import DemoOptions, run_demo
 def demo(steps: int, crash_at: int, every: int, workdir: Path | None, remote: str | None,
          endpoint_url: str | None) -> None:
     """Run the crash-and-resume demo; exits 1 if the resumed run differs from the uninterrupted one."""
+    from ckptd.demo.runner import DemoOptions, run_demo
+
     options = DemoOptions(steps=steps, crash_at=crash_at, every=every, workdir=workdir, remote=remote,
                           endpoint_url=endpoint_url)
     if not run_demo(options):

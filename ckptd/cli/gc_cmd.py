@@ -8,11 +8,15 @@ multipart uploads are aborted. ``--dry-run`` only reports. Exit 7 when another G
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import click
 
 from ckptd.cli.options import json_option, open_cli_tier, print_json, s3_options
 from ckptd.policy import KeepLatest
-from ckptd.promotion.gc import GcReport, collect_garbage
+
+if TYPE_CHECKING:
+    from ckptd.promotion.gc import GcReport
 
 
 def _describe(report: GcReport) -> list[str]:
@@ -43,6 +47,8 @@ def _describe(report: GcReport) -> list[str]:
 def gc(path: str, keep: int | None, abandoned_after: float | None, dry_run: bool, endpoint_url: str | None,
        region: str | None, as_json: bool) -> None:
     """Apply retention and collect garbage in PATH (a directory or an s3:// URL)."""
+    from ckptd.promotion.gc import collect_garbage
+
     tier = open_cli_tier(path, endpoint_url, region)
     try:
         report = collect_garbage(tier, retention=KeepLatest(keep) if keep is not None else None,

@@ -1,15 +1,24 @@
-"""``ckptd inspect``: every tensor of a step: name, dtype, shape, bytes, chunks, digest."""
+"""``ckptd inspect``: a step's manifest, the plain values it saved (step counters, a loader's position,
+a config, learning rates) and every tensor: name, dtype, shape, bytes, chunks, digest. Reads only the
+manifest and the rank indexes, never a tensor's bytes."""
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 import click
 
 from ckptd.cli.options import json_option, open_cli_tier, print_json, s3_options
-from ckptd.format.hashing import chunk_digest
-from ckptd.format.records import TensorRecord
 from ckptd.errors import NotFoundError
-from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
-from ckptd.tiers.atomicity import ranks_held
+from ckptd.format.hashing import chunk_digest
+from ckptd.format.records import RankIndex, TensorRecord
+from ckptd.format.values import parse_values
+from ckptd.state.saved_values import saved_values
+from ckptd.tiers import StorageTier
+
+#: Longest value shown in the text listing (``--json`` shows every value whole).
+_VALUE_WIDTH = 72
 
 
 def tensor_digest(record: TensorRecord) -> str:
@@ -20,17 +29,44 @@ def tensor_digest(record: TensorRecord) -> str:
     return chunk_digest("".join(c.digest for c in record.chunks).encode())
 
 
+def value_rows(index: RankIndex) -> list[dict[str, Any]]:
+    """The plain values a rank saved, one row each (``rank``, ``path``, ``value``); a step written with
+    ``dcp.save`` shows the non-tensor objects it saved."""
+    values = parse_values(index.values, step=index.step)
+    if values.skeleton is not None:
+        found = [(value.path, value.value) for value in saved_values(values.skeleton)]
+    else:
+        found = sorted(values.objects.items())
+    return [{"rank": index.rank, "path": path, "value": value} for path, value in found]
+
+
+def _newest_step(tier: StorageTier) -> int:
+    steps = tier.committed_steps()
+    if not steps:
+        raise NotFoundError("no committed step", tier=tier.label, hint="`ckptd ls` lists the steps and their state")
+    return steps[-1]
+
+
+def _shown(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= _VALUE_WIDTH else text[:_VALUE_WIDTH - 3] + "..."
+
+
 @click.command("inspect")
 @click.argument("path")
-@click.option("--step", type=int, required=True, help="The step to inspect.")
+@click.option("--step", type=int, default=None, help="The step to inspect (default: the newest committed step).")
 @click.option("--rank", type=int, default=None, help="Only this rank (default: every rank).")
 @s3_options
 @json_option
-def inspect(path: str, step: int, rank: int | None, endpoint_url: str | None, region: str | None,
+def inspect(path: str, step: int | None, rank: int | None, endpoint_url: str | None, region: str | None,
             as_json: bool) -> None:
-    """Show the manifest of a step and every tensor each rank saved."""
+    """Show the manifest of a step, the values it saved and every tensor of each rank."""
+    from ckptd.stepio.step_reader import load_rank_index, load_step_manifest
+    from ckptd.tiers.atomicity import ranks_held
+
     tier = open_cli_tier(path, endpoint_url, region)
     try:
+        step = _newest_step(tier) if step is None else step
         manifest = load_step_manifest(tier, step)
         held = ranks_held(tier, step, manifest)
         if rank is not None and rank not in held:
@@ -46,13 +82,19 @@ def inspect(path: str, step: int, rank: int | None, endpoint_url: str | None, re
          "codecs": sorted({c.codec for c in record.chunks}), "digest": tensor_digest(record)}
         for index in indexes for name, record in index.tensors.items()
     ]
+    values = [row for index in indexes for row in value_rows(index)]
     if as_json:
         print_json({"step": manifest.step, "world_size": manifest.world_size, "codec": manifest.codec,
                     "format_version": manifest.format_version, "ckptd_version": manifest.ckptd_version,
-                    "created": manifest.created, "tensors": rows})
+                    "created": manifest.created, "values": values, "tensors": rows})
         return
     click.echo(f"step {manifest.step}: {manifest.world_size} rank(s), codec {manifest.codec}, "
                f"format {manifest.format_version}, written by ckptd {manifest.ckptd_version}")
+    if values:
+        width = max(len("PATH"), *(len(value["path"]) for value in values))
+        click.echo(f"{'RANK':>4}  {'PATH':<{width}}  VALUE")
+        for value in values:
+            click.echo(f"{value['rank']:>4}  {value['path']:<{width}}  {_shown(value['value'])}")
     click.echo(f"{'RANK':>4}  {'DTYPE':<10} {'SHAPE':<20} {'BYTES':>12} {'CHUNKS':>6}  {'DIGEST':<32}  NAME")
     for row in rows:
         shape = "x".join(map(str, row["shape"])) or "scalar"

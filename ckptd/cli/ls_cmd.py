@@ -1,17 +1,22 @@
-"""``ckptd ls``: the steps in one or more tiers, with time, size, ranks and state."""
+"""``ckptd ls``: the steps in one or more tiers, with time, size, ranks and state, and how far the object
+tier is behind the local one.
+
+Exit status: 0, or 4 (:class:`~ckptd.errors.IntegrityError`'s code) when some copy is corrupt (a
+manifest or index that does not parse or match, or with ``--verify`` a bad chunk). An incomplete step
+(no manifest yet: a save being written, or one a crash interrupted) is listed but is no error.
+"""
 
 from __future__ import annotations
 
 import datetime
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import click
 
 from ckptd.cli.options import json_option, open_cli_tier, print_json, s3_options
-from ckptd.errors import CkptdError
-from ckptd.stepio.step_reader import load_step_manifest, verify_step
+from ckptd.errors import CkptdError, IntegrityError
 from ckptd.tiers import StorageTier
-from ckptd.tiers.atomicity import ranks_held
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,9 @@ class StepCopy:
 
 def describe_step(tier: StorageTier, step: int, *, verify: bool) -> StepCopy:
     """State of a step on a tier: committed, verified, corrupt or incomplete."""
+    from ckptd.stepio.step_reader import load_step_manifest, verify_step
+    from ckptd.tiers.atomicity import ranks_held
+
     if not tier.is_committed(step):
         return StepCopy(step, tier.label, "incomplete")
     try:
@@ -63,26 +71,71 @@ def _human_bytes(count: int | None) -> str:
     return str(count)
 
 
+def _lag_of(tiers: list[StorageTier]) -> Any:
+    """The promotion lag between the first node-local tier and the first object tier listed, or None
+    unless both are."""
+    local = next((tier for tier in tiers if tier.capabilities.node_local), None)
+    remote = next((tier for tier in tiers if tier.capabilities.chunks_by_digest), None)
+    if local is None or remote is None:
+        return None
+    from ckptd.promotion.lag import promotion_lag
+
+    return promotion_lag(local, remote)
+
+
 @click.command("ls")
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--verify", is_flag=True, help="Re-hash every chunk of every copy (slow on large steps).")
+@click.option("--lag", "lag_only", is_flag=True,
+              help="Print only how far the object tier is behind the local one (PATHS: a local directory "
+                   "and an s3:// URL).")
 @s3_options
 @json_option
-def ls(paths: tuple[str, ...], verify: bool, endpoint_url: str | None, region: str | None, as_json: bool) -> None:
-    """List steps in PATHS (directories or s3:// URLs, nearest tier first) and their state on each."""
-    copies = []
-    for path in paths:
-        tier = open_cli_tier(path, endpoint_url, region)
+def ls(paths: tuple[str, ...], verify: bool, lag_only: bool, endpoint_url: str | None, region: str | None,
+       as_json: bool) -> None:
+    """List steps in PATHS (directories or s3:// URLs, nearest tier first) and their state on each.
+
+    Given a local directory and an object tier, also says how far the object tier is behind (steps and
+    seconds between the newest committed step of each). Exits 4 when some copy is corrupt."""
+    copies: list[StepCopy] = []
+    tiers: list[StorageTier] = []
+    try:
+        tiers.extend(open_cli_tier(path, endpoint_url, region) for path in paths)
         try:
+            lag = _lag_of(tiers)
+        except CkptdError as error:  # the listing below names the tier that fails
+            if lag_only:
+                raise
+            lag, lag_error = None, str(error)
+        else:
+            lag_error = None
+        if lag_only:
+            if lag is None:
+                raise click.UsageError("--lag needs a local directory and an object tier (s3://...) in PATHS")
+            if as_json:
+                print_json(asdict(lag))
+            else:
+                click.echo(lag.describe())
+            return
+        for tier in tiers:
             copies.extend(describe_step(tier, step, verify=verify) for step in tier.list_step_numbers())
-        finally:
+    finally:
+        for tier in tiers:
             tier.close()
+    corrupt = any(copy.state == "corrupt" for copy in copies)
     if as_json:
         print_json([asdict(copy) for copy in copies])
-        return
-    if not copies:
+    elif not copies:
         click.echo("no checkpoints")
-        return
+    else:
+        _print_table(copies)
+        if lag is not None or lag_error is not None:
+            click.echo(f"promotion: {lag.describe() if lag is not None else f'lag unknown: {lag_error}'}")
+    if corrupt:
+        raise click.exceptions.Exit(IntegrityError.exit_code)
+
+
+def _print_table(copies: list[StepCopy]) -> None:
     click.echo(f"{'STEP':>10}  {'STATE':<10}  {'CREATED (UTC)':<19}  {'SIZE':>10}  {'RANKS':>5}  TIER")
     for copy in sorted(copies, key=lambda c: (c.step, c.tier)):
         created = "-" if copy.created is None else \

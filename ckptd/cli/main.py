@@ -17,22 +17,55 @@ import click
 
 from ckptd.errors import CkptdError
 
-#: (module under ckptd.cli, attribute) of every subcommand; each module holds one click command.
-_SUBCOMMANDS: tuple[tuple[str, str], ...] = (
-    ("ls_cmd", "ls"),
-    ("verify_cmd", "verify"),
-    ("inspect_cmd", "inspect"),
-    ("restore_cmd", "restore"),
-    ("gc_cmd", "gc"),
-    ("promote_cmd", "promote"),
-    ("bench_cmd", "bench"),
-    ("data_cmd", "data"),
-    ("demo_cmd", "demo"),
+#: (module under ckptd.cli, attribute, one-line help) of every subcommand; each module holds one click
+#: command. A module is imported only when its command runs (or its own ``--help`` is asked for), so
+#: ``ckptd --help`` imports none of them; the help line is what ``ckptd --help`` shows (a test checks it
+#: against the command's docstring). An entry without a help line is imported to list it.
+_SUBCOMMANDS: tuple[tuple[str, ...], ...] = (
+    ("ls_cmd", "ls", "List steps in PATHS (directories or s3:// URLs, nearest tier first) and their state on each."),
+    ("verify_cmd", "verify", "Re-hash everything in PATH and report each bad file and chunk (exit 4 when any is bad)."),
+    ("inspect_cmd", "inspect", "Show the manifest of a step, the values it saved and every tensor of each rank."),
+    ("restore_cmd", "restore", "Export one step of PATH, verified, to a file usable without ckptd."),
+    ("gc_cmd", "gc", "Apply retention and collect garbage in PATH (a directory or an s3:// URL)."),
+    ("promote_cmd", "promote", "Promote the committed steps of the local checkpoint directory PATH to an object tier."),
+    ("bench_cmd", "bench", "Measure save stall, durable throughput, restore and training slowdown against "
+                           "torch.save and DCP."),
+    ("data_cmd", "data", "Dataset manifests for the verified shard loader."),
+    ("demo_cmd", "demo", "Run the crash-and-resume demo; exits 1 if the resumed run differs from the "
+                         "uninterrupted one."),
+    ("launch_cmd", "launch", "Start a training script on every rank of this node and restart only the rank "
+                             "that fails."),
 )
 
 
 class _CkptdGroup(click.Group):
-    """A click group that turns ckptd errors into one line and an exit code."""
+    """A click group that imports a subcommand's module on first use and turns ckptd errors into one
+    line and an exit code."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({entry[1] for entry in _SUBCOMMANDS} | set(self.commands))
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in self.commands:
+            for module_name, attribute, *_ in _SUBCOMMANDS:
+                if attribute == cmd_name:
+                    self.add_command(getattr(importlib.import_module(f"ckptd.cli.{module_name}"), attribute))
+        return self.commands.get(cmd_name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        known = {entry[1]: entry[2] for entry in _SUBCOMMANDS if len(entry) > 2}
+        rows = []
+        for name in self.list_commands(ctx):
+            if name in known and name not in self.commands:
+                rows.append((name, known[name]))
+                continue
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit=200)))
+        if rows:
+            limit = formatter.width - 6 - max(len(name) for name, _ in rows)
+            with formatter.section("Commands"):
+                formatter.write_dl([(name, _short(text, limit)) for name, text in rows])
 
     def invoke(self, ctx: click.Context) -> object:
         try:
@@ -44,18 +77,18 @@ class _CkptdGroup(click.Group):
             ctx.exit(error.exit_code)
 
 
+def _short(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters at a word boundary, as click shortens a command's help."""
+    limit = max(limit, 20)
+    if len(text) <= limit:
+        return text
+    return text[:limit - 3].rsplit(" ", 1)[0].rstrip(" ,;:") + "..."
+
+
 @click.group(cls=_CkptdGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="ckptd")
 def cli() -> None:
     """ckptd: fault-tolerant checkpoints and verified data for PyTorch training."""
-
-
-def _register() -> None:
-    for module_name, attribute in _SUBCOMMANDS:
-        cli.add_command(getattr(importlib.import_module(f"ckptd.cli.{module_name}"), attribute))
-
-
-_register()
 
 
 def main() -> None:

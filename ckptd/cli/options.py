@@ -8,9 +8,6 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import click
-from rich.console import Console
-from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, \
-    TransferSpeedColumn
 
 from ckptd.tiers import StorageTier, open_tier
 
@@ -51,6 +48,10 @@ def print_json(value: Any) -> None:
 @contextmanager
 def byte_progress(description: str, total: int, *, enabled: bool = True) -> Iterator[Callable[[int], None]]:
     """A progress bar over bytes on stderr; yields the function that advances it."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, \
+        TransferSpeedColumn
+
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                TimeRemainingColumn())
     with Progress(*columns, transient=True, disable=not enabled, console=Console(stderr=True)) as progress:

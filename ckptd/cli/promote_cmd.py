@@ -13,8 +13,6 @@ import click
 
 from ckptd.cli.options import byte_progress, json_option, open_cli_tier, print_json, s3_options
 from ckptd.errors import ConfigError, NotFoundError
-from ckptd.stepio.step_reader import load_step_manifest
-from ckptd.promotion.promoter import Promoter
 
 
 @click.command("promote")
@@ -28,6 +26,9 @@ from ckptd.promotion.promoter import Promoter
 def promote(path: str, target: str, steps: tuple[int, ...], endpoint_url: str | None, region: str | None,
             as_json: bool) -> None:
     """Promote the committed steps of the local checkpoint directory PATH to an object tier."""
+    from ckptd.promotion.promoter import Promoter
+    from ckptd.stepio.step_reader import load_step_manifest
+
     local = open_cli_tier(path, endpoint_url, region)
     remote = open_cli_tier(target, endpoint_url, region)
     if not local.capabilities.node_local:

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-import torch
 
 from ckptd.cli.options import open_cli_tier, s3_options
 from ckptd.errors import NotFoundError, PluginError
-from ckptd.stepio.step_reader import ChunkSource, StepReader, load_step_manifest, load_rank_index
-from ckptd.state.tree import rebuild
-from ckptd.tiers.atomicity import ranks_held
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _flatten_tensors(value: Any, prefix: str, tensors: dict[str, torch.Tensor], other: dict[str, Any]) -> None:
+    import torch
+
     if isinstance(value, torch.Tensor):
         tensors[prefix] = value.contiguous()
     elif isinstance(value, dict):
@@ -31,6 +32,8 @@ def _flatten_tensors(value: Any, prefix: str, tensors: dict[str, torch.Tensor], 
 
 def write_export(state: Any, out: Path, fmt: str, step: int) -> int:
     """Write a rebuilt state to ``out``; returns the number of tensors written."""
+    import torch
+
     if fmt == "torch":
         torch.save(state, out)
         tensors: dict[str, torch.Tensor] = {}
@@ -62,6 +65,9 @@ def restore(path: str, step: int, out: Path, fmt: str | None, rank: int, allow_p
             endpoint_url: str | None, region: str | None) -> None:
     """Export one step of PATH, verified, to a file usable without ckptd."""
     from ckptd.state.rng import RNG_KEY
+    from ckptd.state.tree import rebuild
+    from ckptd.stepio.step_reader import ChunkSource, StepReader, load_rank_index, load_step_manifest
+    from ckptd.tiers.atomicity import ranks_held
 
     fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "torch")
     tier = open_cli_tier(path, endpoint_url, region)

@@ -12,6 +12,13 @@ coordinator's c10d Store; resharding through DCP issues collectives on the defau
    that committed step, else from the nearest tier that has it, with every other tier as a chunk-by-chunk
    fallback. A step saved by another world size is resharded through DCP (:mod:`ckptd.dcp.resharding`).
 4. The ranks exchange the outcome; if any rank failed, every rank drops that step and goes back to 2.
+   A state that does not fit the step (a live key the step lacks, an object the live state lacks, a
+   tensor of another shape) raises :class:`~ckptd.errors.ResumeMismatchError` on every rank instead:
+   an older step would not fit either.
+
+With ``keys`` (a partial restore) only those top-level keys are loaded, and only the tensors they hold
+are read: a run's config can be read before the model that depends on it is built. The RNG states are
+restored by a full restore only.
 
 When no step is left and some rank could not list a tier, the restore raises
 :class:`~ckptd.errors.TierUnreachableError` on every rank rather than report a fresh run: the tier that
@@ -21,7 +28,8 @@ did not answer may hold the job's checkpoints.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, MutableMapping
+from collections import Counter
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +44,7 @@ from ckptd.stepio.step_reader import ChunkSource, FallbackEvent, StepReader, loa
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator
 from ckptd.manager.saving import MemoryCopy
 from ckptd.state import rng
+from ckptd.state.saved_values import saved_keys, select_keys, stateful_keys
 from ckptd.state.tree import load_into, no_pending_reads
 from ckptd.tiers.base import StorageTier
 
@@ -44,13 +53,22 @@ log = logging.getLogger("ckptd.restore")
 
 @dataclass
 class RestoreResult:
-    """What a restore did: the step loaded (None on a fresh run), the tier it came from, fallbacks."""
+    """What a restore did: the step loaded (None on a fresh run), where its data came from, fallbacks.
+
+    ``tier`` is the nearest tier holding the step (``"memory"`` for the staged copy of this process's
+    own save); ``tiers`` names every tier that supplied data, nearest first, and ``chunks_by_tier`` how
+    many chunks each supplied (a tensor counts as one chunk from the memory tier). A chunk read from a
+    farther tier because a nearer copy was bad or missing is in ``events``. A resharded restore reads
+    through DCP and reports only ``tier``. ``keys`` are the keys a partial restore loaded (None: all)."""
 
     step: int | None
     tier: str | None = None
     events: list[FallbackEvent] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     resharded: bool = False
+    tiers: list[str] = field(default_factory=list)
+    chunks_by_tier: dict[str, int] = field(default_factory=dict)
+    keys: tuple[str, ...] | None = None
 
 
 class TierListings:
@@ -168,10 +186,11 @@ def _restorable(metadata: _Metadata, step: int, rank: int, world_size: int) -> s
 def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, rank: int, world_size: int,
                   step: int | None = None, allow_pickle: bool = False, restore_rng: bool = True,
                   coordinator: CommitCoordinator | None = None, memory: MemoryCopy | None = None,
-                  listings: TierListings | None = None) -> RestoreResult:
+                  listings: TierListings | None = None, keys: Sequence[str] | None = None) -> RestoreResult:
     """Load the newest step intact on every rank (or ``step``) into ``state``; see the module docstring.
 
-    ``listings`` shares one listing of the tiers with what ran before the restore (a read-ahead)."""
+    ``listings`` shares one listing of the tiers with what ran before the restore (a read-ahead).
+    ``keys`` loads only those top-level keys (a partial restore)."""
     coordinator = coordinator or SingleProcessCoordinator()
     listings = listings if listings is not None else TierListings(tiers)
     metadata = _Metadata(listings)
@@ -181,7 +200,7 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
         if step not in committed:
             missing = f"rank {rank}: not committed on any tier that answered ({', '.join(t.label for t in tiers)})"
         committed = [step] if missing is None else []
-    result = RestoreResult(step=None)
+    result = RestoreResult(step=None, keys=None if keys is None else tuple(keys))
     candidates = []
     for candidate in committed:
         why = _restorable(metadata, candidate, rank, world_size)
@@ -207,7 +226,8 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
             break
         agreed = max(common)
         error = _try_load(metadata, agreed, state, result, rank=rank, world_size=world_size,
-                          allow_pickle=allow_pickle, restore_rng=restore_rng, memory=memory)
+                          allow_pickle=allow_pickle, restore_rng=restore_rng and keys is None, memory=memory,
+                          keys=keys)
         outcomes = coordinator.exchange("restore-outcome", error)
         failures = {r: why for r, why in enumerate(outcomes) if why is not None}
         if not failures:
@@ -217,10 +237,12 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
         if refused:
             raise PickleRefusedError(" | ".join(f"rank {r}: {why}" for r, why in sorted(refused.items())),
                                      step=agreed)
-        mismatched = {r: why["error"] for r, why in failures.items() if why["mismatch"]}
+        mismatched = {r: why for r, why in failures.items() if why["mismatch"]}
         if mismatched:
+            first = mismatched[min(mismatched)]
             raise ResumeMismatchError("the saved state does not fit the live state: " + " | ".join(
-                f"rank {r}: {why}" for r, why in sorted(mismatched.items())), step=agreed)
+                f"rank {r}: {why['message']}" for r, why in sorted(mismatched.items())), step=agreed,
+                tier=first["tier"], hint=first["hint"])
         for failed_rank, why in sorted(failures.items()):
             result.skipped.append(f"step {agreed} on rank {failed_rank}: {why['error']}")
             log.warning("step %d cannot be restored on rank %d, trying an older one: %s", agreed, failed_rank,
@@ -248,47 +270,107 @@ def _failed_hint(failed: dict[str, str]) -> str | None:
 
 def _try_load(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
               result: RestoreResult, *, rank: int, world_size: int, allow_pickle: bool, restore_rng: bool,
-              memory: MemoryCopy | None) -> dict[str, Any] | None:
-    """None on success, else ``{"error": text, "mismatch": bool}`` (JSON, for the outcome exchange)."""
+              memory: MemoryCopy | None, keys: Sequence[str] | None) -> dict[str, Any] | None:
+    """None on success, else ``{"error": text, "mismatch": bool, ...}`` (JSON, for the outcome exchange)."""
     try:
-        skeleton, read, settle = _source(metadata, step, state, result, rank=rank, world_size=world_size,
-                                         allow_pickle=allow_pickle, memory=memory)
-        _load(skeleton, read, settle, state, allow_pickle=allow_pickle, restore_rng=restore_rng)
+        skeleton, read, settle, supplied = _source(metadata, step, state, result, rank=rank,
+                                                   world_size=world_size, allow_pickle=allow_pickle, memory=memory)
+        _load(_selected(skeleton, state, keys, step=step, tier=result.tier), read, settle, state,
+              allow_pickle=allow_pickle, restore_rng=restore_rng)
     except CkptdError as error:
         return {"error": str(error), "mismatch": isinstance(error, ResumeMismatchError),
-                "pickle": isinstance(error, PickleRefusedError)}
+                "pickle": isinstance(error, PickleRefusedError), "message": error.message, "hint": error.hint,
+                "tier": error.tier or result.tier}
+    result.chunks_by_tier = supplied()
+    result.tiers = list(result.chunks_by_tier) or ([result.tier] if result.resharded and result.tier else [])
     return None
+
+
+def _selected(skeleton: Any, state: MutableMapping[str, Any], keys: Sequence[str] | None, *, step: int,
+              tier: str | None) -> Any:
+    """The part of ``skeleton`` to load: the ``keys`` asked for, or all of it when the live state has no
+    key the step lacks. ResumeMismatchError names a key that one side lacks."""
+    saved = [key for key in saved_keys(skeleton) if key != rng.RNG_KEY]
+    loaded = saved if keys is None else [key for key in keys if key in saved]
+    objects = stateful_keys(skeleton)
+    absent = [key for key in loaded if key in objects and state.get(key) is None]
+    if absent:
+        raise ResumeMismatchError(
+            f"the checkpoint holds the state of an object (saved through state_dict()) under key(s) "
+            f"{', '.join(map(repr, absent))}, but the live state has no value there", step=step, tier=tier,
+            hint="build the object and put it under that key before restoring, or load the other keys with "
+                 "restore(state, keys=[...])")
+    if keys is None:
+        unsaved = [key for key in state if key not in saved and key != rng.RNG_KEY]
+        if unsaved:
+            raise ResumeMismatchError(
+                f"the live state has key(s) {', '.join(map(repr, unsaved))} that the checkpoint does not hold "
+                f"(it holds {', '.join(map(repr, saved)) or 'nothing'})", step=step, tier=tier,
+                hint="remove them from the state before restoring, or load the saved keys alone with "
+                     "restore(state, keys=[...])")
+        return skeleton
+    subset, missing = select_keys(skeleton, [key for key in keys if key != rng.RNG_KEY])
+    if missing:
+        raise ResumeMismatchError(
+            f"key(s) {', '.join(map(repr, missing))} asked for are not in the checkpoint (it holds "
+            f"{', '.join(map(repr, saved)) or 'nothing'})", step=step, tier=tier,
+            hint="ask for keys the checkpoint holds (`ckptd inspect PATH` lists them)")
+    return subset
 
 
 def _source(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
             result: RestoreResult, *, rank: int, world_size: int, allow_pickle: bool,
-            memory: MemoryCopy | None) -> tuple[Any, TensorReader, Callable[..., None]]:
-    """The skeleton to load, the reader of its tensors, and what waits for reads that are still running."""
+            memory: MemoryCopy | None) -> tuple[Any, TensorReader, Callable[..., None], Callable[[], dict[str, int]]]:
+    """The skeleton to load, the reader of its tensors, what waits for reads that are still running, and
+    what counts, once they are done, the chunks each tier supplied."""
     saved_world = _saved_world_size(metadata, step)
     if saved_world != world_size:
         holding = metadata.listings.holding(step)
         result.resharded, result.tier = True, holding[0].label
-        return (*resharded_source(holding, step, state, rank=rank, allow_pickle=allow_pickle), no_pending_reads)
+        return (*resharded_source(holding, step, state, rank=rank, allow_pickle=allow_pickle), no_pending_reads,
+                dict)
+    read_names: list[str] = []
     if memory is not None and memory.step == step and memory.committed:
         result.tier = "memory"
         staged = memory.staged.tensors
 
         def from_memory(name: str, out: torch.Tensor | None) -> torch.Tensor:
+            read_names.append(name)
             if out is None:
                 return staged[name].clone()
             with torch.no_grad():
                 out.copy_(staged[name])
             return out
 
-        return memory.values.skeleton, live_reader(from_memory), no_pending_reads
+        return (memory.values.skeleton, live_reader(from_memory), no_pending_reads,
+                lambda: {"memory": len(read_names)} if read_names else {})
     reader = StepReader(_sources(metadata, step, rank, world_size))
     result.tier, result.events = reader.sources[0].tier.label, reader.events
 
     def read_deferred(name: str, out: torch.Tensor | None) -> torch.Tensor:
+        read_names.append(name)
         return reader.read_tensor(name, out, defer=True)
 
     skeleton = manager_skeleton(parse_values(reader.index.values), step=step)
-    return skeleton, live_reader(read_deferred), reader.settle
+    return skeleton, live_reader(read_deferred), reader.settle, lambda: _chunks_by_tier(reader, read_names)
+
+
+def _chunks_by_tier(reader: StepReader, names: list[str]) -> dict[str, int]:
+    """How many chunks of the tensors ``names`` each tier supplied, from the reader's fallback events:
+    every chunk is tried on the tiers nearest first, and each failed try is one event."""
+    labels = [source.tier.label for source in reader.sources]
+    failed = Counter((event.tensor, event.chunk, event.tier) for event in reader.events)
+    supplied: Counter[str] = Counter()
+    for name in dict.fromkeys(names):
+        for digest, count in Counter(chunk.digest for chunk in reader.record(name).chunks).items():
+            reached = count  # chunks with this digest that got as far as the tier
+            for label in labels:
+                failures = min(failed[(name, digest, label)], reached)
+                supplied[label] += reached - failures
+                reached = failures
+                if not reached:
+                    break
+    return {label: supplied[label] for label in labels if supplied[label]}
 
 
 def _saved_world_size(metadata: _Metadata, step: int) -> int:
