@@ -38,10 +38,9 @@ class Settings:
     #: Chunks of at least this many stored bytes go to the parallel (direct-I/O) data files; smaller ones
     #: are packed into the rank's first data file through the page cache (no padding to 4 KiB).
     direct_io_min_bytes: int = 256 * 1024
-    #: Chunks of fewer raw bytes (and those of fewer stored bytes than direct_io_min_bytes) go into the
-    #: rank's pack, its first data file, which the object tier stores as one object per rank and step and
-    #: reads by range; larger chunks are stored there by digest and shared by the steps that hold them.
-    #: 0: no pack (every chunk by digest, as in format 2).
+    #: Tensors of fewer raw bytes go into the rank's pack, its first data file, which the object tier
+    #: stores as one object per rank and step and reads by range; the chunks of larger tensors are
+    #: stored there by digest and shared by the steps that hold them. 0: no pack (format 2 layout).
     pack_below_bytes: int = 1024 * 1024
     #: Seconds a rank waits for the others to agree on a commit before failing the step.
     commit_timeout_s: float = 300.0

@@ -78,7 +78,8 @@ def test_an_operation_that_meets_some_faults_still_completes_within_its_budget(s
             before = proxy.counts["requests"]
             tier.write_bytes("chunks/aa/big.raw", data)
             upload_requests = proxy.counts["requests"] - before
-            assert upload_requests <= parts + 2 + retries, "create, parts and complete, plus at most the budget"
+            assert upload_requests <= parts + 4 + retries, "record, create, parts, complete, record deleted, " \
+                "plus at most the budget"
             before = proxy.counts["requests"]
             assert tier.read_bytes("chunks/aa/big.raw") == data
             read_requests = proxy.counts["requests"] - before
@@ -101,9 +102,9 @@ def test_parts_that_fail_together_never_exceed_the_operation_budget(seed, s3_ser
                 stored = True
             except StorageError:
                 stored = False
-            # create, 4 parts, complete or abort: 6 distinct requests, plus at most the budget (and, when it
-            # failed, the abort's own budget: cleanup is never starved by the failure it cleans up)
-            bound = parts + 2 + retries + (0 if stored else retries)
+            # owner record, create, 4 parts, complete or abort, record deleted: 8 distinct requests, plus at
+            # most the budget (and, when it failed, the abort's own: cleanup is never starved)
+            bound = 1 + parts + 2 + 1 + retries + (0 if stored else retries)
             assert proxy.counts["requests"] <= bound, proxy.counts
         finally:
             tier.close()

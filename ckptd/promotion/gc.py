@@ -8,7 +8,9 @@ uncommitted step newer than its newest committed one (a save in progress).
 Object tier, in addition, mark and sweep under the GC lease (:mod:`ckptd.promotion.lease`): every chunk
 referenced by a retained manifest's indexes or by an in-flight step's indexes is marked, every other
 chunk is deleted. When a retained step's metadata cannot be read, nothing is swept (its chunks are
-unknown). Multipart uploads abandoned for ``gc_abandoned_s`` are aborted.
+unknown). Multipart uploads no live writer owns are aborted: their owner record names a dead process on
+this host or stopped being refreshed (:mod:`ckptd.tiers.upload_owners`); an upload of a live promoter
+on another host is left alone however old, and one without a record is aborted after ``gc_abandoned_s``.
 """
 
 from __future__ import annotations
@@ -134,7 +136,9 @@ def _sweep(tier: StorageTier, report: GcReport, kept: list[int], in_flight: list
     if not tier.capabilities.multipart_uploads:
         uploads_aborted = 0
     elif dry_run:
-        uploads_aborted = sum(1 for _, _, started in tier.incomplete_uploads() if time.time() - started >= threshold)
+        abandoned = getattr(tier, "abandoned_uploads", None)
+        uploads_aborted = len(abandoned(threshold)) if abandoned is not None else \
+            sum(1 for _, _, started in tier.incomplete_uploads() if time.time() - started >= threshold)
     else:
         uploads_aborted = tier.abort_incomplete_uploads(threshold)
     return replace(report, deleted_chunks=len(garbage), deleted_chunk_bytes=sum(garbage.values()),

@@ -12,6 +12,8 @@ Either the collector's lease is visible to the promoter (which waits), or the pr
 written before the lease and is therefore seen by the collector's mark phase. A lease older than
 ``gc_lease_s`` belongs to a crashed collector and is ignored; so is a lease whose owner ran on this host
 and is no longer alive (a collector killed with SIGKILL must not hold up the restarted job's uploads).
+The host is :func:`ckptd.tiers.upload_owners.this_host` (``CKPTD_HOST_ID`` or the host name), the same
+identity that multipart uploads' owner records carry.
 """
 
 from __future__ import annotations
@@ -19,13 +21,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import time
 from collections.abc import Iterator
 
 from ckptd.config import settings
 from ckptd.errors import LockedError, NotFoundError
 from ckptd.tiers.base import StorageTier
+from ckptd.tiers.upload_owners import process_exists, this_host
 
 #: Object holding the lease, at the tier root (outside every step directory).
 LEASE_PATH = "gc.lease"
@@ -34,15 +36,9 @@ _POLL_S = 0.2
 
 def _owner_is_dead(body: dict[str, object]) -> bool:
     """Whether the lease's owner ran on this host and has exited (a pid reused since counts as alive)."""
-    if body.get("host") != socket.gethostname() or not isinstance(body.get("pid"), int):
+    if body.get("host") != this_host() or not isinstance(body.get("pid"), int):
         return False
-    try:
-        os.kill(int(body["pid"]), 0)  # type: ignore[call-overload]
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return not process_exists(int(body["pid"]))  # type: ignore[call-overload]
 
 
 def _lease_age(tier: StorageTier) -> float | None:
@@ -78,8 +74,8 @@ def gc_lease(tier: StorageTier) -> Iterator[None]:
     if lease_is_fresh(tier):
         raise LockedError("another garbage collection is running on this tier", path=LEASE_PATH,
                           tier=tier.label, hint=f"wait for it, or delete {LEASE_PATH} if it crashed")
-    owner = f"pid {os.getpid()} on {socket.gethostname()}"
-    body = {"owner": owner, "host": socket.gethostname(), "pid": os.getpid(), "created": time.time()}
+    owner = f"pid {os.getpid()} on {this_host()}"
+    body = {"owner": owner, "host": this_host(), "pid": os.getpid(), "created": time.time()}
     tier.write_bytes(LEASE_PATH, json.dumps(body).encode())
     try:
         yield

@@ -8,7 +8,10 @@ Commit protocol for object stores: a PUT (or a completed multipart upload) is at
 temporary names; a step's indexes and chunks are uploaded first and ``manifest.json`` last, with
 ``If-None-Match: *`` where the store supports conditional writes (``write_bytes(..., if_absent=True)``).
 A step without its manifest is never listed as committed. A multipart upload that fails is aborted;
-uploads left by a crashed process are removed by :meth:`ObjectTier.abort_incomplete_uploads` (GC calls it).
+uploads left by a crashed process are removed by :meth:`ObjectTier.abort_incomplete_uploads` (GC calls it),
+which knows them by their owner records (:mod:`ckptd.tiers.upload_owners`) and never aborts the upload of a
+live writer on another host. Every upload asks the store to keep a CRC32 of the object
+(:meth:`ObjectTier.stored_checksum`), which promotion's dedup compares with the local bytes.
 
 Chunks live content-addressed under ``chunks/<2 hex>/<digest>.<codec>`` and are shared by steps and ranks,
 except a rank's small chunks, which stay in its pack (one object in the step directory, read by range:
@@ -35,7 +38,8 @@ from ckptd.tiers.base import StorageTier, StoredObject, TierCapabilities
 from ckptd.tiers.s3_lanes import IoLanes
 from ckptd.tiers.s3_budget import budgeted_filesystem_class
 from ckptd.tiers.s3_options import endpoint_of, region_of, retry_budget, s3fs_options, s3fs_retries, split_url
-from ckptd.tiers.s3_transfers import MIN_PART_BYTES, ReadAhead, get_object, multipart_upload, part_bytes
+from ckptd.tiers.s3_transfers import MIN_PART_BYTES, ReadAhead, get_object, multipart_upload, part_bytes, put_arguments
+from ckptd.tiers.upload_owners import OWNERS_PREFIX, UploadOwner, key_directory, new_record_path
 
 _log = logging.getLogger(__name__)
 _DELETE_BATCH = 1000
@@ -160,6 +164,10 @@ class ObjectTier(StorageTier):
 
     def _list(self, prefix: str) -> list[StoredObject]:
         """Objects whose path relative to the root starts with ``prefix``: one paginated LIST."""
+        return [StoredObject(path, size, stamp) for path, size, _, stamp in self._list_items(prefix)]
+
+    def _list_items(self, prefix: str) -> list[tuple[str, int, str, float]]:
+        """(path, size, ETag, modification time) of the objects under ``prefix``: one paginated LIST."""
         arguments: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self.key(prefix)}
         skip = len(self.key(""))
         found = []
@@ -169,7 +177,7 @@ class ObjectTier(StorageTier):
                 for item in page.get("Contents", []):
                     modified = item.get("LastModified")
                     stamp = modified.timestamp() if hasattr(modified, "timestamp") else time.time()
-                    found.append(StoredObject(item["Key"][skip:], int(item.get("Size", 0)), stamp))
+                    found.append((item["Key"][skip:], int(item.get("Size", 0)), str(item.get("ETag", "")), stamp))
                 if not page.get("IsTruncated"):
                     return found
                 arguments["ContinuationToken"] = page["NextContinuationToken"]
@@ -238,12 +246,29 @@ class ObjectTier(StorageTier):
         with self._errors("uploading", path):
             if len(view) <= part:
                 body = data if isinstance(data, bytes) else bytes(view)  # no copy of bytes already whole
-                self._call(client, "put_object", Bucket=self.bucket, Key=self.key(path), Body=body, **condition)
+                self._call(client, "put_object", Bucket=self.bucket, Key=self.key(path), Body=body, **condition,
+                           **put_arguments(view))
             else:
                 concurrency = max(1, settings().s3_concurrency)
+                owner = (self.key(new_record_path(path)), UploadOwner.mine(path))
                 self._lanes.run(client, lambda: multipart_upload(client, self.bucket, self.key(path), view,
                                                                  part=part, concurrency=concurrency,
-                                                                 condition=condition))
+                                                                 condition=condition, owner_record=owner))
+
+    # --- checksums the store keeps (promotion's dedup compares them) -----------------------------
+    def listed_tags(self, directory: str) -> dict[str, tuple[int, str]]:
+        """Path -> (size, ETag) of every object under ``directory``, from one paginated listing."""
+        return {path: (size, tag) for path, size, tag, _ in self._list_items(f"{directory.rstrip('/')}/")}
+
+    def stored_checksum(self, path: str) -> tuple[int, str, str | None]:
+        """(size, ETag, full-object CRC32 or None) the store keeps for an object: one HEAD asking for
+        checksums. None when it was stored without one, or with a per-part (composite) one."""
+        with self._errors("looking up", path):
+            head = self._call(self.fs, "head_object", Bucket=self.bucket, Key=self.key(path), ChecksumMode="ENABLED")
+        crc = head.get("ChecksumCRC32")
+        if crc is not None and (head.get("ChecksumType") == "COMPOSITE" or "-" in str(crc)):
+            crc = None
+        return int(head["ContentLength"]), str(head.get("ETag", "")), crc
 
     def incomplete_uploads(self) -> list[tuple[str, str, float]]:
         """Multipart uploads under the root that were started and neither completed nor aborted:
@@ -263,16 +288,49 @@ class ObjectTier(StorageTier):
                 arguments.update(KeyMarker=page.get("NextKeyMarker"),
                                  UploadIdMarker=page.get("NextUploadIdMarker"))
 
-    def abort_incomplete_uploads(self, older_than_s: float = 0.0) -> int:
-        """Abort multipart uploads left by crashed writers (started more than ``older_than_s`` ago)."""
-        count = 0
+    def _owner_records(self) -> dict[str, list[tuple[str, UploadOwner | None]]]:
+        """Records directory -> (record path, parsed record) of every owner record of an upload."""
+        found: dict[str, list[tuple[str, UploadOwner | None]]] = {}
+        for obj in self._list(f"{OWNERS_PREFIX}/"):
+            directory, _, _ = obj.path.rpartition("/")
+            try:
+                record = UploadOwner.from_json_bytes(self.read_bytes(obj.path))
+            except NotFoundError:
+                continue  # its upload finished meanwhile
+            found.setdefault(directory, []).append((obj.path, record))
+        return found
+
+    def abandoned_uploads(self, older_than_s: float = 0.0) -> list[tuple[str, str, str]]:
+        """Incomplete multipart uploads no live writer owns: (path, upload id, why). An upload whose key
+        has a live owner record (:mod:`ckptd.tiers.upload_owners`) is never listed, however old; one
+        with no record at all counts as abandoned once started more than ``older_than_s`` ago."""
+        records = self._owner_records()
+        abandoned = []
         for path, upload_id, started in self.incomplete_uploads():
-            if time.time() - started < older_than_s:
+            owners = [record for _, record in records.get(key_directory(path), []) if record is not None]
+            if any(owner.is_alive() for owner in owners):
                 continue
+            if owners:
+                abandoned.append((path, upload_id, "its owner is gone (" + ", ".join(
+                    f"pid {owner.pid} on {owner.host}" for owner in owners) + ")"))
+            elif time.time() - started >= older_than_s:
+                abandoned.append((path, upload_id, f"no owner record and started over {older_than_s:.0f}s ago"))
+        return abandoned
+
+    def abort_incomplete_uploads(self, older_than_s: float = 0.0) -> int:
+        """Abort the multipart uploads no live writer owns (see :meth:`abandoned_uploads`), then delete
+        the owner records that are no longer alive; returns how many uploads were aborted."""
+        count = 0
+        for path, upload_id, why in self.abandoned_uploads(older_than_s):
             with self._errors("aborting a multipart upload", path):
                 self._call(self.fs, "abort_multipart_upload", Bucket=self.bucket, Key=self.key(path),
                            UploadId=upload_id)
+            _log.info("aborted an abandoned multipart upload of %s on %s: %s", path, self.label, why)
             count += 1
+        stale = [record_path for entries in self._owner_records().values() for record_path, record in entries
+                 if record is None or not record.is_alive()]
+        if stale:
+            self.delete_files(stale)
         return count
 
     def delete_files(self, paths: list[str]) -> None:

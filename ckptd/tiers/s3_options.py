@@ -62,6 +62,8 @@ def s3fs_options(options: dict[str, Any] | None, *, metadata: bool = False) -> d
     config_kwargs.setdefault("read_timeout", read)
     config_kwargs.setdefault("retries", {"max_attempts": max(1, attempts), "mode": "standard"})
     config_kwargs.setdefault("max_pool_connections", max(10, 2 * tunables.s3_concurrency))
+    if not tunables.s3_upload_checksum.strip():  # a store that refuses checksum headers: send none
+        config_kwargs.setdefault("request_checksum_calculation", "when_required")
     merged.setdefault("max_concurrency", max(1, tunables.s3_concurrency))
     merged.update(client_kwargs=client_kwargs, config_kwargs=config_kwargs, skip_instance_cache=True,
                   use_listings_cache=False)

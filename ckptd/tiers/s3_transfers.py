@@ -3,22 +3,29 @@
 These coroutines run on an s3fs client's event loop (see :mod:`ckptd.tiers.s3_lanes`). Requests are
 retried by botocore within the operation's budget (:mod:`ckptd.tiers.s3_budget`); a GET whose body
 arrives truncated or stalls is repeated here, from the same budget. A
-multipart upload that fails is aborted before the failure is raised, so it leaves no parts behind.
+multipart upload that fails is aborted before the failure is raised, so it leaves no parts behind; one
+in flight is vouched for by its owner record (:mod:`ckptd.tiers.upload_owners`). Uploads ask the store
+to keep a CRC32 of each object (``s3_upload_checksum``), which promotion's dedup compares cheaply.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import threading
+import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from ckptd._types import Buffer
 from ckptd.config import settings
+from ckptd.errors import ConfigError
 from ckptd.tiers.s3_budget import OperationBudget, backoff_s, current_budget, within_budget
 from ckptd.tiers.s3_errors import is_past_the_end
+from ckptd.tiers.upload_owners import UploadOwner
 
 #: Smallest part S3 accepts in a multipart upload (except the last one).
 MIN_PART_BYTES = 5 * 1024 * 1024
@@ -83,27 +90,85 @@ async def get_range(client: Any, bucket: str, key: str, start: int, length: int)
             body.close()
 
 
+def checksum_enabled() -> bool:
+    """Whether uploads ask the store to keep a CRC32 of each object (``s3_upload_checksum``)."""
+    algorithm = settings().s3_upload_checksum.strip().upper()
+    if algorithm not in ("", "CRC32"):
+        raise ConfigError(f"s3_upload_checksum={algorithm!r} is not supported",
+                          hint="use CRC32 (computed by zlib), or an empty value for a store that refuses checksums")
+    return algorithm == "CRC32"
+
+
+def crc32_checksum(data: Buffer) -> str:
+    """The CRC32 of ``data`` as S3 writes it (base64 of the 4 big-endian bytes)."""
+    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode("ascii")
+
+
+def put_arguments(data: Buffer) -> dict[str, str]:
+    """Checksum arguments of a single PUT of ``data`` (none when checksums are off)."""
+    return {"ChecksumAlgorithm": "CRC32", "ChecksumCRC32": crc32_checksum(data)} if checksum_enabled() else {}
+
+
+async def _keep_owner_fresh(client: Any, bucket: str, record_key: str, owner: UploadOwner) -> None:
+    """Rewrite the owner record every third of its lease until cancelled (failures wait for the next turn)."""
+    while True:
+        await asyncio.sleep(max(0.05, owner.lease_s / 3))
+        with contextlib.suppress(Exception):
+            await client._call_s3("put_object", Bucket=bucket, Key=record_key,
+                                  Body=owner.refreshed_now().to_json_bytes())
+
+
 async def multipart_upload(client: Any, bucket: str, key: str, data: memoryview, *, part: int, concurrency: int,
-                           condition: dict[str, str]) -> None:
+                           condition: dict[str, str], owner_record: tuple[str, UploadOwner] | None = None) -> None:
     """Upload ``data`` in parts of ``part`` bytes, ``concurrency`` at once; completion carries
-    ``condition`` (e.g. If-None-Match). On any failure the upload is aborted, then the failure raised."""
-    created = await client._call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    ``condition`` (e.g. If-None-Match). On any failure the upload is aborted, then the failure raised.
+
+    ``owner_record`` (record key, owner) is written before the upload is created, kept fresh while it
+    runs and deleted after (:mod:`ckptd.tiers.upload_owners`). With checksums on, every part carries its
+    CRC32 and the store keeps a full-object CRC32 of the result."""
+    checksum = checksum_enabled()
+    refresher = None
+    if owner_record is not None:
+        record_key, owner = owner_record
+        await client._call_s3("put_object", Bucket=bucket, Key=record_key, Body=owner.to_json_bytes())
+        refresher = asyncio.ensure_future(_keep_owner_fresh(client, bucket, record_key, owner))
+    try:
+        await _upload_in_parts(client, bucket, key, data, part=part, concurrency=concurrency, condition=condition,
+                               checksum=checksum)
+    finally:
+        if refresher is not None:
+            refresher.cancel()
+            await asyncio.gather(refresher, return_exceptions=True)
+        if owner_record is not None:
+            with contextlib.suppress(Exception):  # a record left behind expires; GC removes it
+                await client._call_s3("delete_object", Bucket=bucket, Key=owner_record[0])
+
+
+async def _upload_in_parts(client: Any, bucket: str, key: str, data: memoryview, *, part: int, concurrency: int,
+                           condition: dict[str, str], checksum: bool) -> None:
+    whole = {"ChecksumAlgorithm": "CRC32", "ChecksumType": "FULL_OBJECT"} if checksum else {}
+    created = await client._call_s3("create_multipart_upload", Bucket=bucket, Key=key, **whole)
     upload_id = created["UploadId"]
     gate = asyncio.Semaphore(concurrency)
 
     async def upload_part(number: int, start: int) -> dict[str, Any]:
         async with gate:
             body = bytes(data[start:start + part])
+            sums = {"ChecksumAlgorithm": "CRC32", "ChecksumCRC32": crc32_checksum(body)} if checksum else {}
             answer = await client._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id,
-                                           PartNumber=number, Body=body)
-            return {"PartNumber": number, "ETag": answer["ETag"]}
+                                           PartNumber=number, Body=body, **sums)
+            done = {"PartNumber": number, "ETag": answer["ETag"]}
+            if checksum:
+                done["ChecksumCRC32"] = sums["ChecksumCRC32"]
+            return done
 
     tasks = [asyncio.ensure_future(upload_part(number, start))
              for number, start in enumerate(range(0, len(data), part), start=1)]
     try:
         parts = await asyncio.gather(*tasks)
+        finish = {"ChecksumType": "FULL_OBJECT"} if checksum else {}
         await client._call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
-                              MultipartUpload={"Parts": list(parts)}, **condition)
+                              MultipartUpload={"Parts": list(parts)}, **condition, **finish)
     except BaseException:
         for task in tasks:
             task.cancel()
@@ -155,4 +220,5 @@ class ReadAhead:
 
 
 
-__all__ = ["MIN_PART_BYTES", "ReadAhead", "get_object", "get_range", "multipart_upload", "part_bytes"]
+__all__ = ["MIN_PART_BYTES", "ReadAhead", "checksum_enabled", "crc32_checksum", "get_object", "get_range",
+           "multipart_upload", "part_bytes", "put_arguments"]

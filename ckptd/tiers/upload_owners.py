@@ -1,0 +1,103 @@
+"""Who owns a multipart upload: owner records, so that a collector aborts only abandoned uploads.
+
+A multipart upload in flight is invisible except in the store's list of incomplete uploads, which says
+only the key and when it was started (and some stores, moto among them, do not even say that
+truthfully). Before it creates the upload, the uploader writes an owner record at
+``uploads/<sha256 of the key, 32 hex>/<host>-<pid>-<nonce>.json`` holding its host identity, pid, when
+it last refreshed the record and how long the record stays valid (``s3_upload_owner_lease_s``). It
+rewrites the record every third of that while its parts go up, and deletes it once the upload is
+completed or aborted.
+
+An upload is **abandoned** when no record for its key is alive; a record is alive while it is fresh
+and, when it was written on this host, its process still exists. So a collector never aborts the
+upload of a live promoter on another host, aborts at once an upload whose owner on this host was
+killed, and aborts any upload whose owner stopped refreshing (a dead host). An upload with no record
+at all (written by an older ckptd) falls back to its ``Initiated`` time.
+
+The host identity is ``CKPTD_HOST_ID`` (``host_id`` setting) or the host name; tests give a second
+process another identity to stand in for another host. Records live outside step directories and
+``chunks/``, so step and chunk listings never see them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+from ckptd.config import settings
+
+#: Directory (relative to the tier root) holding the owner records of multipart uploads.
+OWNERS_PREFIX = "uploads"
+
+
+def this_host() -> str:
+    """This machine's identity in owner records and leases."""
+    return settings().host_id or socket.gethostname()
+
+
+def process_exists(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (one owned by another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(frozen=True)
+class UploadOwner:
+    """The owner record of one multipart upload (or of several of one key by one writer)."""
+
+    key: str
+    host: str
+    pid: int
+    refreshed: float
+    lease_s: float
+
+    @classmethod
+    def mine(cls, key: str) -> UploadOwner:
+        return cls(key=key, host=this_host(), pid=os.getpid(), refreshed=time.time(),
+                   lease_s=settings().s3_upload_owner_lease_s)
+
+    def refreshed_now(self) -> UploadOwner:
+        return UploadOwner(self.key, self.host, self.pid, time.time(), self.lease_s)
+
+    def to_json_bytes(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json_bytes(cls, raw: bytes) -> UploadOwner | None:
+        """The record, or None when it is mangled (a mangled record protects nothing)."""
+        try:
+            body = json.loads(raw)
+            return cls(key=str(body["key"]), host=str(body["host"]), pid=int(body["pid"]),
+                       refreshed=float(body["refreshed"]), lease_s=float(body["lease_s"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def is_alive(self, now: float | None = None) -> bool:
+        """Fresh, and (when written on this host) its process still runs."""
+        if (time.time() if now is None else now) - self.refreshed >= self.lease_s:
+            return False
+        return self.host != this_host() or process_exists(self.pid)
+
+
+def key_directory(key: str) -> str:
+    """The records directory (relative to the tier root) of an object key."""
+    return f"{OWNERS_PREFIX}/{hashlib.sha256(key.encode()).hexdigest()[:32]}"
+
+
+def new_record_path(key: str) -> str:
+    """A fresh record path for one upload of ``key`` by this process."""
+    host = "".join(char if char.isalnum() or char in "-_." else "_" for char in this_host())[:64]
+    return f"{key_directory(key)}/{host}-{os.getpid()}-{uuid.uuid4().hex[:12]}.json"
+
+
+__all__ = ["OWNERS_PREFIX", "UploadOwner", "key_directory", "new_record_path", "process_exists", "this_host"]
