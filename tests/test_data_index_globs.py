@@ -113,7 +113,8 @@ def test_include_replaces_the_readers_file_endings(tmp_path: Path) -> None:
 def test_split_names_and_glob_rules() -> None:
     assert split_of("train.bin") == "train" and split_of("val.bin") == "validation"
     assert split_of("shard-000-test.jsonl") == "test" and split_of("part-000.bin") is None
-    assert split_of("trainval.bin") is None  # one word: names no split, refused by nothing
+    assert split_of("trainval.bin") is None  # one word: names no split
+    assert split_of("validation/part-0.parquet") == "validation" and split_of("train/val-0.bin") is None
     assert matches("a/b/train.bin", "train*") and not matches("a/b/train.bin", "a/train*")
     assert matches("a/b/train.bin", "a/*/train.bin") and matches("a/b/train.bin", "a/*")
 

@@ -6,8 +6,8 @@ relative to the root, where ``*`` also crosses directories (``en/*/part-*.jsonl`
 patterns, a file is a shard when it matches one of them (the reader's suffixes are then not used);
 without, when its name ends with one of the suffixes. Exclude patterns remove files afterwards.
 
-Without any pattern, files whose names say they belong to different splits (``train.bin`` and
-``val.bin``) are refused with a :class:`~ckptd.errors.ConfigError`: an epoch would silently mix
+Without any pattern, files whose paths say they belong to different splits (``train.bin`` and
+``val.bin``, or ``train/*.parquet`` and ``validation/*.parquet``) are refused with a :class:`~ckptd.errors.ConfigError`: an epoch would silently mix
 training and validation data. Any include or exclude pattern counts as an explicit choice.
 """
 
@@ -35,8 +35,9 @@ def matches(relative: str, pattern: str) -> bool:
 
 
 def split_of(relative: str) -> str | None:
-    """The split a file name names (``train``, ``validation``, ``test``), or None."""
-    words = re.split(r"[^a-z]+", posixpath.basename(relative).lower())
+    """The split a file's path under the root names (``train``, ``validation``, ``test``; from the file
+    name or a directory, as in ``train/part-0.parquet``), or None when it names none or several."""
+    words = re.split(r"[^a-z]+", relative.lower())
     found = {SPLIT_WORDS[word] for word in words if word in SPLIT_WORDS}
     return found.pop() if len(found) == 1 else None
 
