@@ -109,7 +109,7 @@ def set_data_files(files: Callable[[list[list[Any]]], list[list[Any]]], *,
 def first_file_as(name: str | None = None, size: int | None = None) -> Callable[[list[list[Any]]], list[list[Any]]]:
     """The data file list with the first file's name or size replaced (size: added to the true one)."""
     def change(files: list[list[Any]]) -> list[list[Any]]:
-        first = [files[0][0] if name is None else name, files[0][1] + (size or 0)]
+        first = [files[0][0] if name is None else name, files[0][1] + (size or 0), *files[0][2:]]
         return [first, *files[1:]]
     return change
 
@@ -140,7 +140,10 @@ FORGERIES: dict[str, Forgery] = {
                                         UnsafePathError, INDEX),
     "index-data-files-differ-from-manifest": Forgery(set_data_files(first_file_as(size=1), in_manifest=False),
                                                      IntegrityError, INDEX),
-    "index-unknown-version": Forgery(edit_index(format_version=3), FormatVersionError, INDEX),
+    "index-unknown-version": Forgery(edit_index(format_version=4), FormatVersionError, INDEX),
+    "index-pack-in-version-2": Forgery(edit_index(format_version=2), FormatError, INDEX),
+    "index-data-file-odd-marker": Forgery(set_data_files(lambda files: [[*files[0][:2], "zipped"], *files[1:]]),
+                                          FormatError, MANIFEST),
     "index-chunk-in-unlisted-file": Forgery(edit_chunk(0, 5, 99), FormatError, INDEX),
     "index-chunk-without-file-number": Forgery(edit_chunk(0, 5, None), FormatError, INDEX),
     "index-negative-offset": Forgery(edit_chunk(1, 0, -4096), FormatError, INDEX),

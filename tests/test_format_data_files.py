@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptd.config import override
+from ckptd.config import override, settings
 from ckptd.errors import IntegrityError
 from ckptd.stepio import step_reader
 from ckptd.format.records import FORMAT_VERSION
@@ -64,17 +64,18 @@ def test_large_chunks_go_to_parallel_aligned_files_and_small_ones_are_packed(
     with override(chunk_bytes=CHUNK, io_threads=3, direct_io_min_bytes=64 * 1024):
         save_one(manager_factory, state, codec=codec)
     index = index_of(checkpoint_dir)
-    assert index["format_version"] == FORMAT_VERSION == 2
+    assert index["format_version"] == FORMAT_VERSION == 3
     files = index["data_files"]
     assert 2 <= len(files) <= 4, "file 0 for small chunks and up to io_threads parallel files"
-    for name, size in files:
+    assert files[0][2:] == ["packed"] and all(len(item) == 2 for item in files[1:]), "file 0 is the pack"
+    for name, size, *_ in files:
         assert (tamper.step_path(checkpoint_dir, STEP) / name).stat().st_size == size
     for tensor, record in index["tensors"].items():
         for offset, length, *_, part in record["chunks"]:
-            if length >= 64 * 1024:
+            if state[tensor].nbytes >= settings().pack_below_bytes:  # the last, short chunk too
                 assert part >= 1 and offset % direct_io.ALIGNMENT == 0, f"{tensor}: large chunk in a parallel file"
             else:
-                assert part == 0, f"{tensor}: small chunk packed into the first file"
+                assert part == 0, f"{tensor}: small tensor packed into the first file"
     assert list(verify_step(LocalTier(checkpoint_dir), STEP)) == []
     restored = zeros_like(state)
     assert manager_factory().restore(restored) == STEP
@@ -84,7 +85,7 @@ def test_large_chunks_go_to_parallel_aligned_files_and_small_ones_are_packed(
 def test_every_chunk_direct_pads_each_one_to_the_alignment(manager_factory: ManagerFactory,
                                                            checkpoint_dir: Path) -> None:
     state = mixed_state(2)
-    with override(chunk_bytes=CHUNK, io_threads=2, direct_io_min_bytes=0):
+    with override(chunk_bytes=CHUNK, io_threads=2, direct_io_min_bytes=0, pack_below_bytes=0):
         save_one(manager_factory, state)
     index = index_of(checkpoint_dir)
     assert index["data_files"][0][1] == 0, "nothing is packed when every chunk goes direct"
@@ -183,7 +184,8 @@ def downgrade_to_version_1(root: Path, step: int) -> None:
 def test_format_version_1_checkpoints_still_restore_and_verify(manager_factory: ManagerFactory,
                                                                checkpoint_dir: Path) -> None:
     state = mixed_state(5)
-    with override(chunk_bytes=CHUNK, direct_io_min_bytes=1 << 40):  # everything in one data file
+    # everything in one data file, and no pack (format 1 has none)
+    with override(chunk_bytes=CHUNK, direct_io_min_bytes=1 << 40, pack_below_bytes=0):
         save_one(manager_factory, state)
     downgrade_to_version_1(checkpoint_dir, STEP)
     assert tamper.read_json(tamper.manifest_path(checkpoint_dir, STEP))["format_version"] == 1

@@ -37,9 +37,12 @@ def model_state(seed: int, *, frozen_elements: int = 256 * 1024, trained_element
 
 
 def save_local(directory: Path | str, states: dict[int, dict[str, torch.Tensor]], *,
-               chunk_bytes: int = SMALL_CHUNK, keep_local: int | None = None) -> LocalTier:
-    """Save each ``{step: state}`` to a local tier (no object tier) and return that tier."""
-    with override(chunk_bytes=chunk_bytes):
+               chunk_bytes: int = SMALL_CHUNK, keep_local: int | None = None,
+               pack_below_bytes: int = 0) -> LocalTier:
+    """Save each ``{step: state}`` to a local tier (no object tier) and return that tier. By default
+    without packs, so that every chunk becomes its own object on the object tier (what the tests of
+    dedup, GC and corruption of chunk objects look at; packs: tests/test_packed_chunks.py)."""
+    with override(chunk_bytes=chunk_bytes, pack_below_bytes=pack_below_bytes):
         with ckptd.CheckpointManager(directory, capture_rng=False,
                                      policy=ckptd.Policy(keep_local=keep_local)) as manager:
             for step, state in sorted(states.items()):

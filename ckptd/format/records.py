@@ -12,6 +12,9 @@ Three records describe a step:
 
 Format version 2 lets a rank spread its chunks over several data files (:class:`DataFile`), written in
 parallel; version 1 (one ``data_file`` per rank, chunk records without a file number) is still read.
+Version 3 marks a data file as a *pack* (``[name, size, "packed"]``): it holds a rank's small chunks, and
+tiers that store chunks by digest keep it whole in the step directory and read its chunks by range,
+instead of storing each chunk as its own object. Steps of versions 1 and 2 have no packs.
 
 Parsing validates everything a reader relies on, so the rest of ckptd can trust a parsed record: known
 format version, safe file names, non-negative and non-overlapping extents inside each data file, sizes
@@ -21,14 +24,13 @@ file and step.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ckptd._version import __version__
 from ckptd.errors import FormatError, FormatVersionError, IntegrityError
@@ -36,31 +38,50 @@ from ckptd.format import codecs
 from ckptd.format.hashing import CHUNK_DIGEST_ALGORITHM, chunk_digest
 from ckptd.format.layout import safe_name
 
+if TYPE_CHECKING:
+    import torch
+
 #: Version of the on-disk checkpoint format written by this ckptd.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: Versions this ckptd can read.
-READABLE_FORMAT_VERSIONS = frozenset({1, 2})
+READABLE_FORMAT_VERSIONS = frozenset({1, 2, 3})
+#: Format version from which a data file may be a pack.
+PACKED_FILES_SINCE = 3
+_PACKED = "packed"
 FORMAT_NAME = "ckptd-checkpoint"
 #: Largest raw chunk a reader accepts (guards allocations driven by a corrupt index).
 MAX_CHUNK_BYTES = 1 << 31
 _DIGEST = re.compile(r"^[0-9a-f]{32}$")
 
-#: dtype names as stored, and the torch dtype each stands for.
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
-    "bfloat16": torch.bfloat16, "complex128": torch.complex128, "complex64": torch.complex64,
-    "complex32": torch.complex32, "int64": torch.int64, "int32": torch.int32, "int16": torch.int16,
-    "int8": torch.int8, "uint8": torch.uint8, "uint16": torch.uint16, "uint32": torch.uint32,
-    "uint64": torch.uint64, "bool": torch.bool, "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
+#: dtype names as stored, and the bytes per element of each (parsing needs no torch).
+DTYPE_ITEMSIZES: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
+    "complex32": 4, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4,
+    "uint64": 8, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
 }
-DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@functools.cache
+def _torch_dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    import torch  # on first use: reading manifests and listing steps (``ckptd ls``) need no torch
+
+    by_name = {name: getattr(torch, name) for name in DTYPE_ITEMSIZES}
+    return by_name, {dtype: name for name, dtype in by_name.items()}
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES`` (stored name -> torch dtype) and ``DTYPE_NAMES`` (the reverse), built on first use."""
+    if name == "DTYPES":
+        return _torch_dtypes()[0]
+    if name == "DTYPE_NAMES":
+        return _torch_dtypes()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """Stored name of a torch dtype."""
     try:
-        return DTYPE_NAMES[dtype]
+        return _torch_dtypes()[1][dtype]
     except KeyError:
         raise FormatError(f"dtype {dtype} cannot be stored by ckptd") from None
 
@@ -100,7 +121,7 @@ class TensorRecord:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return _torch_dtypes()[0][self.dtype]
 
     def to_json(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "shape": list(self.shape), "chunks": [c.to_json() for c in self.chunks]}
@@ -108,13 +129,15 @@ class TensorRecord:
 
 @dataclass(frozen=True)
 class DataFile:
-    """One data file of a rank: its name inside the step directory and its size in bytes."""
+    """One data file of a rank: its name inside the step directory and its size in bytes. A ``packed``
+    file holds the rank's small chunks and is stored whole on every tier (see the module docstring)."""
 
     name: str
     size: int
+    packed: bool = False
 
     def to_json(self) -> list[Any]:
-        return [self.name, self.size]
+        return [self.name, self.size, _PACKED] if self.packed else [self.name, self.size]
 
 
 def total_size(data_files: tuple[DataFile, ...]) -> int:
@@ -142,6 +165,15 @@ class RankIndex:
         """Name of the data file that holds ``chunk``."""
         return self.data_files[chunk.file].name
 
+    def in_pack(self, chunk: ChunkRecord) -> bool:
+        """Whether ``chunk`` lies in a packed data file (read by range everywhere, never by digest)."""
+        return self.data_files[chunk.file].packed
+
+    def packed_chunks(self, number: int) -> list[ChunkRecord]:
+        """The distinct chunks stored in data file ``number``, by offset."""
+        placed = {(chunk.offset, chunk.length): chunk for chunk in self.chunks if chunk.file == number}
+        return [placed[extent] for extent in sorted(placed)]
+
     def to_json_bytes(self) -> bytes:
         body = {
             "format": FORMAT_NAME,
@@ -164,7 +196,7 @@ class RankIndex:
         body = _load_json(raw, path=path, step=step, tier=tier, kind="rank-index")
         problems = _Problems(path=path, step=step, tier=tier)
         version = body["format_version"]
-        data_files = _parse_data_files(body, problems, step)
+        data_files = _parse_data_files(body, problems, step, version)
         tensors_json = body.get("tensors")
         if not isinstance(tensors_json, dict):
             problems.fail("'tensors' is not an object")
@@ -203,9 +235,9 @@ class RankEntry:
                 "data_files": [data_file.to_json() for data_file in self.data_files]}
 
     @classmethod
-    def from_json(cls, item: Any, *, step: int, path: str) -> RankEntry:
-        """Parse and check an entry as :meth:`to_json` writes it."""
-        return _parse_entry(item, _Problems(path=path, step=step, tier=None), step)
+    def from_json(cls, item: Any, *, step: int, path: str, version: int = FORMAT_VERSION) -> RankEntry:
+        """Parse and check an entry as :meth:`to_json` writes it (in a manifest of format ``version``)."""
+        return _parse_entry(item, _Problems(path=path, step=step, tier=None), step, version)
 
 
 @dataclass(frozen=True)
@@ -267,7 +299,8 @@ class Manifest:
         entries_json = body.get("ranks")
         if not isinstance(entries_json, list):
             problems.fail("'ranks' is not a list")
-        entries = tuple(_parse_entry(item, problems, manifest_step) for item in entries_json)
+        entries = tuple(_parse_entry(item, problems, manifest_step, body["format_version"])
+                        for item in entries_json)
         if sorted(e.rank for e in entries) != list(range(world_size)) or world_size < 1:
             problems.fail(f"ranks listed do not match world size {world_size}")
         extra = body.get("extra", {})
@@ -331,7 +364,7 @@ def _load_json(raw: bytes, *, path: str, step: int | None, tier: str | None, kin
     return body
 
 
-def _parse_entry(item: Any, problems: _Problems, step: int) -> RankEntry:
+def _parse_entry(item: Any, problems: _Problems, step: int, version: int) -> RankEntry:
     if not isinstance(item, dict):
         problems.fail("a rank entry is not an object")
     digest = problems.text(item.get("index_digest"), "index_digest")
@@ -342,21 +375,26 @@ def _parse_entry(item: Any, problems: _Problems, step: int) -> RankEntry:
         index_file=safe_name(item.get("index_file"), step=step, path=problems.path),
         index_size=problems.non_negative_int(item.get("index_size"), "index_size"),
         index_digest=digest,
-        data_files=_parse_data_files(item, problems, step),
+        data_files=_parse_data_files(item, problems, step, version),
     )
 
 
-def _parse_data_files(body: dict[str, Any], problems: _Problems, step: int) -> tuple[DataFile, ...]:
-    """The data files of a rank entry or index: ``data_files`` (version 2) or ``data_file`` and
-    ``data_size`` (version 1)."""
+def _parse_data_files(body: dict[str, Any], problems: _Problems, step: int, version: int) -> tuple[DataFile, ...]:
+    """The data files of a rank entry or index: ``data_files`` (version 2; from version 3 an entry may
+    end in ``"packed"``) or ``data_file`` and ``data_size`` (version 1)."""
     if "data_files" not in body:
         return (DataFile(name=safe_name(body.get("data_file"), step=step, path=problems.path),
                          size=problems.non_negative_int(body.get("data_size"), "data_size")),)
     listed = body["data_files"]
-    if not isinstance(listed, list) or not all(isinstance(item, list) and len(item) == 2 for item in listed):
-        problems.fail("'data_files' is not a list of [name, size] pairs")
-    files = tuple(DataFile(name=safe_name(name, step=step, path=problems.path),
-                           size=problems.non_negative_int(size, "data file size")) for name, size in listed)
+    lengths = (2, 3) if version >= PACKED_FILES_SINCE else (2,)
+    if not isinstance(listed, list) or not all(isinstance(item, list) and len(item) in lengths for item in listed):
+        problems.fail("'data_files' is not a list of [name, size] pairs" if len(lengths) == 1 else
+                      "'data_files' is not a list of [name, size] or [name, size, \"packed\"] entries")
+    if any(len(item) == 3 and item[2] != _PACKED for item in listed):
+        problems.fail("a data file is marked with something other than \"packed\"")
+    files = tuple(DataFile(name=safe_name(item[0], step=step, path=problems.path),
+                           size=problems.non_negative_int(item[1], "data file size"), packed=len(item) == 3)
+                  for item in listed)
     if len({data_file.name for data_file in files}) != len(files):
         problems.fail("a data file is listed twice")
     return files
@@ -367,7 +405,7 @@ def _parse_tensor(name: str, value: Any, data_files: tuple[DataFile, ...], versi
     if not isinstance(value, dict):
         problems.fail(f"tensor {name!r} is not an object")
     dtype = value.get("dtype")
-    if dtype not in DTYPES:
+    if dtype not in DTYPE_ITEMSIZES:
         problems.fail(f"tensor {name!r} has unknown dtype {dtype!r}")
     shape_json = value.get("shape")
     if not isinstance(shape_json, list):
@@ -377,7 +415,7 @@ def _parse_tensor(name: str, value: Any, data_files: tuple[DataFile, ...], versi
     if not isinstance(chunks_json, list):
         problems.fail(f"tensor {name!r} has no chunk list")
     chunks = tuple(_parse_chunk(name, item, data_files, version, problems) for item in chunks_json)
-    expected = math.prod(shape) * DTYPES[dtype].itemsize
+    expected = math.prod(shape) * DTYPE_ITEMSIZES[dtype]
     record = TensorRecord(dtype=dtype, shape=shape, chunks=chunks)
     if record.nbytes != expected:
         problems.fail(f"tensor {name!r}: chunks hold {record.nbytes} bytes but dtype and shape need {expected}")

@@ -1,15 +1,18 @@
-"""What a committed step holds, read from one tier and checked: the manifest, the rank indexes and the
-unique chunks they reference, plus the check every copied chunk passes."""
+"""What a committed step holds, read from one tier and checked: the manifest, the rank indexes, the
+unique content-addressed chunks they reference and their packs, plus the check every copied chunk and
+pack passes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ckptd._types import Buffer
 from ckptd.errors import IntegrityError
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.verify import decode_verified
 from ckptd.format.layout import MANIFEST_NAME, step_file
-from ckptd.format.records import ChunkRecord, Manifest, RankIndex
+from ckptd.format.records import ChunkRecord, DataFile, Manifest, RankIndex
+from ckptd.stepio.packs import PackReads, chunk_location, read_by_digest
 from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 from ckptd.tiers.base import StorageTier
 
@@ -34,12 +37,21 @@ class StepContents:
     shares: tuple[RankShare, ...]
 
     def unique_chunks(self) -> dict[str, tuple[RankShare, ChunkRecord]]:
-        """Each content address once, with the first rank and record that reference it."""
+        """Each content address once, with the first rank and record that reference it: the chunks a
+        tier that stores chunks by digest keeps as their own objects (chunks in packs are not among
+        them, see :meth:`packs`)."""
         found: dict[str, tuple[RankShare, ChunkRecord]] = {}
         for share in self.shares:
             for chunk in share.index.chunks:
-                found.setdefault(chunk.object_key, (share, chunk))
+                if not share.index.in_pack(chunk):
+                    found.setdefault(chunk.object_key, (share, chunk))
         return found
+
+    def packs(self) -> list[tuple[RankShare, int]]:
+        """(rank share, data file number) of every pack that holds bytes; a tier that stores chunks by
+        digest keeps each whole in the step directory."""
+        return [(share, number) for share in self.shares
+                for number, data_file in enumerate(share.index.data_files) if data_file.packed and data_file.size]
 
 
 def read_step_contents(tier: StorageTier, step: int, ranks: list[int] | None = None) -> StepContents:
@@ -63,7 +75,7 @@ def read_step_contents(tier: StorageTier, step: int, ranks: list[int] | None = N
     return StepContents(step=step, manifest_bytes=manifest_bytes, manifest=manifest, shares=tuple(shares))
 
 
-def check_stored_chunk(stored: bytes, chunk: ChunkRecord, *, path: str, step: int, tier: str) -> None:
+def check_stored_chunk(stored: Buffer, chunk: ChunkRecord, *, path: str, step: int, tier: str) -> None:
     """Decode the stored bytes of a chunk exactly as a reader would and compare their digest with the
     record (:func:`ckptd.format.verify.decode_verified`). Raises IntegrityError naming the file, step,
     tier and chunk."""
@@ -71,18 +83,56 @@ def check_stored_chunk(stored: bytes, chunk: ChunkRecord, *, path: str, step: in
 
 
 def stored_chunk_path(tier: StorageTier, share: RankShare, chunk: ChunkRecord) -> str:
-    """Where a chunk's stored bytes live on a tier (content address, or the rank's data file)."""
-    if tier.stores_chunks_by_digest:
-        return tier.chunk_path(chunk.object_key)
-    return step_file(share.index.step, share.index.data_file(chunk))
+    """Where a chunk's stored bytes live on a tier (content address, or the rank's data file or pack)."""
+    return chunk_location(tier, share.index, chunk)
 
 
-def read_stored_chunk(tier: StorageTier, share: RankShare, chunk: ChunkRecord) -> bytes:
-    """The stored (encoded) bytes of one chunk from a tier, checked against its digest."""
+def read_stored_chunk(tier: StorageTier, share: RankShare, chunk: ChunkRecord, *,
+                      packs: PackReads | None = None) -> bytes:
+    """The stored (encoded) bytes of one chunk from a tier, checked against its digest. A chunk in a pack
+    on a tier that stores chunks by digest is read through ``packs`` when given (coalesced with its
+    neighbours), else by a ranged read of its own."""
     path = stored_chunk_path(tier, share, chunk)
-    if tier.stores_chunks_by_digest:
+    if read_by_digest(tier, share.index, chunk):
         stored = tier.read_bytes(path)
+    elif packs is not None and tier.stores_chunks_by_digest:
+        stored = bytes(packs.stored_bytes(tier, share.index, chunk))
     else:
         stored = tier.read_bytes(path, chunk.offset, chunk.length)
     check_stored_chunk(stored, chunk, path=path, step=share.index.step, tier=tier.label)
     return stored
+
+
+def pack_path(share: RankShare, number: int) -> str:
+    """Path of a rank's pack (its data file ``number``) relative to a tier's root."""
+    return step_file(share.index.step, share.index.data_files[number].name)
+
+
+def read_verified_pack(tier: StorageTier, share: RankShare, number: int) -> bytes:
+    """The bytes of a rank's pack (data file ``number``) from a tier, in one read, after checking its
+    size and every chunk in it against its digest. Bytes no chunk covers (a pack has none) come back as
+    zeros, so that nothing unverified is copied. Raises IntegrityError naming the pack, step and tier."""
+    data_file: DataFile = share.index.data_files[number]
+    path, step = pack_path(share, number), share.index.step
+    if data_file.size == 0:
+        return b""
+    data = tier.read_bytes(path)
+    if len(data) != data_file.size:
+        raise IntegrityError("pack has the wrong size", path=path, step=step, tier=tier.label,
+                             expected=str(data_file.size), actual=str(len(data)),
+                             hint="this copy is corrupt; use another tier's copy or an older step")
+    view, covered, gaps = memoryview(data), 0, []
+    for chunk in share.index.packed_chunks(number):
+        check_stored_chunk(view[chunk.offset:chunk.offset + chunk.length], chunk, path=path, step=step,
+                           tier=tier.label)
+        if chunk.offset > covered:
+            gaps.append((covered, chunk.offset))
+        covered = max(covered, chunk.offset + chunk.length)
+    if covered < len(data):
+        gaps.append((covered, len(data)))
+    if not gaps:
+        return data
+    cleaned = bytearray(data)
+    for start, end in gaps:
+        cleaned[start:end] = bytes(end - start)
+    return bytes(cleaned)

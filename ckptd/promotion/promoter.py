@@ -7,10 +7,12 @@ it again):
 2. stop if the object tier already has this step committed with the same content (idempotent);
 3. upload the rank indexes: the step's in-flight marker, which protects its chunks from GC
    (see :mod:`ckptd.promotion.lease`), then wait while a collector holds the GC lease;
-4. list the chunks already stored; upload only the missing ones. Each chunk's bytes are read from the
-   local data file, decoded and hashed, and compared with the index *before* those same bytes are sent;
-   a local chunk that fails its digest stops the promotion and nothing is committed remotely;
-5. list again and check every chunk the step references is stored with the right size;
+4. list the chunks already stored; upload only the missing ones, and every rank's pack (its small chunks
+   in one object in the step directory, format 3). Each chunk's bytes are read from the local data
+   file, decoded and hashed, and compared with the index *before* those same bytes are sent (a pack is
+   read whole and each of its chunks checked before the pack is sent); a local chunk that fails its
+   digest stops the promotion and nothing is committed remotely;
+5. list again and check every chunk and pack the step references is stored with the right size;
 6. with several ranks promoting their own shares, each writes ``rank-NNNNN.promoted`` and the committing
    rank waits for all of them;
 7. write ``manifest.json`` last: the exact bytes of the local manifest.
@@ -18,6 +20,7 @@ it again):
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -27,11 +30,12 @@ from dataclasses import dataclass
 
 from ckptd.config import settings
 from ckptd.errors import AlreadyCommittedError, CommitError, NotFoundError
-from ckptd.format.layout import MANIFEST_NAME, step_file
+from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
 from ckptd.tiers.atomicity import step_commit
 from ckptd.format.records import ChunkRecord, Manifest
 from ckptd.stepio.step_reader import load_step_manifest
-from ckptd.promotion.contents import RankShare, StepContents, read_step_contents, read_stored_chunk
+from ckptd.promotion.contents import (RankShare, StepContents, pack_path, read_step_contents, read_stored_chunk,
+                                     read_verified_pack)
 from ckptd.promotion.lease import wait_for_collector
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.object import ObjectTier
@@ -46,7 +50,9 @@ ProgressHook = Callable[[int], None]
 
 @dataclass(frozen=True)
 class PromotionReport:
-    """What one promotion did. Byte counts are of stored (encoded) chunk bytes."""
+    """What one promotion did. Byte counts are of stored (encoded) chunk bytes. ``chunks`` and
+    ``chunks_uploaded`` count content-addressed chunks; ``packs_uploaded`` the packs sent (whose bytes
+    ``bytes_uploaded`` includes)."""
 
     step: int
     tier: str
@@ -57,6 +63,7 @@ class PromotionReport:
     bytes_uploaded: int
     already_committed: bool
     seconds: float
+    packs_uploaded: int = 0
 
 
 def promoted_marker_name(rank: int) -> str:
@@ -115,7 +122,7 @@ class Promoter:
         stored = stored_chunks(self.remote)
         missing = [(share, chunk) for key, (share, chunk) in needed.items() if stored.get(key) != chunk.length]
         self.on_phase("chunks")
-        uploaded_bytes += self._upload_chunks(missing, progress)
+        uploaded_bytes += self._upload(missing, contents.packs(), progress)
         self._check_all_stored(contents, needed)
         self.on_phase("verified")
         for share in contents.shares if ranks is not None else ():
@@ -128,12 +135,13 @@ class Promoter:
                 existing = self._remote_manifest(step)
                 if existing is None or not _same_step(existing, contents.manifest):
                     raise
-                return self._report(contents, len(missing), uploaded_bytes, True, started)
+                return self._report(contents, len(missing), uploaded_bytes, True, started, len(contents.packs()))
             uploaded_bytes += len(contents.manifest_bytes)
             self.on_phase("committed")
-        report = self._report(contents, len(missing), uploaded_bytes, False, started)
-        log.info("promoted step %d to %s: %d of %d chunks uploaded (%d bytes) in %.2fs", step, self.remote.label,
-                 report.chunks_uploaded, report.chunks, report.bytes_uploaded, report.seconds)
+        report = self._report(contents, len(missing), uploaded_bytes, False, started, len(contents.packs()))
+        log.info("promoted step %d to %s: %d of %d chunks and %d packs uploaded (%d bytes) in %.2fs", step,
+                 self.remote.label, report.chunks_uploaded, report.chunks, report.packs_uploaded,
+                 report.bytes_uploaded, report.seconds)
         return report
 
     def _remote_manifest(self, step: int) -> Manifest | None:
@@ -142,25 +150,39 @@ class Promoter:
         except NotFoundError:
             return None
 
-    def _upload_chunks(self, missing: list[tuple[RankShare, ChunkRecord]], progress: ProgressHook | None) -> int:
+    def _upload(self, missing: list[tuple[RankShare, ChunkRecord]], packs: list[tuple[RankShare, int]],
+                progress: ProgressHook | None) -> int:
+        """Upload the missing chunks by digest and the packs into the step directory, in parallel;
+        returns the bytes sent. Every byte sent was checked against its digest first."""
         lock = threading.Lock()
         total = 0
 
-        def copy(item: tuple[RankShare, ChunkRecord]) -> None:
+        def sent(count: int) -> None:
             nonlocal total
+            with lock:
+                total += count
+            if progress is not None:
+                progress(count)
+
+        def copy(item: tuple[RankShare, ChunkRecord]) -> None:
             share, chunk = item
             stored = read_stored_chunk(self.local, share, chunk)  # digest checked before upload
             self.remote.write_bytes(self.remote.chunk_path(chunk.object_key), stored)
-            with lock:
-                total += len(stored)
-            if progress is not None:
-                progress(len(stored))
+            sent(len(stored))
 
-        if not missing:
+        def copy_pack(share: RankShare, number: int) -> None:
+            data = read_verified_pack(self.local, share, number)  # every chunk checked before upload
+            self.remote.write_bytes(pack_path(share, number), data)
+            sent(len(data))
+
+        jobs = [functools.partial(copy, item) for item in missing]
+        # packs first: each is one large object, and a rank's many small chunks ride in it
+        jobs[:0] = [functools.partial(copy_pack, share, number) for share, number in packs]
+        if not jobs:
             return 0
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(missing)),
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(jobs)),
                                 thread_name_prefix="ckptd-promote") as pool:
-            futures = [pool.submit(copy, item) for item in missing]
+            futures = [pool.submit(job) for job in jobs]
             try:
                 for future in futures:
                     future.result()
@@ -177,6 +199,16 @@ class Promoter:
                 raise CommitError("a chunk is missing on the object tier after upload; the step was not committed",
                                   step=contents.step, tier=self.remote.label, path=self.remote.chunk_path(key),
                                   hint="promote the step again")
+        packs = contents.packs()
+        if not packs:
+            return
+        in_step = {obj.path: obj.size for obj in self.remote.list_objects(step_dir(contents.step))}
+        for share, number in packs:
+            path = pack_path(share, number)
+            if in_step.get(path) != share.index.data_files[number].size:
+                raise CommitError("a pack is missing on the object tier after upload; the step was not committed",
+                                  step=contents.step, tier=self.remote.label, path=path,
+                                  hint="promote the step again")
 
     def _wait_for_other_ranks(self, contents: StepContents, ranks: list[int] | None) -> None:
         others = [entry.rank for entry in contents.manifest.ranks if ranks is not None and entry.rank not in ranks]
@@ -191,13 +223,13 @@ class Promoter:
                 time.sleep(0.2)
 
     def _report(self, contents: StepContents, uploaded: int, uploaded_bytes: int, already: bool,
-                started: float) -> PromotionReport:
+                started: float, packs_uploaded: int = 0) -> PromotionReport:
         needed = contents.unique_chunks()
         return PromotionReport(step=contents.step, tier=self.remote.label,
                                ranks=tuple(share.rank for share in contents.shares), chunks=len(needed),
                                chunks_uploaded=uploaded, chunk_bytes=sum(c.length for _, c in needed.values()),
                                bytes_uploaded=uploaded_bytes, already_committed=already,
-                               seconds=time.monotonic() - started)
+                               seconds=time.monotonic() - started, packs_uploaded=packs_uploaded)
 
 
 def promote_step(local: StorageTier, remote: ObjectTier, step: int, *, ranks: list[int] | None = None,

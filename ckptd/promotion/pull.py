@@ -1,9 +1,10 @@
 """Reading a step back from the object tier: read-ahead for restores, and re-populating the local tier.
 
 :func:`prefetch_step` tells the object tier which chunks one rank's restore will read, in the order it
-reads them, so they are fetched by parallel requests ahead of the reader. :func:`pull_step` rebuilds a
-rank's data files and index on the local tier from the verified chunks (byte for byte the files that were
-promoted) and writes the manifest once every rank's share is there, so the next restore is local.
+reads them, so they are fetched by parallel requests ahead of the reader (a pack that is read in one
+request is fetched ahead whole). :func:`pull_step` rebuilds a rank's data files and index on the local
+tier from the verified chunks and packs (byte for byte the files that were promoted) and writes the
+manifest once every rank's share is there, so the next restore is local.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from ckptd.errors import CkptdError, IntegrityError
 from ckptd.format.layout import step_file
 from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 from ckptd.format.records import ChunkRecord, DataFile
-from ckptd.promotion.contents import RankShare, read_step_contents, read_stored_chunk
+from ckptd.promotion.contents import RankShare, read_step_contents, read_stored_chunk, read_verified_pack
+from ckptd.stepio.packs import chunk_location, max_range_bytes, plan_ranges, read_by_digest, whole_object
 from ckptd.state.tree import skeleton_tensor_names
 from ckptd.tiers.atomicity import step_commit
 from ckptd.tiers.local import LocalTier
@@ -35,7 +37,11 @@ def prefetch_step(remote: ObjectTier, step: int, rank: int) -> int:
         return 0
     order = [name for name in skeleton_tensor_names(index.values) if name in index.tensors]
     order += [name for name in index.tensors if name not in set(order)]
-    paths = [remote.chunk_path(chunk.object_key) for name in order for chunk in index.tensors[name].chunks]
+    whole_packs = {number for number, data_file in enumerate(index.data_files) if data_file.packed and
+                   whole_object(plan_ranges(index.packed_chunks(number), max_range_bytes()), data_file.size)}
+    paths = [chunk_location(remote, index, chunk) for name in order for chunk in index.tensors[name].chunks
+             if read_by_digest(remote, index, chunk) or chunk.file in whole_packs]
+    paths = list(dict.fromkeys(paths))
     remote.read_ahead(paths)
     return len(paths)
 
@@ -54,9 +60,13 @@ def pull_step(remote: ObjectTier, local: LocalTier, step: int, *, ranks: Iterabl
         index = share.index
         placed = sorted({(chunk.file, chunk.offset): chunk for chunk in index.chunks}.values(),
                         key=lambda c: (c.file, c.offset))
-        remote.read_ahead([remote.chunk_path(chunk.object_key) for chunk in placed])
+        remote.read_ahead([remote.chunk_path(chunk.object_key) for chunk in placed
+                           if read_by_digest(remote, index, chunk)])
         for number, data_file in enumerate(index.data_files):
-            _rebuild_data_file(remote, local, share, data_file, [c for c in placed if c.file == number])
+            if data_file.packed:
+                local.write_bytes(step_file(step, data_file.name), read_verified_pack(remote, share, number))
+            else:
+                _rebuild_data_file(remote, local, share, data_file, [c for c in placed if c.file == number])
         local.write_bytes(step_file(step, share.index_name), share.index_bytes)
         written += index.data_size + len(share.index_bytes)
     commit.commit(step, contents.manifest_bytes, ranks_here=ranks)

@@ -14,9 +14,13 @@ Performance: each chunk is hashed, encoded and written by a task on the shared `
 pool (xxhash, zstd and ``pwrite`` release the GIL). The writer holds a lease on that pool from
 construction until :meth:`RankWriter.finish` or :meth:`RankWriter.abort` (see
 :class:`ckptd.background.SharedPools`): a pool superseded by a change of ``CKPTD_IO_THREADS`` is shut
-down once the last writer using it is done. Small chunks (under
-``CKPTD_DIRECT_IO_MIN_BYTES``) are packed into the rank's first data file through the page cache. A
-large chunk's task takes a data file no other task is writing (opening another one, up to
+down once the last writer using it is done. The chunks of small tensors (fewer raw bytes than
+``CKPTD_PACK_BELOW_BYTES``) go into the rank's first data file through the page cache. That file is
+marked as the rank's pack in the index (format 3), so the object tier stores it as one object instead of
+one object per chunk, while every chunk of a larger tensor, its last piece included, is stored there by
+digest and shared by the steps that hold it. With ``CKPTD_PACK_BELOW_BYTES=0`` there is no pack: the
+first file takes the chunks of fewer stored bytes than ``CKPTD_DIRECT_IO_MIN_BYTES`` instead (format 2
+layout). Any other chunk's task takes a data file no other task is writing (opening another one, up to
 ``CKPTD_IO_THREADS`` of them, when all are busy), appends the chunk with direct I/O (see
 :mod:`ckptd.tiers.direct_io`) and hands the file back. Measured on the development machine, 1 GiB of
 16 MiB ``pwrite`` calls plus fsync: 1.25-3.9 s from four threads into one buffered file (buffered writes
@@ -117,11 +121,12 @@ class RankWriter:
         self.options = options = options if options is not None else settings()
         self.max_parallel_files = max(1, options.io_threads)
         self.direct, self.direct_min_bytes = options.direct_io, options.direct_io_min_bytes
+        self.pack_below = max(0, options.pack_below_bytes)
         self.zstd_level = options.zstd_level
         self.handoff_timeout_s = options.file_handoff_timeout_s
         self._window = 2 * max(1, options.io_threads)
         self._files: list[AtomicFile] = []
-        self._open_next_file(direct=False)  # number 0: packs the small chunks
+        self._open_next_file(direct=False)  # number 0: the small chunks (the pack, when packing)
         self._lease: PoolLease | None = lease_io_pool("write", options)
         self._pool = self._lease.pool
         self._free_files: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -140,25 +145,27 @@ class RankWriter:
         codec_id = codecs.codec_id_for(self.codec, floating=tensor.is_floating_point(),
                                        itemsize=tensor.element_size())
         data = tensor_bytes(tensor)
+        packed = len(data) < self.pack_below
         futures = []
         for start in range(0, len(data), self.chunk_bytes):
             while len(self._in_flight) >= self._window:
                 self._in_flight.popleft().result()
-            future = self._pool.submit(self._store_chunk, data[start:start + self.chunk_bytes], codec_id)
+            future = self._pool.submit(self._store_chunk, data[start:start + self.chunk_bytes], codec_id, packed)
             self._in_flight.append(future)
             futures.append(future)
         self._tensors[name] = (tensor.dtype, tuple(tensor.shape), futures)
         self.raw_bytes += len(data)
 
-    def _store_chunk(self, raw: memoryview, codec_id: str) -> ChunkRecord:
-        """On a pool thread: hash, encode, and write the chunk unless an identical one is stored."""
+    def _store_chunk(self, raw: memoryview, codec_id: str, packed: bool) -> ChunkRecord:
+        """On a pool thread: hash, encode, and write the chunk unless an identical one is stored (into the
+        pack when ``packed``)."""
         digest = chunk_digest(raw)
         with self._lock:
             known = self._written.get((digest, codec_id))
         if known is not None and known.raw_length == len(raw):
             return known
         stored = codecs.encode(codec_id, raw, level=self.zstd_level)
-        if len(stored) < self.direct_min_bytes:
+        if packed or (not self.pack_below and len(stored) < self.direct_min_bytes):
             return self._append(0, stored, raw, digest, codec_id)
         number = self._take_file()
         try:
@@ -227,7 +234,9 @@ class RankWriter:
         tensors = {name: TensorRecord(dtype=dtype_name(dtype), shape=shape,
                                       chunks=tuple(f.result() for f in futures))
                    for name, (dtype, shape, futures) in self._tensors.items()}
-        data_files = tuple(DataFile(name=handle.final.name, size=handle.size) for handle in self._files)
+        packing = self.pack_below > 0
+        data_files = tuple(DataFile(name=handle.final.name, size=handle.size, packed=packing and number == 0)
+                           for number, handle in enumerate(self._files))
         commits = [self._pool.submit(functools.partial(handle.commit, sync_directory=False))
                    for handle in self._files]
         self._open = False

@@ -4,7 +4,9 @@
 recorded one level up). :class:`StepReader` reads one rank's tensors; every chunk is hashed after
 decoding and compared with its record. A chunk that is missing or bad on the first tier is read from the
 next tier that holds the same step (chunk by chunk, not the whole step), and each such event is logged
-with file, chunk and tier and kept in :attr:`StepReader.events`.
+with file, chunk and tier and kept in :attr:`StepReader.events`. On a tier that stores chunks by digest,
+chunks in a pack are read through the source's :class:`~ckptd.stepio.packs.PackReads` (a few coalesced
+ranged reads per pack), the others as their own objects.
 
 The chunks of a tensor are read and verified in parallel on the ``ckptd-read`` pool (``preadv``, xxhash
 and zstd release the GIL); :meth:`StepReader.read_tensor` must therefore not be called from that pool.
@@ -25,16 +27,18 @@ import bisect
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from ckptd._types import Buffer
 from ckptd.errors import CkptdError, IntegrityError, NotFoundError
 from ckptd.format import codecs
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, step_file
 from ckptd.format.verify import check_chunk_digest, decode_verified
 from ckptd.format.records import ChunkRecord, Manifest, RankIndex, TensorRecord
+from ckptd.stepio.packs import PackReads, chunk_location, read_by_digest
 from ckptd.stepio.rank_writer import io_pool, tensor_bytes
 from ckptd.tiers.atomicity import ranks_held
 from ckptd.tiers.base import StorageTier
@@ -92,10 +96,11 @@ def load_rank_index(tier: StorageTier, manifest: Manifest, rank: int) -> RankInd
 
 @dataclass(frozen=True)
 class ChunkSource:
-    """One tier's copy of a rank's share of a step."""
+    """One tier's copy of a rank's share of a step, and the reads of its packs in progress."""
 
     tier: StorageTier
     index: RankIndex
+    packs: PackReads = field(default_factory=PackReads, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -113,11 +118,13 @@ def read_chunk(source: ChunkSource, chunk: ChunkRecord, out: memoryview, *, tens
     """Read one chunk from one tier into ``out`` (exactly ``chunk.raw_length`` bytes) and verify it
     (:mod:`ckptd.format.verify`, the check promotion and pull use too)."""
     tier, index = source.tier, source.index
-    if tier.stores_chunks_by_digest:
-        path = tier.chunk_path(chunk.object_key)
+    path = chunk_location(tier, index, chunk)
+    stored: Buffer | None
+    if read_by_digest(tier, index, chunk):
         stored = tier.read_bytes(path)
+    elif tier.stores_chunks_by_digest:  # in a pack, stored whole in the step directory
+        stored = source.packs.stored_bytes(tier, index, chunk)
     else:
-        path = step_file(index.step, index.data_file(chunk))
         if chunk.codec == codecs.RAW:
             tier.read_into(path, chunk.offset, out)
             stored = None
