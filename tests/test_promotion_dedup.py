@@ -21,7 +21,7 @@ def test_frozen_bytes_are_uploaded_once_across_five_steps(tmp_path, s3_bucket, s
             for step in range(1, 6):
                 manager.save(step, model_state(step, frozen_elements=frozen_elements,
                                                trained_elements=trained_elements))
-            manager.wait_uploads()
+                manager.wait_uploads()  # each step uploaded before the next is saved: none is superseded
             reports = manager.upload_reports
     uploaded = {report.step: report.bytes_uploaded for report in reports}
     record_property("bytes_uploaded_per_step", uploaded)
