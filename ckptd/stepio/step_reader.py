@@ -42,6 +42,7 @@ from ckptd.stepio.packs import PackReads, chunk_location, read_by_digest
 from ckptd.stepio.rank_writer import io_pool, tensor_bytes
 from ckptd.tiers.atomicity import ranks_held
 from ckptd.tiers.base import StorageTier
+from ckptd.tiers.chunk_health import report_bad_chunk
 from ckptd.tiers.direct_io import address, aligned_empty, prefault
 
 log = logging.getLogger("ckptd.restore")
@@ -116,7 +117,9 @@ class FallbackEvent:
 
 def read_chunk(source: ChunkSource, chunk: ChunkRecord, out: memoryview, *, tensor: str = "?") -> None:
     """Read one chunk from one tier into ``out`` (exactly ``chunk.raw_length`` bytes) and verify it
-    (:mod:`ckptd.format.verify`, the check promotion and pull use too)."""
+    (:mod:`ckptd.format.verify`, the check promotion and pull use too). A chunk that fails its check on
+    a tier that stores chunks by digest is recorded there as bad (its object or its pack, see
+    :func:`~ckptd.tiers.chunk_health.report_bad_chunk`) before the IntegrityError is raised."""
     tier, index = source.tier, source.index
     path = chunk_location(tier, index, chunk)
     stored: Buffer | None
@@ -130,11 +133,16 @@ def read_chunk(source: ChunkSource, chunk: ChunkRecord, out: memoryview, *, tens
             stored = None
         else:
             stored = tier.read_bytes(path, chunk.offset, chunk.length)
-    if stored is None:
-        check_chunk_digest(chunk, out, path=path, step=index.step, tier=tier.label, tensor=tensor)
-    else:
-        out[:] = memoryview(decode_verified(chunk, stored, path=path, step=index.step, tier=tier.label,
-                                            tensor=tensor)).cast("B")
+    try:
+        if stored is None:
+            check_chunk_digest(chunk, out, path=path, step=index.step, tier=tier.label, tensor=tensor)
+        else:
+            out[:] = memoryview(decode_verified(chunk, stored, path=path, step=index.step, tier=tier.label,
+                                                tensor=tensor)).cast("B")
+    except IntegrityError as error:
+        if tier.capabilities.chunks_by_digest:  # so that promotion uploads the object again
+            report_bad_chunk(tier, path, step=index.step, reason=str(error))
+        raise
 
 
 class _DisjointSpans:
