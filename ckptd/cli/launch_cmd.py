@@ -1,0 +1,57 @@
+"""``ckptd launch``: torchrun's options; one supervisor per node that restarts only the rank that failed."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+
+import click
+
+from ckptd.errors import ConfigError
+
+
+def _endpoint(value: str | None, nnodes: int) -> tuple[str, int]:
+    """(host, port) of ``--rdzv-endpoint``; on one node without it, a free loopback port."""
+    if value is None:
+        if nnodes > 1:
+            raise ConfigError("--rdzv-endpoint is required with --nnodes > 1",
+                              hint="pass the node-rank-0 host and a free port, e.g. --rdzv-endpoint node0:29400")
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            return "127.0.0.1", int(probe.getsockname()[1])
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--rdzv-endpoint {value!r} is not HOST:PORT")
+    return host, int(port)
+
+
+@click.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--nproc-per-node", type=int, default=1, show_default=True, envvar="CKPTD_NPROC_PER_NODE",
+              help="Ranks on this node. [env: CKPTD_NPROC_PER_NODE]")
+@click.option("--nnodes", type=int, default=1, show_default=True, envvar="CKPTD_NNODES",
+              help="Nodes (supervisors) in the job. [env: CKPTD_NNODES]")
+@click.option("--node-rank", type=int, default=0, show_default=True, envvar="CKPTD_NODE_RANK",
+              help="This node's rank; node 0 hosts the job's store. [env: CKPTD_NODE_RANK]")
+@click.option("--rdzv-endpoint", default=None, envvar="CKPTD_RDZV_ENDPOINT",
+              help="HOST:PORT of the job's c10d TCPStore, hosted by node 0 (default on one node: a free "
+                   "loopback port). [env: CKPTD_RDZV_ENDPOINT]")
+@click.option("--max-restarts", type=int, default=3, show_default=True, envvar="CKPTD_MAX_RESTARTS",
+              help="Rank restarts the whole job may spend; the next failure stops it. [env: CKPTD_MAX_RESTARTS]")
+@click.option("--hang-timeout", type=float, default=300.0, show_default=True, envvar="CKPTD_HANG_TIMEOUT",
+              help="Seconds without a heartbeat after which a rank is killed and replaced (0: never). "
+                   "[env: CKPTD_HANG_TIMEOUT]")
+@click.option("-m", "--module", "as_module", is_flag=True, help="Run SCRIPT as a module (python -m SCRIPT).")
+@click.argument("script")
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def launch(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, max_restarts: int,
+           hang_timeout: float, as_module: bool, script: str, script_args: tuple[str, ...]) -> None:
+    """Start a training script on every rank of this node and restart only the rank that fails."""
+    from ckptd.elastic.supervisor import LaunchSpec, Supervisor  # imports torch: only when the command runs
+
+    logging.basicConfig(level=logging.INFO, format="ckptd launch: %(message)s", stream=sys.stderr)
+    host, port = _endpoint(rdzv_endpoint, nnodes)
+    command = (sys.executable, "-u", *(("-m", script) if as_module else (script,)), *script_args)
+    spec = LaunchSpec(command=command, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
+                      rdzv_host=host, rdzv_port=port, max_restarts=max_restarts, hang_timeout_s=hang_timeout)
+    Supervisor(spec).run()

@@ -1,0 +1,66 @@
+"""The names a supervisor and its workers share: environment variables and keys of the job's store.
+
+Keys under ``elastic/`` belong to the supervisors and live for the whole job. Everything a rank of
+generation ``g`` writes goes under ``gen{g}/`` (:func:`generation_prefix`): its process group, its
+checkpoint manager's commit rounds, its barriers. A process of an older generation therefore never
+reads or writes a key of the current one.
+"""
+
+from __future__ import annotations
+
+#: Generation the worker was started in (0 at launch, one more at each recovery).
+ENV_GENERATION = "CKPTD_GENERATION"
+#: ``host:port`` of the job's c10d TCPStore (hosted by the node-rank-0 supervisor).
+ENV_STORE = "CKPTD_ELASTIC_STORE"
+#: How often the supervisor started this rank before (0 for the first process of the rank).
+ENV_RESTART_COUNT = "CKPTD_ELASTIC_RESTART_COUNT"
+
+#: The current generation, a decimal string; raised by the supervisor that sees a rank fail.
+GENERATION = "elastic/generation"
+#: Set (JSON: exit code, rank, cause) when the job stops: every supervisor stops its ranks.
+STOP = "elastic/stop"
+#: Restarts spent by the whole job (a store counter).
+RESTARTS = "elastic/restarts"
+#: Set by the node-rank-0 supervisor once the job's keys exist.
+OPEN = "elastic/open"
+#: Supervisors that joined (a store counter).
+NODES = "elastic/nodes"
+
+
+def beat(rank: int) -> str:
+    """A rank's heartbeat: ``"<generation>:<progress>:<sequence>"``, rewritten at every beat. Progress counts
+    the training's beats (0: not started in this generation, -1: its training function returned), sequence
+    every write, those of a rank waiting for its peers included. Only progress above 0 arms the hang timeout."""
+    return f"elastic/beat/{rank}"
+
+
+def node_done(node_rank: int) -> str:
+    """Set by a supervisor once all its ranks finished."""
+    return f"elastic/node-done/{node_rank}"
+
+
+def generation_prefix(generation: int) -> str:
+    """The prefix of every key a rank of ``generation`` uses (``PrefixStore`` adds the ``/``)."""
+    return f"gen{generation}"
+
+
+def in_generation(generation: int, key: str) -> str:
+    """The full name of ``key`` of ``generation`` (as ``PrefixStore(generation_prefix(g), store)`` names it)."""
+    return f"{generation_prefix(generation)}/{key}"
+
+
+def ready(rank: int) -> str:
+    """(Under the generation prefix.) The rank joined the generation and is about to form the group."""
+    return f"elastic/ready/{rank}"
+
+
+def done(rank: int) -> str:
+    """(Under the generation prefix.) The rank's training function returned and its managers closed."""
+    return f"elastic/done/{rank}"
+
+
+def parse_beat(value: bytes | str) -> tuple[int, int, int]:
+    """(generation, progress, sequence) of a heartbeat value."""
+    text = value.decode() if isinstance(value, bytes) else value
+    generation, progress, sequence = text.split(":")
+    return int(generation), int(progress), int(sequence)

@@ -1,0 +1,286 @@
+"""The supervisor of one node: starts its ranks, watches them, and replaces only the rank that failed.
+
+One :class:`Supervisor` runs per node (``ckptd launch``). Supervisors meet through the job's c10d
+``TCPStore``, hosted by the node-rank-0 supervisor at ``--rdzv-endpoint``. Call order: construct, then
+:meth:`Supervisor.run`, which returns once every rank of the job finished or raises when the job stops.
+
+Its loop, every ``poll_s``:
+
+- ``waitpid`` (``Popen.poll``) on each local rank: an exit with code 0 is a finished rank; any other exit
+  or a signal is a failure;
+- heartbeats: every rank writes ``elastic/beat/<rank>`` (:func:`ckptd.elastic.heartbeat`); a rank that beat
+  in the current generation and then stays silent for ``hang_timeout_s`` before its training function
+  returns is hung. When several ranks are
+  silent (the peers of a hung rank block in a collective with it) the one that is furthest behind (fewest
+  beats, then the longest silence) is the hung one; its own supervisor SIGKILLs it, so that its peers see a
+  connection reset at once, and it counts as failed;
+- a failure raises the store's generation (``compare_set``, so two supervisors seeing one event raise it
+  once) and starts the failed rank alone again in the new generation; the survivors rejoin it in-process
+  (:func:`ckptd.elastic.run`). After ``max_restarts`` restarts of the job, the next failure stops it: the
+  supervisor sets ``elastic/stop``, every supervisor stops its ranks, and :meth:`run` raises WorkerError
+  naming the rank and the cause.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ckptd.errors import ConfigError, WorkerError
+from ckptd.elastic import keys
+from ckptd.elastic.waiting import wait_for
+
+log = logging.getLogger("ckptd.elastic")
+
+#: Seconds a stopping supervisor gives its ranks between SIGTERM and SIGKILL.
+_TERM_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What ``ckptd launch`` was asked to run (torchrun's options)."""
+
+    command: tuple[str, ...]
+    nproc_per_node: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_host: str = "127.0.0.1"
+    rdzv_port: int = 29400
+    max_restarts: int = 3
+    hang_timeout_s: float = 300.0
+    #: Seconds the supervisors wait for each other (at start and at the end).
+    join_timeout_s: float = 300.0
+    poll_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1 or self.nnodes < 1:
+            raise ConfigError(f"--nproc-per-node {self.nproc_per_node} and --nnodes {self.nnodes} must be at least 1")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} is not in 0..{self.nnodes - 1}")
+        if self.max_restarts < 0 or self.hang_timeout_s < 0:
+            raise ConfigError("--max-restarts and --hang-timeout must not be negative")
+        if not self.command:
+            raise ConfigError("no training script given", hint="ckptd launch [options] script.py [args]")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+    def global_rank(self, local_rank: int) -> int:
+        return self.node_rank * self.nproc_per_node + local_rank
+
+
+@dataclass
+class _Rank:
+    """One local rank: its current process and how it was started."""
+
+    rank: int
+    local_rank: int
+    process: subprocess.Popen[bytes] | None = None
+    generation: int = 0
+    restarts: int = 0
+    hung_for: float | None = None  # set when this supervisor killed it as hung
+    finished: bool = False
+
+
+@dataclass
+class _Beats:
+    """What the supervisor saw of one rank's heartbeat: the value, and when it last changed (local clock)."""
+
+    value: tuple[int, int, int] = (-1, 0, 0)
+    changed: float = field(default_factory=time.monotonic)
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """A rank dies when its supervisor dies (Linux), so no orphan keeps training."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Supervisor:
+    """Starts and watches the ranks of one node (see the module docstring)."""
+
+    def __init__(self, spec: LaunchSpec) -> None:
+        self.spec = spec
+        self.ranks = [_Rank(spec.global_rank(local), local) for local in range(spec.nproc_per_node)]
+        self.generation = 0
+        self.store: Any = None
+        self._beats = {rank: _Beats() for rank in range(spec.world_size)}
+        #: One line per recovery this supervisor started (also logged).
+        self.events: list[str] = []
+
+    # --- start ----------------------------------------------------------------------------------
+    def _connect(self) -> None:
+        spec = self.spec
+        is_host = spec.node_rank == 0
+        self.store = dist.TCPStore(spec.rdzv_host, spec.rdzv_port, None, is_host,
+                                   timeout=timedelta(seconds=spec.join_timeout_s), wait_for_workers=False)
+        if is_host:
+            self.store.set(keys.GENERATION, "0")
+            for rank in range(spec.world_size):
+                self.store.set(keys.beat(rank), "-1:0:0")
+            self.store.set(keys.OPEN, "1")
+        wait_for(lambda: self.store.check([keys.OPEN]), what="the node-rank-0 supervisor to open the job store",
+                 timeout_s=spec.join_timeout_s, poll_s=0.1)
+        self.store.add(keys.NODES, 1)
+        wait_for(lambda: int(self.store.add(keys.NODES, 0)) >= spec.nnodes,
+                 what=f"{spec.nnodes} supervisors to join at {spec.rdzv_host}:{spec.rdzv_port}",
+                 timeout_s=spec.join_timeout_s, poll_s=0.1,
+                 hint="start `ckptd launch` with the same --rdzv-endpoint on every node")
+
+    def _environment(self, rank: _Rank) -> dict[str, str]:
+        spec = self.spec
+        env = dict(os.environ)
+        env.update({
+            "RANK": str(rank.rank), "LOCAL_RANK": str(rank.local_rank), "WORLD_SIZE": str(spec.world_size),
+            "LOCAL_WORLD_SIZE": str(spec.nproc_per_node), "GROUP_RANK": str(spec.node_rank),
+            "ROLE_RANK": str(rank.rank), "ROLE_WORLD_SIZE": str(spec.world_size), "GROUP_WORLD_SIZE": str(spec.nnodes),
+            "MASTER_ADDR": spec.rdzv_host, "MASTER_PORT": str(spec.rdzv_port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(rank.restarts),
+            "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+            keys.ENV_STORE: f"{spec.rdzv_host}:{spec.rdzv_port}", keys.ENV_GENERATION: str(self.generation),
+            keys.ENV_RESTART_COUNT: str(rank.restarts),
+        })
+        return env
+
+    def _start(self, rank: _Rank) -> None:
+        rank.generation, rank.hung_for, rank.finished = self.generation, None, False
+        rank.process = subprocess.Popen(list(self.spec.command), env=self._environment(rank),
+                                        preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        log.info("started rank %d (pid %d) in generation %d", rank.rank, rank.process.pid, self.generation)
+
+    # --- watch ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        """Start the node's ranks and watch them until the job finishes; raises WorkerError when it stops."""
+        self._connect()
+        for rank in self.ranks:
+            self._start(rank)
+        try:
+            while True:
+                self._follow_generation()
+                self._check_stop()
+                for rank in self.ranks:
+                    self._check_exit(rank)
+                if all(rank.finished for rank in self.ranks):
+                    break
+                self._check_hangs()
+                time.sleep(self.spec.poll_s)
+            self._finish()
+        except BaseException:
+            self._stop_ranks()
+            raise
+
+    def _follow_generation(self) -> None:
+        current = int(self.store.get(keys.GENERATION))
+        if current != self.generation:
+            self.generation = current
+            now = time.monotonic()
+            for beats in self._beats.values():
+                beats.changed = now
+
+    def _check_stop(self) -> None:
+        if self.store.check([keys.STOP]):
+            reason = json.loads(self.store.get(keys.STOP))
+            raise WorkerError(f"the job stopped: {reason['message']}", {int(reason["rank"]): reason["cause"]})
+
+    def _check_exit(self, rank: _Rank) -> None:
+        if rank.finished or rank.process is None:
+            return
+        code = rank.process.poll()  # waitpid(pid, WNOHANG)
+        if code is None:
+            return
+        if code == 0:
+            rank.finished = True
+            log.info("rank %d finished", rank.rank)
+            return
+        if rank.hung_for is not None:
+            cause = f"hung (no heartbeat for {rank.hung_for:.1f} s), killed with SIGKILL"
+        elif code < 0:
+            cause = f"killed by signal {signal.Signals(-code).name}"
+        else:
+            cause = f"exited with code {code}"
+        self._recover(rank, cause)
+
+    def _recover(self, rank: _Rank, cause: str) -> None:
+        pid = rank.process.pid if rank.process else None
+        if self._every_rank_done(self.generation):
+            log.warning("rank %d (pid %s) %s after every rank finished; the job is complete", rank.rank, pid, cause)
+            rank.finished = True
+            return
+        spent = int(self.store.add(keys.RESTARTS, 1))
+        if spent > self.spec.max_restarts:
+            message = (f"rank {rank.rank} {cause} in generation {self.generation}, and the job's "
+                       f"--max-restarts {self.spec.max_restarts} are spent")
+            self.store.set(keys.STOP, json.dumps({"rank": rank.rank, "cause": cause, "message": message}))
+            raise WorkerError(f"the job stopped: {message}", {rank.rank: cause})
+        failed_in = int(self.store.get(keys.GENERATION))
+        # compare_set: when another supervisor raised it at the same moment (another rank failed), keep theirs
+        self.generation = int(self.store.compare_set(keys.GENERATION, str(failed_in), str(failed_in + 1)))
+        rank.restarts += 1
+        event = (f"rank {rank.rank} (pid {pid}) {cause} in generation {failed_in}; restarting it alone "
+                 f"in generation {self.generation} (restart {spent} of {self.spec.max_restarts})")
+        self.events.append(event)
+        log.warning("%s", event)
+        self._start(rank)
+
+    def _every_rank_done(self, generation: int) -> bool:
+        return bool(self.store.check([keys.in_generation(generation, keys.done(other))
+                                      for other in range(self.spec.world_size)]))
+
+    def _check_hangs(self) -> None:
+        if not self.spec.hang_timeout_s:
+            return
+        now = time.monotonic()
+        values = self.store.multi_get([keys.beat(rank) for rank in range(self.spec.world_size)])
+        silent: list[tuple[int, float, int]] = []  # (progress, last change, rank)
+        for rank, raw in enumerate(values):
+            seen = self._beats[rank]
+            value = keys.parse_beat(raw)
+            if value != seen.value:
+                seen.value, seen.changed = value, now
+            elif value[0] == self.generation and value[1] > 0 and now - seen.changed > self.spec.hang_timeout_s:
+                silent.append((value[1], seen.changed, rank))
+        if not silent:
+            return
+        _, changed, hung = min(silent)
+        local = next((rank for rank in self.ranks if rank.rank == hung and not rank.finished), None)
+        if local is None or local.process is None or local.hung_for is not None:
+            return
+        local.hung_for = now - changed
+        log.warning("rank %d (pid %d) sent no heartbeat for %.1f s (progress %d in generation %d): killing it",
+                    hung, local.process.pid, local.hung_for, self._beats[hung].value[1], self.generation)
+        local.process.kill()
+
+    # --- end ------------------------------------------------------------------------------------
+    def _finish(self) -> None:
+        """Every local rank finished: say so, and (node rank 0, which hosts the store) wait for the others."""
+        self.store.set(keys.node_done(self.spec.node_rank), "1")
+        if self.spec.node_rank == 0:
+            everyone = [keys.node_done(node) for node in range(self.spec.nnodes)]
+            wait_for(lambda: self.store.check(everyone), what="every node's supervisor to finish",
+                     timeout_s=self.spec.join_timeout_s, poll_s=0.1)
+
+    def _stop_ranks(self) -> None:
+        running = [rank.process for rank in self.ranks if rank.process is not None and rank.process.poll() is None]
+        for process in running:
+            process.terminate()
+        deadline = time.monotonic() + _TERM_GRACE_S
+        for process in running:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()

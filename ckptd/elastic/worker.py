@@ -1,0 +1,325 @@
+"""The worker side of ``ckptd launch``: :func:`run` forms the process group of the current generation, calls
+the user's training function, and when a peer fails joins the next generation in the same process.
+
+Call order, on every rank, on the main thread::
+
+    def train(ctx: ckptd.elastic.WorkerContext) -> None:
+        mgr = ctx.checkpoint_manager("/nvme/ckpt/run1", policy=ckptd.Policy(every_steps=100))
+        start = mgr.restore(state)              # the step every rank agreed on, or None
+        for step in range((start or 0) + 1, total + 1):
+            train_step()                        # collectives on the default process group
+            mgr.save(step, state)               # also a heartbeat
+        mgr.close()
+
+    ckptd.elastic.run(train)
+
+What :func:`run` does for generation ``g`` (``CKPTD_GENERATION`` at start):
+
+1. Waits until every rank is ready in ``g`` (a store barrier under ``gen{g}/``, with a deadline and
+   progress logs), then ``init_process_group`` over ``PrefixStore("gen{g}/pg/", store)``.
+2. Calls ``train_fn(ctx)``. A watcher thread follows the store's generation key: when the supervisor
+   starts ``g + 1`` (a rank died or hung and is being replaced), the context's store view ends
+   (:class:`~ckptd.elastic.generation_store.GenerationStore`), which releases any commit round waiting
+   for the dead rank; a collective with the dead rank fails in gloo on its own (connection reset).
+3. On such a failure (a gloo or store error, or the generation ended) the rank closes the managers the
+   context made, ``destroy_process_group()``, waits for the next generation and goes back to 1; the
+   training function runs again and its ``restore`` agrees with every rank, the replacement included,
+   on the newest step committed for all of them. Any other exception is this rank's own failure: it
+   propagates, the process exits, and the supervisor replaces it.
+4. When ``train_fn`` returns on every rank (a store barrier), the process group is destroyed and
+   :func:`run` returns its value.
+
+Outside ``ckptd launch`` (no ``CKPTD_ELASTIC_STORE``) :func:`run` raises ConfigError;
+:func:`heartbeat` does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ckptd.config import settings
+from ckptd.errors import CkptdError, ConfigError, GenerationEndedError
+from ckptd.elastic import keys
+from ckptd.elastic.generation_store import GenerationStore
+from ckptd.elastic.waiting import wait_for
+from ckptd.manager.manager import CheckpointManager
+
+T = TypeVar("T")
+
+log = logging.getLogger("ckptd.elastic")
+
+#: Seconds between two looks of the watcher thread at the generation key.
+_WATCH_S = 0.02
+
+
+@dataclass(frozen=True)
+class WorkerEnvironment:
+    """What the supervisor tells a worker through its environment (torchrun's names plus ckptd's)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    store_host: str
+    store_port: int
+    generation: int
+    restart_count: int
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnvironment:
+        env = dict(os.environ if environ is None else environ)
+        if keys.ENV_STORE not in env:
+            raise ConfigError(f"{keys.ENV_STORE} is not set: ckptd.elastic.run needs a rank started by "
+                              "`ckptd launch`", hint="start the script with `ckptd launch --nproc-per-node N "
+                              "script.py`")
+        host, _, port = env[keys.ENV_STORE].rpartition(":")
+        try:
+            return cls(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), local_rank=int(env["LOCAL_RANK"]),
+                       local_world_size=int(env["LOCAL_WORLD_SIZE"]), node_rank=int(env.get("GROUP_RANK", "0")),
+                       store_host=host, store_port=int(port), generation=int(env[keys.ENV_GENERATION]),
+                       restart_count=int(env.get(keys.ENV_RESTART_COUNT, "0")))
+        except (KeyError, ValueError) as exc:
+            raise ConfigError(f"the launcher's environment is incomplete or malformed: {exc!r}",
+                              hint="start the script with `ckptd launch`") from exc
+
+    def connect(self) -> Any:
+        """A client of the job's TCPStore."""
+        return dist.TCPStore(self.store_host, self.store_port, None, False,
+                             timeout=timedelta(seconds=settings().elastic_rejoin_timeout_s))
+
+
+@dataclass
+class WorkerContext:
+    """What the training function gets in one generation: its rank, the generation's store view, and a
+    factory for checkpoint managers that join the recovery (closed by :func:`run` when it leaves)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    node_rank: int
+    generation: int
+    #: This generation's keys of the job store; hand it to anything that agrees through a store.
+    store: GenerationStore
+    #: How often the supervisor replaced this rank before this process started.
+    restart_count: int
+    #: Generations this process took part in before this one (0: the first one it joined).
+    rejoined: int
+    _beat: Callable[[], None] = field(repr=False)
+    _managers: list[CheckpointManager] = field(default_factory=list, repr=False)
+
+    def checkpoint_manager(self, local: str | os.PathLike[str], **options: Any) -> CheckpointManager:
+        """A :class:`~ckptd.CheckpointManager` agreeing through this generation's store; every save is also
+        a heartbeat. ``options`` are the manager's keyword arguments (``rank``, ``world_size`` and
+        ``store`` are set here)."""
+        manager = _BeatingManager(Path(local), rank=self.rank, world_size=self.world_size, store=self.store,
+                                  beat=self._beat, **options)
+        self._managers.append(manager)
+        return manager
+
+    def heartbeat(self) -> None:
+        """Tell the supervisor this rank makes progress (see :func:`heartbeat`)."""
+        self._beat()
+
+    def _close_managers(self, *, quietly: bool) -> None:
+        managers, self._managers = self._managers, []
+        for manager in managers:
+            try:
+                manager.close(timeout_s=settings().elastic_rejoin_timeout_s if quietly else None)
+            except CkptdError as error:
+                if not quietly:
+                    raise
+                log.info("rank %d: closing a manager of generation %d: %s", self.rank, self.generation, error)
+
+
+class _BeatingManager(CheckpointManager):
+    """A checkpoint manager whose ``save`` first beats the rank's heartbeat."""
+
+    def __init__(self, local: Path, *, beat: Callable[[], None], **options: Any) -> None:
+        self._beat = beat
+        super().__init__(local, **options)
+
+    def save(self, step: int, state: Any, *, force: bool = False) -> bool:
+        self._beat()
+        return super().save(step, state, force=force)
+
+
+class _Heart:
+    """Writes the rank's heartbeat key (see :func:`ckptd.elastic.keys.beat`), on the training thread."""
+
+    def __init__(self, store: Any, rank: int) -> None:
+        self.store, self.rank = store, rank
+        self.generation, self.progress, self.sequence = -1, 0, 0
+        self._last_touch = 0.0
+
+    def enter(self, generation: int) -> None:
+        self.generation, self.progress = generation, 0
+        self.touch()
+
+    def beat(self) -> None:
+        """The training made progress."""
+        self.progress += 1
+        self._write()
+
+    def finish(self) -> None:
+        """The training function returned: no hang timeout from now on."""
+        self.progress = -1
+        self._write()
+
+    def touch(self) -> None:
+        """The rank is alive but waits for its peers (at most two writes a second)."""
+        if time.monotonic() - self._last_touch >= 0.5:
+            self._write()
+
+    def _write(self) -> None:
+        self.sequence += 1
+        self._last_touch = time.monotonic()
+        self.store.set(keys.beat(self.rank), f"{self.generation}:{self.progress}:{self.sequence}")
+
+
+_heart: _Heart | None = None
+
+
+def heartbeat() -> None:
+    """Tell the supervisor this rank makes progress; call it once per step (each save through a manager from
+    :meth:`WorkerContext.checkpoint_manager` beats too). A rank that beat in this generation and then stays
+    silent for ``--hang-timeout`` seconds is killed and replaced. Does nothing outside ``ckptd launch``."""
+    if _heart is not None:
+        _heart.beat()
+
+
+class _GenerationWatcher:
+    """A thread that ends ``view`` once the store's generation moves past it or the job stops."""
+
+    def __init__(self, env: WorkerEnvironment, view: GenerationStore) -> None:
+        self.env, self.view = env, view
+        self._stop = threading.Event()
+        self._store = env.connect()  # its own client: the training thread keeps the other
+        self._thread = threading.Thread(target=self._run, name=f"ckptd-elastic-watch-rank{env.rank}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(_WATCH_S):
+            try:
+                current = int(self._store.get(keys.GENERATION))
+                stopping = self._store.check([keys.STOP])
+            except Exception as error:  # noqa: BLE001 - the store is gone: the job is over
+                self.view.end(f"the job store cannot be reached: {error}")
+                return
+            if stopping:
+                self.view.end("the job is stopping")
+                return
+            if current > self.view.generation:
+                self.view.end(f"the supervisor started generation {current}")
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+
+
+def _barrier(view: GenerationStore, name: Callable[[int], str], rank: int, world_size: int, what: str,
+             beat: Callable[[], None]) -> None:
+    view.set(name(rank), "1")
+    everyone = [name(other) for other in range(world_size)]
+
+    def missing() -> list[int]:
+        return [other for other, key in enumerate(everyone) if not view.check([key])]
+
+    def all_there() -> bool:
+        return view.check(everyone)
+
+    try:
+        wait_for(all_there, what=f"every rank to {what} in generation {view.generation}",
+                 timeout_s=settings().elastic_rejoin_timeout_s, on_poll=beat, poll_s=0.01,
+                 hint="a rank may be stuck; its supervisor kills and replaces it after --hang-timeout")
+    except CkptdError as error:
+        if view.ended:
+            raise
+        raise type(error)(f"{error}; ranks {missing()} did not") from error
+
+
+def _caused_by_peer(error: BaseException, view: GenerationStore) -> bool:
+    """Whether ``error`` comes from another rank's failure (a gloo or store error, or the generation ended)
+    rather than from this rank's own code."""
+    if view.ended:
+        return True
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, (GenerationEndedError, dist.DistError)):
+            return True
+        if type(current) is RuntimeError and ("gloo" in str(current) or "Connection" in str(current)):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+def _next_generation(store: Any, after: int, rank: int) -> int:
+    def newer() -> int | None:
+        if store.check([keys.STOP]):
+            raise GenerationEndedError(f"rank {rank}: the job is stopping: {store.get(keys.STOP).decode()}")
+        current = int(store.get(keys.GENERATION))
+        return current if current > after else None
+
+    return wait_for(newer, what=f"rank {rank}: the supervisor's generation after {after}",
+                    timeout_s=settings().elastic_rejoin_timeout_s, poll_s=0.01,
+                    hint="the supervisor replaces a failed rank and raises the generation; is it running?")
+
+
+def _destroy_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run(train_fn: Callable[[WorkerContext], T], *, backend: str = "gloo") -> T:
+    """Run ``train_fn`` on this rank of a ``ckptd launch`` job, surviving the failure of other ranks; see
+    the module docstring. Returns what ``train_fn`` returned in the generation that finished."""
+    global _heart
+    env = WorkerEnvironment.from_environ()
+    store = env.connect()
+    heart = _heart = _Heart(store, env.rank)
+    generation, rejoined = env.generation, 0
+    options = settings()
+    while True:
+        view = GenerationStore(store, generation)
+        heart.enter(generation)
+        watcher = _GenerationWatcher(env, view)
+        context = WorkerContext(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
+                                node_rank=env.node_rank, generation=generation, store=view,
+                                restart_count=env.restart_count, rejoined=rejoined, _beat=heart.beat)
+        try:
+            _barrier(view, keys.ready, env.rank, env.world_size, "join", heart.touch)
+            dist.init_process_group(backend, store=dist.PrefixStore("pg/", view.raw), rank=env.rank,
+                                    world_size=env.world_size,
+                                    timeout=timedelta(seconds=options.elastic_collective_timeout_s))
+            log.info("rank %d formed the process group of generation %d", env.rank, generation)
+            result = train_fn(context)
+            heart.finish()
+            context._close_managers(quietly=False)
+            _barrier(view, keys.done, env.rank, env.world_size, "finish", heart.touch)
+            _destroy_group()
+            return result
+        except Exception as error:
+            if not _caused_by_peer(error, view):
+                raise
+            log.warning("rank %d leaves generation %d after a peer's failure: %s", env.rank, generation,
+                        str(error).splitlines()[0] if str(error) else type(error).__name__)
+            view.end(f"rank {env.rank} left it")
+            context._close_managers(quietly=True)
+            _destroy_group()
+            generation = _next_generation(store, generation, env.rank)
+            rejoined += 1
+        finally:
+            watcher.stop()

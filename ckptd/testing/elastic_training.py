@@ -1,0 +1,123 @@
+"""A small data-parallel job for ``ckptd launch`` tests: ``ckptd launch ... -m ckptd.testing.elastic_training``.
+
+Every rank trains the same tiny model on its share of a deterministic sample stream (a seeded permutation
+of sample ids, whose position is checkpointed), averages gradients with gloo, and checkpoints every
+``--every`` steps through :meth:`ckptd.elastic.WorkerContext.checkpoint_manager` into ``<root>/rank<r>``.
+The sample ids each rank consumed are part of the state (one row per step), so a recovery that skipped or
+repeated a batch shows in them.
+
+With ``--kill-rank R --kill-step S`` rank R sends itself ``--kill-signal`` (KILL, or STOP for a hang)
+at step S of the first generation, ``--kill-phase`` before or after that step's save. Each rank writes,
+for every generation it joins, ``rank<r>-gen<g>.json`` (pid, restored step, tier) and at the end
+``rank<r>-final.json`` (weights, optimizer state, sample ids) into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ckptd
+from ckptd import elastic
+
+SAMPLES = 96
+BATCH_PER_RANK = 4
+
+
+class SampleStream:
+    """Sample ids in a seeded order, epoch after epoch; its position is checkpointed (``state_dict``)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed, self.epoch, self.position = seed, 0, 0
+
+    def _order(self) -> torch.Tensor:
+        return torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(self.seed * 1000 + self.epoch))
+
+    def take(self, count: int) -> list[int]:
+        ids: list[int] = []
+        while len(ids) < count:
+            if self.position == SAMPLES:
+                self.epoch, self.position = self.epoch + 1, 0
+            order = self._order()
+            step = min(count - len(ids), SAMPLES - self.position)
+            ids.extend(int(i) for i in order[self.position:self.position + step])
+            self.position += step
+        return ids
+
+    def state_dict(self) -> dict[str, int]:
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.seed, self.epoch, self.position = int(state["seed"]), int(state["epoch"]), int(state["position"])
+
+
+def _hex(tensor: torch.Tensor) -> str:
+    return tensor.detach().contiguous().numpy().tobytes().hex()
+
+
+def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
+    torch.manual_seed(args.seed)
+    features = torch.randn(SAMPLES, 16, generator=torch.Generator().manual_seed(args.seed))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
+    stream = SampleStream(args.seed)
+    seen = torch.full((args.steps, BATCH_PER_RANK), -1, dtype=torch.int64)
+    state: dict[str, Any] = {"model": model, "optim": optim, "data": stream, "seen": seen}
+    manager = ctx.checkpoint_manager(Path(args.root) / f"rank{ctx.rank}",
+                                     policy=ckptd.Policy(every_steps=args.every, keep_local=3))
+    start = manager.restore(state)
+    out = Path(args.out)
+    record = {"pid": os.getpid(), "generation": ctx.generation, "restored": start, "restart_count": ctx.restart_count,
+              "rejoined": ctx.rejoined, "tier": manager.last_restore.tier if manager.last_restore else None}
+    (out / f"rank{ctx.rank}-gen{ctx.generation}.json").write_text(json.dumps(record))
+    for step in range((start or 0) + 1, args.steps + 1):
+        elastic.heartbeat()
+        ids = stream.take(BATCH_PER_RANK * ctx.world_size)[ctx.rank::ctx.world_size]
+        seen[step - 1] = torch.tensor(ids)
+        inputs = features[ids]
+        optim.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), inputs.sum(dim=1, keepdim=True).sin()).backward()
+        for parameter in model.parameters():
+            dist.all_reduce(parameter.grad)
+            parameter.grad /= ctx.world_size
+        optim.step()
+        victim = ctx.generation == 0 and ctx.rank == args.kill_rank and step == args.kill_step
+        if victim and args.kill_phase == "before-save":
+            os.kill(os.getpid(), getattr(signal, f"SIG{args.kill_signal}"))
+        manager.save(step, state)
+        if victim and args.kill_phase == "after-save":
+            os.kill(os.getpid(), getattr(signal, f"SIG{args.kill_signal}"))
+    manager.close()
+    optimizer_state = {f"{index}.{name}": _hex(value) if isinstance(value, torch.Tensor) else repr(value)
+                       for index, entry in optim.state_dict()["state"].items() for name, value in entry.items()}
+    final = {"weights": {name: _hex(value) for name, value in model.state_dict().items()},
+             "optimizer": optimizer_state, "seen": seen.tolist(), "data": stream.state_dict()}
+    (out / f"rank{ctx.rank}-final.json").write_text(json.dumps(final))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--root", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kill-rank", type=int, default=-1)
+    parser.add_argument("--kill-step", type=int, default=-1)
+    parser.add_argument("--kill-signal", choices=("KILL", "STOP"), default="KILL")
+    parser.add_argument("--kill-phase", choices=("before-save", "after-save"), default="after-save")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    elastic.run(lambda ctx: _train(ctx, args))
+
+
+if __name__ == "__main__":
+    main()

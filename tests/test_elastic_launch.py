@@ -1,0 +1,139 @@
+"""``ckptd launch`` restarts only the rank that failed; the others rejoin in-process and the job ends with the
+weights, optimizer state and sample ids of an uninterrupted run, byte for byte.
+
+Every run is a real ``ckptd launch`` subprocess with 3 gloo ranks (:mod:`ckptd.testing.elastic_training`);
+the failed rank really gets SIGKILL, or SIGSTOP (a hang the supervisor finds by its heartbeat and kills).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multirank
+
+WORLD = 3
+
+
+def _launch(root: Path, *job_args: str, max_restarts: int = 3, hang_timeout: float = 60.0
+            ) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "ckptd.cli.main", "launch", "--nproc-per-node", str(WORLD),
+               "--max-restarts", str(max_restarts), "--hang-timeout", str(hang_timeout),
+               "-m", "ckptd.testing.elastic_training", "--root", str(root / "ckpt"), "--out", str(root / "out"),
+               *job_args]
+    environment = dict(os.environ, OMP_NUM_THREADS="1", CKPTD_ELASTIC_REJOIN_TIMEOUT_S="60")
+    return subprocess.run(command, capture_output=True, text=True, timeout=180, env=environment, check=False)
+
+
+def _finals(out: Path) -> list[bytes]:
+    return [(out / f"rank{rank}-final.json").read_bytes() for rank in range(WORLD)]
+
+
+def _generations(out: Path, rank: int) -> dict[int, dict]:
+    records = {}
+    for path in out.glob(f"rank{rank}-gen*.json"):
+        record = json.loads(path.read_text())
+        records[record["generation"]] = record
+    return records
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
+    root = tmp_path_factory.mktemp("elastic-reference")
+    result = _launch(root)
+    assert result.returncode == 0, result.stderr[-4000:]
+    finals = _finals(root / "out")
+    seen = [json.loads(final)["seen"] for final in finals]
+    ids = [sample for rows in seen for row in rows for sample in row]
+    assert -1 not in ids and len(ids) == 12 * 4 * WORLD, "every rank consumed a batch at every step"
+    return finals
+
+
+def _scenario(seed: int, rank: int, signal_name: str) -> list[str]:
+    chooser = random.Random(seed)
+    return ["--kill-rank", str(rank), "--kill-step", str(chooser.randint(5, 10)), "--kill-signal", signal_name,
+            "--kill-phase", chooser.choice(["before-save", "after-save"])]
+
+
+@pytest.mark.parametrize(("seed", "victim", "signal_name"), [
+    (1, 1, "KILL"),
+    (2, 2, "KILL"),
+    (3, 0, "KILL"),   # rank 0 (it decides the commits) dies
+    (4, 2, "STOP"),   # a hang: found by the heartbeat timeout, killed, replaced
+], ids=["sigkill-rank1-seed1", "sigkill-rank2-seed2", "sigkill-rank0", "sigstop-hang-rank2"])
+def test_only_the_failed_rank_restarts_and_the_run_ends_bit_for_bit(tmp_path: Path, reference: list[bytes], seed: int,
+                                                                     victim: int, signal_name: str) -> None:
+    job = _scenario(seed, victim, signal_name)
+    result = _launch(tmp_path, *job, hang_timeout=4.0 if signal_name == "STOP" else 60.0)
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = tmp_path / "out"
+    assert _finals(out) == reference, f"the recovered run differs from the uninterrupted one ({job})"
+
+    kill_step = int(job[3])
+    records = {rank: _generations(out, rank) for rank in range(WORLD)}
+    for rank, by_generation in records.items():
+        assert sorted(by_generation) == [0, 1], f"rank {rank} joined generations {sorted(by_generation)}"
+        first, second = by_generation[0], by_generation[1]
+        assert first["restored"] is None
+        if rank == victim:
+            assert second["pid"] != first["pid"] and second["restart_count"] == 1 and second["rejoined"] == 0
+        else:
+            assert second["pid"] == first["pid"], f"survivor rank {rank} was restarted"
+            assert second["rejoined"] == 1 and second["restart_count"] == 0
+    restored = {records[rank][1]["restored"] for rank in range(WORLD)}
+    assert len(restored) == 1, f"ranks restored different steps: {restored}"
+    step = restored.pop()
+    # saves every 2 steps; by step 5 every rank staged step 4, after its writer committed step 2 everywhere
+    assert step is not None and step % 2 == 0 and 2 <= step <= kill_step, (step, kill_step)
+    cause = "hung (no heartbeat" if signal_name == "STOP" else "killed by signal SIGKILL"
+    assert f"rank {victim} (pid {records[victim][0]['pid']}) {cause}" in result.stderr
+    assert f"restarting it alone in generation 1" in result.stderr
+
+
+def test_a_failure_past_max_restarts_stops_every_rank_and_names_rank_and_cause(tmp_path: Path) -> None:
+    result = _launch(tmp_path, "--kill-rank", "1", "--kill-step", "3", max_restarts=0)
+    assert result.returncode == 12, result.stderr[-4000:]
+    assert "rank 1 killed by signal SIGKILL in generation 0" in result.stderr
+    assert "--max-restarts 0 are spent" in result.stderr
+    assert not list((tmp_path / "out").glob("rank*-final.json")), "no rank may finish a stopped job"
+    assert not list((tmp_path / "out").glob("rank*-gen1.json")), "no rank may start a new generation"
+
+
+def test_an_ended_generation_releases_its_waiters_and_refuses_writes() -> None:
+    import torch.distributed as dist
+
+    from ckptd.elastic import keys
+    from ckptd.elastic.generation_store import GenerationStore
+    from ckptd.errors import GenerationEndedError
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    old, new = GenerationStore(store, 4), GenerationStore(store, 5)
+    old.set("round", "a")
+    assert not new.check(["round"]), "generations must not see each other's keys"
+    outcome: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            old.wait(["never-written"], timedelta(seconds=120))
+        except BaseException as error:  # noqa: BLE001 - the test inspects it
+            outcome.append(error)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    old.end("rank 2 died")
+    thread.join(timeout=30)
+    assert not thread.is_alive() and len(outcome) == 1 and isinstance(outcome[0], GenerationEndedError)
+    assert "rank 2 died" in str(outcome[0])
+    with pytest.raises(GenerationEndedError):
+        old.set("round", "stale write")
+    assert store.get(keys.in_generation(4, "round")) == b"a"
+    new.set("round", "b")
+    assert new.get("round") == b"b"
