@@ -1,4 +1,9 @@
-"""``ckptd verify``: re-hash every chunk of one or all committed steps; non-zero exit on any problem."""
+"""``ckptd verify``: re-hash every chunk of one or all committed steps; non-zero exit on any problem.
+
+With ``--repair`` on an object tier, every object found bad (and every one recorded bad earlier, by a
+restore or a promotion) is replaced with an intact copy from the local roots named by ``--from`` or
+from the object tier itself (:mod:`ckptd.promotion.repair`), and the steps that had problems are
+verified again: exit 0 when every step is intact afterwards."""
 
 from __future__ import annotations
 
@@ -8,9 +13,12 @@ import click
 
 from ckptd.cli.options import byte_progress, json_option, open_cli_tier, print_json, s3_options
 from ckptd.errors import CkptdError, IntegrityError, NotFoundError
+from ckptd.format.layout import parse_step_dir
+from ckptd.promotion.repair import RepairReport, repair_objects, repair_sources
 from ckptd.stepio.step_reader import VerifyProblem, load_step_manifest, load_rank_index, verify_step
 from ckptd.tiers import StorageTier
 from ckptd.tiers.atomicity import ranks_held
+from ckptd.tiers.chunk_health import bad_chunk_paths, report_bad_chunk
 
 
 def _step_bytes(tier: StorageTier, step: int) -> int:
@@ -22,32 +30,77 @@ def _step_bytes(tier: StorageTier, step: int) -> int:
         return 0
 
 
+def _verify(tier: StorageTier, steps: list[int], as_json: bool) -> tuple[list[VerifyProblem], int]:
+    problems: list[VerifyProblem] = []
+    checked = 0
+    total = sum(_step_bytes(tier, s) for s in steps)
+    with byte_progress(f"verifying {tier.label}", total, enabled=not as_json) as advance:
+        for candidate in steps:
+            if not tier.is_committed(candidate):
+                continue
+            problems.extend(verify_step(tier, candidate, progress=advance))
+            checked += 1
+    return problems, checked
+
+
+def _mendable(tier: StorageTier, problem: VerifyProblem) -> bool:
+    """Whether a problem is a bad chunk or pack object (not a manifest or index)."""
+    if problem.path.startswith(tier.chunk_path("")):
+        return True
+    directory, _, name = problem.path.partition("/")
+    return parse_step_dir(directory) == problem.step and not name.endswith(".json")
+
+
+def _repair(tier: StorageTier, problems: list[VerifyProblem], sources: tuple[str, ...]) -> RepairReport:
+    bad = {problem.path for problem in problems if _mendable(tier, problem)}
+    for problem in problems:
+        if problem.path in bad:
+            report_bad_chunk(tier, problem.path, step=problem.step, reason=f"verify: {problem.error}")
+    return repair_objects(tier, bad | bad_chunk_paths(tier), repair_sources(tier, sources))
+
+
 @click.command("verify")
 @click.argument("path")
 @click.option("--step", type=int, default=None, help="Verify only this step (default: every committed step).")
+@click.option("--repair", is_flag=True, envvar="CKPTD_VERIFY_REPAIR",
+              help="Object tier: replace every bad chunk or pack with an intact copy (from --from roots or the "
+                   "object tier itself), then verify again [env: CKPTD_VERIFY_REPAIR].")
+@click.option("--from", "sources", multiple=True, metavar="LOCAL_ROOT",
+              help="With --repair: a local checkpoint root to take intact copies from (its pinned steps too); "
+                   "may be given several times.")
 @s3_options
 @json_option
-def verify(path: str, step: int | None, endpoint_url: str | None, region: str | None, as_json: bool) -> None:
+def verify(path: str, step: int | None, repair: bool, sources: tuple[str, ...], endpoint_url: str | None,
+           region: str | None, as_json: bool) -> None:
     """Re-hash everything in PATH and report each bad file and chunk (exit 4 when any is bad)."""
     tier = open_cli_tier(path, endpoint_url, region)
+    report: RepairReport | None = None
     try:
+        if repair and not tier.stores_chunks_by_digest:
+            raise click.UsageError("--repair mends an object tier (s3://...); a bad local step is set aside by "
+                                   "the next restore and saved again")
         steps = tier.list_step_numbers() if step is None else [step]
         if step is not None and step not in steps:
             raise NotFoundError("no such step", step=step, tier=tier.label, hint="`ckptd ls` lists the steps")
-        problems: list[VerifyProblem] = []
-        checked = 0
-        total = sum(_step_bytes(tier, s) for s in steps)
-        with byte_progress(f"verifying {tier.label}", total, enabled=not as_json) as advance:
-            for candidate in steps:
-                if not tier.is_committed(candidate):
-                    continue
-                problems.extend(verify_step(tier, candidate, progress=advance))
-                checked += 1
+        problems, checked = _verify(tier, steps, as_json)
+        if repair:
+            report = _repair(tier, problems, sources)
+            if report.repaired:
+                problems, checked = _verify(tier, steps, as_json)
     finally:
         tier.close()
     if as_json:
-        print_json({"tier": tier.label, "steps_checked": checked, "problems": [asdict(p) for p in problems]})
+        answer = {"tier": tier.label, "steps_checked": checked, "problems": [asdict(p) for p in problems]}
+        if report is not None:
+            answer["repaired"] = list(report.repaired)
+            answer["unrepairable"] = [{"path": path, "why": why} for path, why in report.unrepairable]
+        print_json(answer)
     else:
+        if report is not None:
+            for repaired in report.repaired:
+                click.echo(f"REPAIRED {repaired}")
+            for bad, why in report.unrepairable:
+                click.echo(f"UNREPAIRABLE {bad}: {why}")
         for problem in problems:
             rank = "-" if problem.rank is None else problem.rank
             click.echo(f"BAD step {problem.step} rank {rank}: {problem.error}")
