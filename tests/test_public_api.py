@@ -103,6 +103,7 @@ def test_remote_every_steps_none_promotes_every_saved_step(tmp_path, s3_bucket, 
         for step in range(1, 7):
             state["weights"].add_(1.0)
             manager.save(step, state)
+            manager.wait_uploads()  # uploaded before the next save: a newer step supersedes queued ones
         manager.save(7, state, force=True)
         manager.wait_uploads()
         assert manager.committed_steps() == [2, 4, 6, 7]
