@@ -8,7 +8,11 @@ in machine load hits every case alike; the best round of each case counts):
 2. restore from S3 into an empty local tier (``CheckpointManager.restore``, every chunk verified) against
    the better of ``s3fs.get_file`` and boto3's ``download_file`` of the same bytes;
 3. dedup: bytes uploaded at step 2 of a fine-tuning-like workload (large frozen part, small trained part)
-   as a fraction of step 1.
+   as a fraction of step 1;
+4. objects and requests per step: a model of 200 small tensors and 4 large frozen ones, promoted at two
+   steps and restored from the object tier, with packing (the default) and without
+   (``CKPTD_PACK_BELOW_BYTES=0``): objects each step adds to the bucket, uploads per step, GETs per
+   restore and the restore's seconds.
 
 Usage: ``python benchmarks/bench_s3.py [--mib 256] [--repeats 2] [--quick] [--json]``.
 """
@@ -140,6 +144,48 @@ class _Bench:
                 "promotion_vs_best_plain_upload": round(gbps["promote_verified"] / best_put, 3),
                 "restore_vs_best_plain_download": round(gbps["restore_verified"] / best_get, 3)}
 
+    def objects_per_step(self, small_tensors: int = 200, large_tensors: int = 4) -> dict[str, Any]:
+        frozen = {f"frozen.{i}": torch.randn(512 * 1024, generator=torch.Generator().manual_seed(i))
+                  for i in range(large_tensors)}
+
+        def state(step: int) -> dict[str, torch.Tensor]:
+            trained = torch.Generator().manual_seed(100 + step)
+            return {**frozen, **{f"layer.{i}": torch.randn(256, generator=trained) for i in range(small_tensors)}}
+
+        results: dict[str, Any] = {}
+        for label, pack_below in (("packed", None), ("unpacked", 0)):
+            bucket, local_dir = self.bucket(), self.workdir / f"objects-{label}"
+            extra = {} if pack_below is None else {"pack_below_bytes": pack_below}
+            with override(**extra), ckptd.CheckpointManager(local_dir, capture_rng=False) as manager:
+                for step in (1, 2):
+                    manager.save(step, state(step))
+            remote = ObjectTier(f"s3://{bucket}/run", storage_options=self.options)
+            requests = _record_requests(remote)
+            seen: set[str] = set()
+            per_step = {}
+            for step in (1, 2):
+                requests.clear()
+                promote_step(LocalTier(local_dir), remote, step)
+                keys = {obj.path for obj in remote.list_objects("")}
+                per_step[step] = {"new_objects": len(keys - seen),
+                                  "uploads": sum(1 for m in requests if m in ("put_object", "upload_part"))}
+                seen |= keys
+            requests.clear()
+            target = {name: torch.zeros_like(tensor) for name, tensor in state(2).items()}
+            started = time.perf_counter()
+            reader_dir = self.workdir / f"restore-{label}"
+            with ckptd.CheckpointManager(reader_dir, remote=remote.url, storage_options=self.options,
+                                         capture_rng=False) as manager:
+                restore_requests = _record_requests(manager.remote)  # type: ignore[arg-type]
+                if manager.restore(target) != 2 or not all(torch.equal(target[k], v) for k, v in state(2).items()):
+                    raise RuntimeError("restore from S3 returned other bytes")
+                seconds = time.perf_counter() - started
+            results[label] = {"steps": per_step, "restore_gets": restore_requests.count("get_object"),
+                              "restore_s": round(seconds, 3)}
+            remote.close()
+            self.drop(bucket)
+        return results
+
     def dedup(self, frozen_mib: int, trained_mib: int) -> dict[str, Any]:
         bucket = self.bucket()
         frozen = torch.randn(frozen_mib * MIB // 4, generator=torch.Generator().manual_seed(2))
@@ -155,6 +201,20 @@ class _Bench:
         return {"bytes_uploaded": uploaded, "step2_over_step1": round(uploaded[2] / uploaded[1], 4)}
 
 
+def _record_requests(tier: ObjectTier) -> list[str]:
+    """The S3 method of every request ``tier`` sends from now on."""
+    sent: list[str] = []
+    for client in [*tier.lanes, tier.fs]:
+        original = client._call_s3
+
+        async def recording(method: str, *args: Any, original: Any = original, **kwargs: Any) -> Any:
+            sent.append(method)
+            return await original(method, *args, **kwargs)
+
+        client._call_s3 = recording
+    return sent
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=256, help="checkpoint size for the transfer cases")
@@ -168,7 +228,8 @@ def main() -> None:
     try:
         with EmbeddedS3() as server:
             bench = _Bench(server, workdir)
-            results = {"transfer": bench.transfer(mib, repeats), "dedup": bench.dedup(frozen_mib=64, trained_mib=1)}
+            results = {"transfer": bench.transfer(mib, repeats), "dedup": bench.dedup(frozen_mib=64, trained_mib=1),
+                       "objects_per_step": bench.objects_per_step()}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if arguments.json:
@@ -182,6 +243,11 @@ def main() -> None:
     print(f"  restore (verified) / best plain download:   {transfer['restore_vs_best_plain_download']:.2f} x")
     dedup = results["dedup"]
     print(f"dedup: bytes uploaded {dedup['bytes_uploaded']}, step 2 / step 1 = {dedup['step2_over_step1']:.2%}")
+    print("objects and requests per step (200 small tensors, 4 large frozen ones, one rank):")
+    for label, row in results["objects_per_step"].items():
+        steps = ", ".join(f"step {step}: {v['new_objects']} new objects, {v['uploads']} uploads"
+                          for step, v in row["steps"].items())
+        print(f"  {label:<9} {steps}; restore: {row['restore_gets']} GETs, {row['restore_s']:.2f} s")
 
 
 if __name__ == "__main__":
