@@ -208,7 +208,8 @@ def test_a_corrupt_byte_in_a_pack_falls_back_to_the_local_copy_or_fails_naming_t
     damaged = index.tensors[victim].chunks[0]
     corrupt_remote_pack(s3_server, s3_bucket, 6, damaged.offset + 5)
 
-    both = StepReader([ChunkSource(remote, index), ChunkSource(local, load_rank_index(local, load_step_manifest(local, 6), 0))])
+    local_index = load_rank_index(local, load_step_manifest(local, 6), 0)
+    both = StepReader([ChunkSource(remote, index), ChunkSource(local, local_index)])
     restored = {name: both.read_tensor(name) for name in state}
     assert same_bytes(restored, state), "the bad chunk came from the local copy"
     assert [(event.tensor, event.tier) for event in both.events] == [(victim, remote.label)]
@@ -216,7 +217,8 @@ def test_a_corrupt_byte_in_a_pack_falls_back_to_the_local_copy_or_fails_naming_t
     assert bad_chunk_paths(remote) == {step_file(6, PACK)}, "recorded so that promotion uploads it again"
 
     alone = StepReader([ChunkSource(remote, index)])
-    assert same_bytes({"layer.8.weight": alone.read_tensor("layer.8.weight")}, {"layer.8.weight": state["layer.8.weight"]})
+    intact = "layer.8.weight"
+    assert same_bytes({intact: alone.read_tensor(intact)}, {intact: state[intact]}), "other chunks still read"
     with pytest.raises(IntegrityError) as caught:
         alone.read_tensor(victim)
     error = caught.value
@@ -255,10 +257,10 @@ def test_pack_reads_fetch_each_range_once_and_drop_it_after_its_last_read(tmp_pa
     tier = CountingTier(local.root)
     packs = PackReads()
     packed = [chunk for chunk in index.chunks if index.in_pack(chunk)]
+    assert len(packed) == SMALL_TENSORS and settings().pack_below_bytes > state["layer.0.weight"].nbytes
     stored = [bytes(packs.stored_bytes(tier, index, chunk)) for chunk in packed]
     assert CountingTier.reads == 1 and packs.requests == 1
     pack_bytes = (local.root / step_dir(8) / PACK).read_bytes()
     assert stored == [pack_bytes[c.offset:c.offset + c.length] for c in packed]
     assert bytes(packs.stored_bytes(tier, index, packed[0])) == stored[0]
     assert CountingTier.reads == 2, "every reference was read: the range was dropped and is fetched again"
-    assert settings().pack_below_bytes > 256 * 4 > 0
