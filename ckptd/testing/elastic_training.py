@@ -8,7 +8,9 @@ repeated a batch shows in them.
 
 With ``--kill-rank R --kill-step S`` rank R sends itself ``--kill-signal`` (KILL, or STOP for a hang)
 at step S of the first generation, ``--kill-phase`` before or after that step's save. Each rank writes,
-for every generation it joins, ``rank<r>-gen<g>.json`` (pid, restored step, tier) and at the end
+for every generation it joins, ``rank<r>-gen<g>.json`` (pid, restored step, tier, wall-clock times of
+entering the generation, of the restore and of its first completed step; the victim also writes
+``rank<r>-killed.json`` just before the signal) and at the end
 ``rank<r>-final.json`` (weights, optimizer state, sample ids) into ``--out``.
 """
 
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,14 +73,19 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
     stream = SampleStream(args.seed)
     seen = torch.full((args.steps, BATCH_PER_RANK), -1, dtype=torch.int64)
     state: dict[str, Any] = {"model": model, "optim": optim, "data": stream, "seen": seen}
+    entered = time.time()
     manager = ctx.checkpoint_manager(Path(args.root) / f"rank{ctx.rank}",
                                      policy=ckptd.Policy(every_steps=args.every, keep_local=3))
     start = manager.restore(state)
     out = Path(args.out)
     record = {"pid": os.getpid(), "generation": ctx.generation, "restored": start, "restart_count": ctx.restart_count,
-              "rejoined": ctx.rejoined, "tier": manager.last_restore.tier if manager.last_restore else None}
-    (out / f"rank{ctx.rank}-gen{ctx.generation}.json").write_text(json.dumps(record))
+              "rejoined": ctx.rejoined, "tier": manager.last_restore.tier if manager.last_restore else None,
+              "entered_at": entered, "restored_at": time.time()}
+    record_path = out / f"rank{ctx.rank}-gen{ctx.generation}.json"
+    record_path.write_text(json.dumps(record))
     for step in range((start or 0) + 1, args.steps + 1):
+        if step == (start or 0) + 2:  # the first step of this generation completed
+            record_path.write_text(json.dumps(record | {"first_step_at": time.time()}))
         elastic.heartbeat()
         ids = stream.take(BATCH_PER_RANK * ctx.world_size)[ctx.rank::ctx.world_size]
         seen[step - 1] = torch.tensor(ids)
@@ -89,6 +97,8 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
             parameter.grad /= ctx.world_size
         optim.step()
         victim = ctx.generation == 0 and ctx.rank == args.kill_rank and step == args.kill_step
+        if victim:
+            (out / f"rank{ctx.rank}-killed.json").write_text(json.dumps({"step": step, "at": time.time()}))
         if victim and args.kill_phase == "before-save":
             os.kill(os.getpid(), getattr(signal, f"SIG{args.kill_signal}"))
         manager.save(step, state)
