@@ -7,12 +7,14 @@ it again):
 2. stop if the object tier already has this step committed with the same content (idempotent);
 3. upload the rank indexes: the step's in-flight marker, which protects its chunks from GC
    (see :mod:`ckptd.promotion.lease`), then wait while a collector holds the GC lease;
-4. list the chunks already stored; upload only the missing ones, and every rank's pack (its small chunks
+4. decide which content-addressed chunks to upload (:func:`ckptd.promotion.dedup.chunks_to_upload`: the
+   missing ones, and stored ones recorded bad or failing their store-kept checksum), and every rank's pack (its small chunks
    in one object in the step directory, format 3). Each chunk's bytes are read from the local data
    file, decoded and hashed, and compared with the index *before* those same bytes are sent (a pack is
    read whole and each of its chunks checked before the pack is sent); a local chunk that fails its
    digest stops the promotion and nothing is committed remotely;
-5. list again and check every chunk and pack the step references is stored with the right size;
+5. list again and check every chunk and pack the step references is stored with the right size, then
+   clear the bad records of the chunks uploaded again;
 6. with several ranks promoting their own shares, each writes ``rank-NNNNN.promoted`` and the committing
    rank waits for all of them;
 7. write ``manifest.json`` last: the exact bytes of the local manifest.
@@ -34,6 +36,7 @@ from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
 from ckptd.tiers.atomicity import step_commit
 from ckptd.format.records import ChunkRecord, Manifest
 from ckptd.stepio.step_reader import load_step_manifest
+from ckptd.promotion.dedup import chunks_to_upload, mark_uploaded
 from ckptd.promotion.contents import (RankShare, StepContents, pack_path, read_step_contents, read_stored_chunk,
                                      read_verified_pack)
 from ckptd.promotion.lease import wait_for_collector
@@ -119,11 +122,11 @@ class Promoter:
         if waited >= 0.5:
             log.info("waited %.1fs for a garbage collection to finish before promoting step %d", waited, step)
         needed = contents.unique_chunks()
-        stored = stored_chunks(self.remote)
-        missing = [(share, chunk) for key, (share, chunk) in needed.items() if stored.get(key) != chunk.length]
+        missing = chunks_to_upload(self.remote, needed, self.local)
         self.on_phase("chunks")
         uploaded_bytes += self._upload(missing, contents.packs(), progress)
         self._check_all_stored(contents, needed)
+        mark_uploaded(self.remote, [chunk.object_key for _, chunk in missing])
         self.on_phase("verified")
         for share in contents.shares if ranks is not None else ():
             self.remote.write_bytes(step_file(step, promoted_marker_name(share.rank)), b"")
