@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import ckptd
+from ckptd.testing import run_multirank
 from ckptd.testing.tamper import chunk_records, flip_bit, index_path, read_json, step_path
 
 WIDTH = 8
@@ -161,3 +162,36 @@ def test_plain_values_are_snapshots_taken_at_save_time(tmp_path: Path) -> None:
         restored: dict[str, Any] = {}
         assert manager.restore(restored, keys=["config", "step"]) == 1
     assert restored == {"config": {"lr": 0.1, "schedule": [1, 2]}, "step": 1}
+
+
+def _two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """Each rank saves its own config and model, restores its config alone, then rank 1 alone lacks the
+    model in a full restore: every rank must raise, naming the rank and the key."""
+    policy = ckptd.Policy(keep_local=None)
+    model, optim = _model(rank)
+    with ckptd.CheckpointManager(root, policy=policy, capture_rng=False) as manager:
+        manager.save(1, {"config": {"rank": rank}, "model": model, "optim": optim}, force=True)
+        manager.wait()
+    with ckptd.CheckpointManager(root, policy=policy, capture_rng=False) as manager:
+        partial: dict[str, Any] = {}
+        step = manager.restore(partial, keys=["config"])
+        read = dict(manager.last_restore.chunks_by_tier)
+        live: dict[str, Any] = {"config": {}, "optim": optim}
+        if rank == 0:
+            live["model"] = model
+        try:
+            manager.restore(live)
+            error = ""
+        except ckptd.ResumeMismatchError as caught:
+            error = str(caught)
+    return {"step": step, "config": partial, "read": read, "error": error}
+
+
+@pytest.mark.multirank
+def test_partial_restore_and_a_mismatch_on_one_rank_on_two_gloo_ranks(tmp_path: Path) -> None:
+    results = run_multirank(_two_ranks, 2, str(tmp_path / "ckpt"), timeout_s=120)
+    for rank, result in enumerate(results):
+        assert result["step"] == 1 and result["config"] == {"config": {"rank": rank}}
+        assert result["read"] == {}, "the config needs no tensor"
+        assert "rank 1: " in result["error"] and "'model'" in result["error"], result["error"]
+        assert "rank 0: " not in result["error"], result["error"]
