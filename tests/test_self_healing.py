@@ -276,3 +276,24 @@ def test_the_next_promotion_uploads_a_bad_chunk_again(tmp_path, s3_server, s3_bu
         assert step == 3 and same_bytes(restored, states[3])
     finally:
         remote.close()
+
+
+def test_gc_forgets_bad_records_of_the_objects_it_deletes(tmp_path, s3_bucket, s3_options):
+    from ckptd.policy import KeepLatest
+    from ckptd.promotion.gc import collect_garbage
+
+    states = _run_states()
+    local = save_local(tmp_path / "local", states, chunk_bytes=_BIG_CHUNK)
+    remote = object_tier(s3_bucket, s3_options)
+    try:
+        for step in states:
+            promote_step(local, remote, step)
+        only_step_1 = f"chunks/{_adapter_key(remote, 1)}"
+        shared = f"chunks/{_adapter_key(remote, 3)}"
+        report_bad_chunk(remote, only_step_1, step=1, reason="test")
+        report_bad_chunk(remote, shared, step=3, reason="test")
+        report = collect_garbage(remote, retention=KeepLatest(2))
+        assert report.deleted_steps == (1,) and report.deleted_chunks >= 1
+        assert bad_chunk_paths(remote) == {shared}, "the record of a chunk still referenced is kept"
+    finally:
+        remote.close()

@@ -22,13 +22,14 @@ from typing import Any
 
 from ckptd.config import settings
 from ckptd.errors import CkptdError
-from ckptd.format.layout import step_file
+from ckptd.format.layout import step_dir, step_file
 from ckptd.format.records import RankIndex
 from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 from ckptd.policy import RetentionPolicy
 from ckptd.promotion.lease import gc_lease
 from ckptd.promotion.promoter import stored_chunks
 from ckptd.tiers.base import StorageTier
+from ckptd.tiers.chunk_health import bad_chunk_paths, clear_bad_chunk
 
 log = logging.getLogger("ckptd.gc")
 _INDEX_SUFFIX = ".index.json"
@@ -133,6 +134,12 @@ def _sweep(tier: StorageTier, report: GcReport, kept: list[int], in_flight: list
     garbage = {key: size for key, size in candidates.items() if key not in marked}
     if not dry_run and garbage:
         tier.delete_files([tier.chunk_path(key) for key in sorted(garbage)])
+    if not dry_run:
+        gone = {tier.chunk_path(key) for key in garbage}
+        gone_steps = {step_dir(step) for step in (*report.deleted_steps, *report.abandoned_steps)}
+        for path in bad_chunk_paths(tier):
+            if path in gone or path.partition("/")[0] in gone_steps:
+                clear_bad_chunk(tier, path)  # its object is deleted: nothing left to mend
     if not tier.capabilities.multipart_uploads:
         uploads_aborted = 0
     elif dry_run:

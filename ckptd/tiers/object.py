@@ -304,9 +304,10 @@ class ObjectTier(StorageTier):
         """Incomplete multipart uploads no live writer owns: (path, upload id, why). An upload whose key
         has a live owner record (:mod:`ckptd.tiers.upload_owners`) is never listed, however old; one
         with no record at all counts as abandoned once started more than ``older_than_s`` ago."""
+        uploads = self.incomplete_uploads()  # before the records: each upload's record was written before it
         records = self._owner_records()
         abandoned = []
-        for path, upload_id, started in self.incomplete_uploads():
+        for path, upload_id, started in uploads:
             owners = [record for _, record in records.get(key_directory(path), []) if record is not None]
             if any(owner.is_alive() for owner in owners):
                 continue
