@@ -96,3 +96,19 @@ def test_inspect_reads_no_tensor_bytes(run: Path, tmp_path: Path) -> None:
     code, output = _inspect(str(copy), "--json")
     assert code == 0, output
     assert _values(output)["iter_num"] == 3
+
+
+def test_inspect_shows_the_values_of_a_step_written_with_dcp_save(tmp_path: Path) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from ckptd.dcp import CkptdStorageWriter
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # DCP's "saving in a single process"
+        dcp.save({"w": torch.ones(3), "meta": {"step": 5, "name": "x"}, "lr": 0.1},
+                 storage_writer=CkptdStorageWriter(tmp_path, step=3))
+    code, output = _inspect(str(tmp_path), "--json")
+    assert code == 0, output
+    assert _values(output) == {"lr": 0.1, "meta.name": "x", "meta.step": 5}

@@ -36,7 +36,9 @@ def value_rows(index: RankIndex) -> list[dict[str, Any]]:
     if values.skeleton is not None:
         found = [(value.path, value.value) for value in saved_values(values.skeleton)]
     else:
-        found = sorted(values.objects.items())
+        # the DCP writer saves each object as the state {"value": object}
+        found = [(fqn + value.path.removeprefix("value"), value.value)
+                 for fqn, skeleton in sorted(values.objects.items()) for value in saved_values(skeleton)]
     return [{"rank": index.rank, "path": path, "value": value} for path, value in found]
 
 

@@ -177,8 +177,9 @@ class CheckpointManager:
 
         ``keys`` restores only those top-level keys (a partial restore), reading only the tensors they
         hold and leaving every other entry of ``state`` (and the RNG states) alone, e.g. a run's config
-        before the model built from it: ``step = mgr.restore(state, keys=["config"])``. A key the step
-        does not hold raises ResumeMismatchError. A later full restore that lands on another step (the
+        before the model built from it: ``step = mgr.restore(state, keys=["config"])`` (a step saved by
+        another world size still loads its sharded tensors through DCP). A key the step does not hold
+        raises ResumeMismatchError. A later full restore that lands on another step (the
         newest was found corrupt while reading its tensors) logs a warning naming both steps.
         ``last_restore`` tells what the newest restore read, and from which tiers.
 
