@@ -1,8 +1,9 @@
 """``ckptd launch`` restarts only the rank that failed; the others rejoin in-process and the job ends with the
 weights, optimizer state and sample ids of an uninterrupted run, byte for byte.
 
-Every run is a real ``ckptd launch`` subprocess with 2 gloo ranks (:mod:`ckptd.testing.elastic_training`);
-the failed rank really gets SIGKILL, or SIGSTOP (a hang the supervisor finds by its heartbeat and kills).
+Every run is a real ``ckptd launch`` subprocess with 2 gloo ranks (:mod:`ckptd.testing.elastic_training`), or
+two supervisors of one rank each standing in for two nodes; the failed rank really gets SIGKILL, or SIGSTOP
+(a hang the supervisor finds by its heartbeat and kills).
 """
 
 from __future__ import annotations
@@ -18,19 +19,41 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.testing.multirank import free_port
+
 pytestmark = pytest.mark.multirank
 
 WORLD = 2
 
 
-def _launch(root: Path, *job_args: str, max_restarts: int = 3, hang_timeout: float = 60.0
+def _launch(root: Path, *job_args: str, max_restarts: int = 3, hang_timeout: float = 60.0, nodes: int = 1
             ) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "ckptd.cli.main", "launch", "--nproc-per-node", str(WORLD),
-               "--max-restarts", str(max_restarts), "--hang-timeout", str(hang_timeout),
-               "-m", "ckptd.testing.elastic_training", "--root", str(root / "ckpt"), "--out", str(root / "out"),
-               *job_args]
+    """``ckptd launch`` of the test job with WORLD ranks; with ``nodes=2`` two supervisors (one rank each)
+    stand in for two nodes: node 0 hosts the store, each keeps its ranks' checkpoints in its own root."""
     environment = dict(os.environ, OMP_NUM_THREADS="1", CKPTD_ELASTIC_REJOIN_TIMEOUT_S="60")
-    return subprocess.run(command, capture_output=True, text=True, timeout=180, env=environment, check=False)
+    endpoint = f"127.0.0.1:{free_port()}"
+    commands = []
+    for node in range(nodes):
+        placement = ["--nproc-per-node", str(WORLD)] if nodes == 1 else [
+            "--nproc-per-node", str(WORLD // nodes), "--nnodes", str(nodes), "--node-rank", str(node),
+            "--rdzv-endpoint", endpoint]
+        commands.append([sys.executable, "-m", "ckptd.cli.main", "launch", *placement,
+                         "--max-restarts", str(max_restarts), "--hang-timeout", str(hang_timeout),
+                         "-m", "ckptd.testing.elastic_training", "--root", str(root / f"ckpt-node{node}"),
+                         "--out", str(root / "out"), *job_args])
+    supervisors = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    env=environment) for command in commands]
+    try:
+        outputs = [supervisor.communicate(timeout=180) for supervisor in supervisors]
+    finally:
+        for supervisor in supervisors:
+            if supervisor.poll() is None:
+                supervisor.kill()
+                supervisor.wait()
+    codes = {supervisor.returncode for supervisor in supervisors}
+    assert len(codes) == 1, f"the supervisors disagree on the outcome: exit codes {codes}"
+    return subprocess.CompletedProcess(commands[0], codes.pop(), "".join(o for o, _ in outputs),
+                                       "".join(e for _, e in outputs))
 
 
 def _finals(out: Path) -> list[bytes]:
@@ -63,16 +86,16 @@ def _scenario(seed: int, rank: int, signal_name: str) -> list[str]:
             "--kill-phase", chooser.choice(["before-save", "after-save"])]
 
 
-@pytest.mark.parametrize(("seed", "victim", "signal_name"), [
-    (1, 1, "KILL"),
-    (5, 1, "KILL"),
-    (7, 0, "KILL"),   # rank 0 (it decides the commits) dies
-    (4, 1, "STOP"),   # a hang: found by the heartbeat timeout, killed, replaced
-], ids=["sigkill-rank1-seed1", "sigkill-rank1-seed5", "sigkill-rank0", "sigstop-hang-rank1"])
+@pytest.mark.parametrize(("seed", "victim", "signal_name", "nodes"), [
+    (1, 1, "KILL", 1),
+    (5, 1, "KILL", 2),   # two supervisors ("nodes") meeting through node 0's store
+    (7, 0, "KILL", 1),   # rank 0 (it decides the commits) dies
+    (4, 1, "STOP", 1),   # a hang: found by the heartbeat timeout, killed, replaced
+], ids=["sigkill-rank1-seed1", "sigkill-rank1-seed5-two-nodes", "sigkill-rank0", "sigstop-hang-rank1"])
 def test_only_the_failed_rank_restarts_and_the_run_ends_bit_for_bit(tmp_path: Path, reference: list[bytes], seed: int,
-                                                                     victim: int, signal_name: str) -> None:
+                                                                     victim: int, signal_name: str, nodes: int) -> None:
     job = _scenario(seed, victim, signal_name)
-    result = _launch(tmp_path, *job, hang_timeout=4.0 if signal_name == "STOP" else 60.0)
+    result = _launch(tmp_path, *job, hang_timeout=4.0 if signal_name == "STOP" else 60.0, nodes=nodes)
     assert result.returncode == 0, result.stderr[-4000:]
     out = tmp_path / "out"
     assert _finals(out) == reference, f"the recovered run differs from the uninterrupted one ({job})"
@@ -99,9 +122,10 @@ def test_only_the_failed_rank_restarts_and_the_run_ends_bit_for_bit(tmp_path: Pa
 
 
 def test_a_failure_past_max_restarts_stops_every_rank_and_names_rank_and_cause(tmp_path: Path) -> None:
-    result = _launch(tmp_path, "--kill-rank", "1", "--kill-step", "3", max_restarts=0)
+    result = _launch(tmp_path, "--kill-rank", "1", "--kill-step", "3", max_restarts=0, nodes=2)
     assert result.returncode == 12, result.stderr[-4000:]
-    assert "rank 1 killed by signal SIGKILL in generation 0" in result.stderr
+    # node 1's supervisor stops the job; node 0's stops its rank too, and both exits name the rank and cause
+    assert result.stderr.count("ckptd: error: the job stopped: rank 1 killed by signal SIGKILL in generation 0") == 2
     assert "--max-restarts 0 are spent" in result.stderr
     assert not list((tmp_path / "out").glob("rank*-final.json")), "no rank may finish a stopped job"
     assert not list((tmp_path / "out").glob("rank*-gen1.json")), "no rank may start a new generation"
