@@ -138,6 +138,13 @@ def test_uploads_ask_the_store_for_a_crc32_of_the_whole_object(s3_bucket, s3_opt
             "a multipart upload keeps a full-object CRC32, not a per-part one"
     finally:
         remote.close()
+    with override(s3_upload_checksum=""):  # a store that refuses checksum headers gets none
+        plain = object_tier(s3_bucket, s3_options)
+        try:
+            plain.write_bytes("chunks/aa/plain.raw", small)
+            assert plain.stored_checksum("chunks/aa/plain.raw")[2] is None
+        finally:
+            plain.close()
 
 
 # --- end to end: restore falls back, verify --repair mends, every remote step verifies ---------------------

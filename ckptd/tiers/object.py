@@ -38,7 +38,8 @@ from ckptd.tiers.base import StorageTier, StoredObject, TierCapabilities
 from ckptd.tiers.s3_lanes import IoLanes
 from ckptd.tiers.s3_budget import budgeted_filesystem_class
 from ckptd.tiers.s3_options import endpoint_of, region_of, retry_budget, s3fs_options, s3fs_retries, split_url
-from ckptd.tiers.s3_transfers import MIN_PART_BYTES, ReadAhead, get_object, multipart_upload, part_bytes, put_arguments
+from ckptd.tiers.s3_transfers import (MIN_PART_BYTES, ReadAhead, checksum_enabled, get_object, multipart_upload,
+                                     part_bytes, put_arguments)
 from ckptd.tiers.upload_owners import OWNERS_PREFIX, UploadOwner, key_directory, new_record_path
 
 _log = logging.getLogger(__name__)
@@ -78,6 +79,7 @@ class ObjectTier(StorageTier):
         self._lanes = IoLanes(settings().s3_io_threads, make_client)
         self._read_ahead = ReadAhead(self._fetch_ahead)
         self._conditional_put = settings().s3_conditional_put
+        self._checksums = checksum_enabled()
 
     @classmethod
     def from_url(cls, url: str, *, storage_options: dict[str, Any] | None = None,
@@ -231,6 +233,13 @@ class ObjectTier(StorageTier):
         except AlreadyCommittedError:
             self._refuse_unless_identical(path, view)
         except StorageError as exc:
+            if self._checksums and s3_errors.is_not_implemented(exc.__cause__):
+                _log.warning("the object store of %s does not implement upload checksums; uploading without "
+                             "them from now on (dedup then reads stored chunks back to check them; set "
+                             "CKPTD_S3_UPLOAD_CHECKSUM= to skip this attempt)", self.label)
+                self._checksums = False
+                self.write_bytes(path, data, if_absent=if_absent)
+                return
             if not (if_absent and s3_errors.is_not_implemented(exc.__cause__)):
                 raise
             _log.warning("the object store of %s refused a conditional write (If-None-Match); writing "
@@ -246,14 +255,16 @@ class ObjectTier(StorageTier):
         with self._errors("uploading", path):
             if len(view) <= part:
                 body = data if isinstance(data, bytes) else bytes(view)  # no copy of bytes already whole
+                sums = put_arguments(view) if self._checksums else {}
                 self._call(client, "put_object", Bucket=self.bucket, Key=self.key(path), Body=body, **condition,
-                           **put_arguments(view))
+                           **sums)
             else:
                 concurrency = max(1, settings().s3_concurrency)
                 owner = (self.key(new_record_path(path)), UploadOwner.mine(path))
                 self._lanes.run(client, lambda: multipart_upload(client, self.bucket, self.key(path), view,
                                                                  part=part, concurrency=concurrency,
-                                                                 condition=condition, owner_record=owner))
+                                                                 condition=condition, owner_record=owner,
+                                                                 checksum=self._checksums))
 
     # --- checksums the store keeps (promotion's dedup compares them) -----------------------------
     def listed_tags(self, directory: str) -> dict[str, tuple[int, str]]:

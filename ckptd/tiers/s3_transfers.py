@@ -105,8 +105,8 @@ def crc32_checksum(data: Buffer) -> str:
 
 
 def put_arguments(data: Buffer) -> dict[str, str]:
-    """Checksum arguments of a single PUT of ``data`` (none when checksums are off)."""
-    return {"ChecksumAlgorithm": "CRC32", "ChecksumCRC32": crc32_checksum(data)} if checksum_enabled() else {}
+    """Checksum arguments of a single PUT of ``data``."""
+    return {"ChecksumAlgorithm": "CRC32", "ChecksumCRC32": crc32_checksum(data)}
 
 
 async def _keep_owner_fresh(client: Any, bucket: str, record_key: str, owner: UploadOwner) -> None:
@@ -119,14 +119,15 @@ async def _keep_owner_fresh(client: Any, bucket: str, record_key: str, owner: Up
 
 
 async def multipart_upload(client: Any, bucket: str, key: str, data: memoryview, *, part: int, concurrency: int,
-                           condition: dict[str, str], owner_record: tuple[str, UploadOwner] | None = None) -> None:
+                           condition: dict[str, str], owner_record: tuple[str, UploadOwner] | None = None,
+                           checksum: bool | None = None) -> None:
     """Upload ``data`` in parts of ``part`` bytes, ``concurrency`` at once; completion carries
     ``condition`` (e.g. If-None-Match). On any failure the upload is aborted, then the failure raised.
 
     ``owner_record`` (record key, owner) is written before the upload is created, kept fresh while it
     runs and deleted after (:mod:`ckptd.tiers.upload_owners`). With checksums on, every part carries its
-    CRC32 and the store keeps a full-object CRC32 of the result."""
-    checksum = checksum_enabled()
+    CRC32 and the store keeps a full-object CRC32 of the result (``checksum`` None: ``s3_upload_checksum``)."""
+    checksum = checksum_enabled() if checksum is None else checksum
     refresher = None
     if owner_record is not None:
         record_key, owner = owner_record
