@@ -195,3 +195,20 @@ def test_partial_restore_and_a_mismatch_on_one_rank_on_two_gloo_ranks(tmp_path: 
         assert result["read"] == {}, "the config needs no tensor"
         assert "rank 1: " in result["error"] and "'model'" in result["error"], result["error"]
         assert "rank 0: " not in result["error"], result["error"]
+
+
+def test_a_plain_value_saved_where_the_live_state_has_an_object_is_named(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    with ckptd.CheckpointManager(root, capture_rng=False) as manager:
+        manager.save(1, {"model": {"weight": torch.ones(2)}, "step": 1}, force=True)
+    model, _ = _model(1)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with ckptd.CheckpointManager(root, capture_rng=False) as manager:
+        state: dict[str, Any] = {"model": model, "step": 0}
+        with pytest.raises(ckptd.ResumeMismatchError) as caught:
+            manager.restore(state)
+    text = str(caught.value)
+    assert "'model'" in text and "Linear" in text and "plain dict" in text and "step 1" in text, text
+    assert state["model"] is model, "the live object is kept, not replaced by the saved dict"
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name])

@@ -180,6 +180,11 @@ class _Loader:
         if not isinstance(node, dict) or not node:
             raise CkptdError(f"malformed state skeleton at {path!r}")
         kind = next(iter(node))
+        if kind != "stateful" and _has_state_dict(target):  # replacing the object would drop it silently
+            raise ResumeMismatchError(
+                f"the live state has an object with load_state_dict() ({type(target).__name__}) under key "
+                f"{path!r}, but the checkpoint holds a plain {kind} there",
+                hint="pass the state as it was saved, or restore the other keys with restore(state, keys=[...])")
         if kind == "tensor":
             return self._tensor(node["tensor"], target, path)
         if kind == "value":
