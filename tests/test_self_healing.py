@@ -253,15 +253,8 @@ def _flip_object_byte(server, bucket: str, key: str) -> None:
 
 
 def test_the_next_promotion_uploads_a_bad_chunk_again(tmp_path, s3_server, s3_bucket, s3_options, monkeypatch):
-    """Needs the lead's wiring: ``Promoter.promote`` decides what to upload with
-    :func:`ckptd.promotion.dedup.chunks_to_upload` and calls :func:`~ckptd.promotion.dedup.mark_uploaded`
-    after uploading. Skipped (with that reason) until promoter.py calls them."""
-    import inspect
-
-    from ckptd.promotion import promoter
-
-    if "chunks_to_upload" not in inspect.getsource(promoter):
-        pytest.skip("needs wiring: Promoter.promote must call dedup.chunks_to_upload and dedup.mark_uploaded")
+    """Through the promoter's wiring: ``Promoter.promote`` decides what to upload with
+    :func:`ckptd.promotion.dedup.chunks_to_upload` and calls :func:`~ckptd.promotion.dedup.mark_uploaded`."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     states = _run_states()
