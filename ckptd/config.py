@@ -41,7 +41,8 @@ class Settings:
     #: Tensors of fewer raw bytes go into the rank's pack, its first data file, which the object tier
     #: stores as one object per rank and step and reads by range; the chunks of larger tensors are
     #: stored there by digest and shared by the steps that hold them. 0: no pack (format 2 layout).
-    pack_below_bytes: int = 1024 * 1024
+    #: The default equals direct_io_min_bytes, so the pack is written as the page-cache file was before.
+    pack_below_bytes: int = 256 * 1024
     #: Seconds a rank waits for the others to agree on a commit before failing the step.
     commit_timeout_s: float = 300.0
     #: Seconds after which a temporary file left in a tier is considered abandoned.
