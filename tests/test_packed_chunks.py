@@ -11,6 +11,7 @@ corrupt local pack is never uploaded.
 from __future__ import annotations
 
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,35 @@ def test_a_step_of_200_small_tensors_is_a_handful_of_objects_and_restores_from_t
     pull_step(remote, LocalTier(tmp_path / "node-b"), 2)
     pulled = tmp_path / "node-b" / step_dir(2)
     assert {p.name: p.read_bytes() for p in pulled.iterdir()} == originals, "re-populated byte for byte"
+
+
+def test_each_rank_adds_its_index_and_its_pack_and_shares_the_large_chunks(tmp_path, s3_server, s3_bucket,
+                                                                           s3_options):
+    store = torch.distributed.HashStore()
+    states = {rank: {**model_state(rank), "own": torch.full((1000,), float(rank))} for rank in (0, 1)}
+
+    def save(rank: int) -> None:
+        with ckptd.CheckpointManager(tmp_path / "shared", rank=rank, world_size=2, store=store,
+                                     capture_rng=False) as manager:
+            manager.save(9, states[rank])
+
+    threads = [threading.Thread(target=save, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    remote = object_tier(s3_bucket, s3_options)
+    report = promote_step(LocalTier(tmp_path / "shared"), remote, 9)
+    keys = bucket_keys(s3_server, s3_bucket, "run")
+    assert {key for key in keys if key.startswith(step_dir(9))} == {
+        step_file(9, name) for rank in (0, 1) for name in (rank_index_name(rank), rank_data_name(rank, 0))
+    } | {step_file(9, MANIFEST_NAME)}
+    assert len([key for key in keys if key.startswith("chunks/")]) == LARGE_TENSORS, "frozen chunks stored once"
+    assert report.packs_uploaded == 2 and list(verify_step(remote, 9)) == []
+    for rank in (0, 1):
+        index = load_rank_index(remote, load_step_manifest(remote, 9), rank)
+        reader = StepReader([ChunkSource(remote, index)])
+        assert same_bytes({name: reader.read_tensor(name) for name in states[rank]}, states[rank])
 
 
 def test_a_large_pack_is_read_in_a_few_coalesced_ranges(tmp_path, s3_bucket, s3_options):
