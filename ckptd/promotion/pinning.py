@@ -57,6 +57,28 @@ class PinnedSteps:
         if target.is_dir():
             fsync_directory(target)
 
+    def release(self, step: int, names: list[str] | None = None) -> None:
+        """Drop a pin that will not be promoted (superseded, or past the cap) without any fsync, so that the
+        save path that calls it never waits for the disk: the manifest goes first, so a pin a crash leaves
+        half-removed is incomplete and ignored (only ``names`` when given: other ranks may need theirs)."""
+        directory = self.tier.root / step_dir(step)
+        if names is not None:
+            for name in names:
+                if name != MANIFEST_NAME:
+                    (directory / name).unlink(missing_ok=True)
+            if any(name != MANIFEST_NAME for name in self.tier.list_files(step)):
+                return
+        try:
+            (directory / MANIFEST_NAME).unlink(missing_ok=True)
+            for leftover in directory.iterdir():
+                leftover.unlink(missing_ok=True)
+            directory.rmdir()
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise StorageError(f"could not release a pinned step: {exc.strerror}", path=str(directory), step=step,
+                               tier="local", hint="check the permissions of the checkpoint directory") from exc
+
     def held_bytes(self, step: int) -> int:
         """Bytes of a pinned step that only the pin still holds (files with no other name on disk)."""
         total = 0

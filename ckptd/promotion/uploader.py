@@ -41,6 +41,7 @@ from ckptd.background import BackgroundWorker, FailureRecord, raise_failures
 from ckptd.config import settings
 from ckptd.errors import CkptdError, StillRunningError, StorageError, UnpromotedError
 from ckptd.format.layout import MANIFEST_NAME, rank_files, rank_index_name
+from ckptd.stepio.rank_writer import lower_thread_priority
 from ckptd.stepio.step_reader import load_step_manifest
 from ckptd.policy import Policy
 from ckptd.promotion.gc import collect_garbage
@@ -51,6 +52,8 @@ from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
 
 log = logging.getLogger("ckptd.promotion")
+#: The uploader runs this much below the writer's ``background_nice``: a save never waits for an upload's CPU.
+_UPLOADER_EXTRA_NICE = 5
 _RESUME_HINT = "the local copies stay pinned; promotion resumes when a manager or `ckptd promote` starts again"
 
 
@@ -91,7 +94,7 @@ class BackgroundUploader:
         self._lock = threading.Lock()
         self._worker: BackgroundWorker[int] = BackgroundWorker(
             "ckptd-uploader", self._promote, describe=self._describe, failures=self._failed,
-            step_of=lambda step: step, on_start=self.remote.connect, on_idle=self._collect_if_due)
+            step_of=lambda step: step, on_start=self._start, on_idle=self._collect_if_due)
 
     # --- called from the training thread --------------------------------------------------------
     def wants(self, step: int) -> bool:
@@ -222,6 +225,13 @@ class BackgroundUploader:
         """This rank's files of a step on ``tier``, and the manifest."""
         return rank_files(tier.list_files(step), self.rank) + [MANIFEST_NAME]
 
+    def _start(self) -> None:
+        """Uploader thread, first: yield the CPU to the writer (the threads this one starts inherit it),
+        then connect."""
+        nice = settings().background_nice
+        lower_thread_priority(0 if nice <= 0 else nice + _UPLOADER_EXTRA_NICE)
+        self.remote.connect()
+
     def promotion_lag(self) -> PromotionLag:
         """:attr:`lag`; the first time it lacks a tier's newest step, both tiers are listed once to learn it
         (a tier that does not answer is skipped: the lag then counts from what this uploader saw)."""
@@ -266,7 +276,7 @@ class BackgroundUploader:
     def _release_pins(self, steps: list[int]) -> None:
         for step in steps:
             try:
-                self._unpin(step)
+                self.pins.release(step, None if self.world_size == 1 else self._own_files(self.pins.tier, step))
             except CkptdError as error:  # the pin stays; the next start resumes it
                 log.warning("could not release the pin of step %d: %s", step, error)
 
