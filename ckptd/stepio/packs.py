@@ -155,7 +155,7 @@ class PackReads:
                 with self._lock:
                     self.requests += 1
                     piece.data, piece.error = data, None
-            except BaseException as error:
+            except Exception as error:  # remembered; an interrupt is not, and a waiter then fetches itself
                 with self._lock:
                     piece.error = error
                 raise
@@ -169,6 +169,6 @@ class PackReads:
             data, error = piece.data, piece.error
         if error is not None:
             raise error
-        if data is None:  # dropped meanwhile by the last of its reads: fetch it again
+        if data is None:  # dropped by the last of its reads, or its fetch interrupted: fetch it again
             return self._fetched(tier, pack, piece)
         return data
