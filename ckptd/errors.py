@@ -222,6 +222,13 @@ class GenerationEndedError(CkptdError):
     exit_code = 12
 
 
+class CrashLoopError(WorkerError):
+    """An elastic job stopped because its ranks kept failing with no training step completed in between
+    (``ckptd launch --crash-loop``); the message names the rank, its last step and the cause."""
+
+    exit_code = 14
+
+
 class UnpromotedError(StorageError):
     """Committed local steps could not be promoted to the object tier before ``close`` returned; they stay
     pinned on the local tier (:attr:`steps`) and promotion resumes at the next start."""

@@ -26,8 +26,8 @@ pytestmark = pytest.mark.multirank
 WORLD = 2
 
 
-def _launch(root: Path, *job_args: str, max_restarts: int = 3, hang_timeout: float = 60.0, nodes: int = 1
-            ) -> subprocess.CompletedProcess[str]:
+def _launch(root: Path, *job_args: str, max_restarts: int = 3, hang_timeout: float = 60.0, nodes: int = 1,
+            extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
     """``ckptd launch`` of the test job with WORLD ranks; with ``nodes=2`` two supervisors (one rank each)
     stand in for two nodes: node 0 hosts the store, each keeps its ranks' checkpoints in its own root."""
     environment = dict(os.environ, OMP_NUM_THREADS="1", CKPTD_ELASTIC_REJOIN_TIMEOUT_S="60")
@@ -38,7 +38,7 @@ def _launch(root: Path, *job_args: str, max_restarts: int = 3, hang_timeout: flo
             "--nproc-per-node", str(WORLD // nodes), "--nnodes", str(nodes), "--node-rank", str(node),
             "--rdzv-endpoint", endpoint]
         commands.append([sys.executable, "-m", "ckptd.cli.main", "launch", *placement,
-                         "--max-restarts", str(max_restarts), "--hang-timeout", str(hang_timeout),
+                         "--max-restarts", str(max_restarts), "--hang-timeout", str(hang_timeout), *extra,
                          "-m", "ckptd.testing.elastic_training", "--root", str(root / f"ckpt-node{node}"),
                          "--out", str(root / "out"), *job_args])
     supervisors = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -161,3 +161,18 @@ def test_an_ended_generation_releases_its_waiters_and_refuses_writes() -> None:
     assert store.get(keys.in_generation(4, "round")) == b"a"
     new.set("round", "b")
     assert new.get("round") == b"b"
+
+
+def test_a_crash_loop_stops_the_job_with_its_own_exit_code_after_backing_off(tmp_path: Path) -> None:
+    # rank 1 dies at step 5 of generation 0 (steps were completed before: no loop), then at the first step of
+    # every later generation, before completing one: the second such failure in a row stops the job
+    result = _launch(tmp_path, "--kill-rank", "1", "--kill-step", "5", "--kill-phase", "before-step",
+                     "--kill-generations", "99", extra=("--crash-loop", "2", "--restart-backoff", "0.2"))
+    assert result.returncode == 14, result.stderr[-4000:]
+    assert "restarting it alone in generation 1 (restart 1" in result.stderr, "no back-off after completed steps"
+    assert "restarting it alone in generation 2 in 0.2 s (restart 2" in result.stderr, "a loop backs off"
+    assert ("ckptd: error: the job stopped: rank 1 killed by signal SIGKILL in generation 2 (its last step 4): "
+            "2 failure(s) in a row with no step completed in between (--crash-loop 2)") in result.stderr
+    survivor = _generations(tmp_path / "out", 0)
+    assert sorted(survivor) == [0, 1, 2] and len({record["pid"] for record in survivor.values()}) == 1
+    assert not list((tmp_path / "out").glob("rank*-final.json"))

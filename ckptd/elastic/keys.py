@@ -25,12 +25,16 @@ RESTARTS = "elastic/restarts"
 OPEN = "elastic/open"
 #: Supervisors that joined (a store counter).
 NODES = "elastic/nodes"
+#: Failures in a row with no step completed in between (reset by a failure after a completed step).
+CRASH_LOOP = "elastic/crash-loop"
 
 
 def beat(rank: int) -> str:
-    """A rank's heartbeat: ``"<generation>:<progress>:<sequence>"``, rewritten at every beat. Progress counts
-    the training's beats (0: not started in this generation, -1: its training function returned), sequence
-    every write, those of a rank waiting for its peers included. Only progress above 0 arms the hang timeout."""
+    """A rank's heartbeat: ``"<generation>:<progress>:<sequence>:<step>"``, rewritten at every beat. Progress
+    counts the training's beats (0: not started in this generation, -1: its training function returned),
+    sequence every write, those of a rank waiting for its peers included; step is the newest step the rank
+    completed in this generation (a save names it; -1: none yet). Only progress above 0 arms the hang
+    timeout."""
     return f"elastic/beat/{rank}"
 
 
@@ -59,8 +63,12 @@ def done(rank: int) -> str:
     return f"elastic/done/{rank}"
 
 
-def parse_beat(value: bytes | str) -> tuple[int, int, int]:
-    """(generation, progress, sequence) of a heartbeat value."""
+#: The heartbeat of a rank that has not beaten yet.
+NO_BEAT = "-1:0:0:-1"
+
+
+def parse_beat(value: bytes | str) -> tuple[int, int, int, int]:
+    """(generation, progress, sequence, step) of a heartbeat value."""
     text = value.decode() if isinstance(value, bytes) else value
-    generation, progress, sequence = text.split(":")
-    return int(generation), int(progress), int(sequence)
+    generation, progress, sequence, step = text.split(":")
+    return int(generation), int(progress), int(sequence), int(step)

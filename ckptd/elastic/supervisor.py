@@ -18,7 +18,10 @@ Its loop, every ``poll_s``:
   once) and starts the failed rank alone again in the new generation; the survivors rejoin it in-process
   (:func:`ckptd.elastic.run`). After ``max_restarts`` restarts of the job, the next failure stops it: the
   supervisor sets ``elastic/stop``, every supervisor stops its ranks, and :meth:`run` raises WorkerError
-  naming the rank and the cause.
+  naming the rank, its last step and the cause. ``crash_loop`` failures in a row with no step completed
+  in between (no rank's save or heartbeat named a step in the generation that failed) stop it the same
+  way with CrashLoopError (exit 14); within such a run of failures each restart waits
+  ``restart_backoff_s``, doubled at each failure.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptd.errors import ConfigError, WorkerError
+from ckptd.errors import ConfigError, CrashLoopError, WorkerError
 from ckptd.elastic import keys
 from ckptd.elastic.waiting import wait_for
 
@@ -59,6 +62,10 @@ class LaunchSpec:
     rdzv_port: int = 29400
     max_restarts: int = 3
     hang_timeout_s: float = 300.0
+    #: Failures in a row with no step completed in between that stop the job (CrashLoopError); 0: never.
+    crash_loop: int = 3
+    #: Seconds before restarting a rank after the first failure of a crash loop, doubled at each next one.
+    restart_backoff_s: float = 0.0
     #: Seconds the supervisors wait for each other (at start and at the end).
     join_timeout_s: float = 300.0
     poll_s: float = 0.05
@@ -68,8 +75,8 @@ class LaunchSpec:
             raise ConfigError(f"--nproc-per-node {self.nproc_per_node} and --nnodes {self.nnodes} must be at least 1")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank {self.node_rank} is not in 0..{self.nnodes - 1}")
-        if self.max_restarts < 0 or self.hang_timeout_s < 0:
-            raise ConfigError("--max-restarts and --hang-timeout must not be negative")
+        if min(self.max_restarts, self.hang_timeout_s, self.crash_loop, self.restart_backoff_s) < 0:
+            raise ConfigError("--max-restarts, --hang-timeout, --crash-loop and --restart-backoff must not be negative")
         if not self.command:
             raise ConfigError("no training script given", hint="ckptd launch [options] script.py [args]")
 
@@ -92,13 +99,14 @@ class _Rank:
     restarts: int = 0
     hung_for: float | None = None  # set when this supervisor killed it as hung
     finished: bool = False
+    start_at: float | None = None  # a restart waiting out its back-off (time.monotonic())
 
 
 @dataclass
 class _Beats:
     """What the supervisor saw of one rank's heartbeat: the value, and when it last changed (local clock)."""
 
-    value: tuple[int, int, int] = (-1, 0, 0)
+    value: tuple[int, int, int, int] = keys.parse_beat(keys.NO_BEAT)
     changed: float = field(default_factory=time.monotonic)
 
 
@@ -119,6 +127,8 @@ class Supervisor:
         self.generation = 0
         self.store: Any = None
         self._beats = {rank: _Beats() for rank in range(spec.world_size)}
+        #: The newest step each rank reported completing, in any generation (-1: none).
+        self._last_step = {rank: -1 for rank in range(spec.world_size)}
         #: One line per recovery this supervisor started (also logged).
         self.events: list[str] = []
 
@@ -131,7 +141,7 @@ class Supervisor:
         if is_host:
             self.store.set(keys.GENERATION, "0")
             for rank in range(spec.world_size):
-                self.store.set(keys.beat(rank), "-1:0:0")
+                self.store.set(keys.beat(rank), keys.NO_BEAT)
             self.store.set(keys.OPEN, "1")
         wait_for(lambda: self.store.check([keys.OPEN]), what="the node-rank-0 supervisor to open the job store",
                  timeout_s=spec.join_timeout_s, poll_s=0.1)
@@ -157,7 +167,7 @@ class Supervisor:
         return env
 
     def _start(self, rank: _Rank) -> None:
-        rank.generation, rank.hung_for, rank.finished = self.generation, None, False
+        rank.generation, rank.hung_for, rank.finished, rank.start_at = self.generation, None, False, None
         rank.process = subprocess.Popen(list(self.spec.command), env=self._environment(rank),
                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         log.info("started rank %d (pid %d) in generation %d", rank.rank, rank.process.pid, self.generation)
@@ -172,8 +182,11 @@ class Supervisor:
             while True:
                 self._follow_generation()
                 self._check_stop()
+                self._read_beats()
                 for rank in self.ranks:
                     self._check_exit(rank)
+                    if rank.start_at is not None and time.monotonic() >= rank.start_at:
+                        self._start(rank)
                 if all(rank.finished for rank in self.ranks):
                     break
                 self._check_hangs()
@@ -194,10 +207,11 @@ class Supervisor:
     def _check_stop(self) -> None:
         if self.store.check([keys.STOP]):
             reason = json.loads(self.store.get(keys.STOP))
-            raise WorkerError(f"the job stopped: {reason['message']}", {int(reason["rank"]): reason["cause"]})
+            kind = CrashLoopError if reason.get("crash_loop") else WorkerError
+            raise kind(f"the job stopped: {reason['message']}", {int(reason["rank"]): reason["cause"]})
 
     def _check_exit(self, rank: _Rank) -> None:
-        if rank.finished or rank.process is None:
+        if rank.finished or rank.process is None or rank.start_at is not None:
             return
         code = rank.process.poll()  # waitpid(pid, WNOHANG)
         if code is None:
@@ -220,39 +234,67 @@ class Supervisor:
             log.warning("rank %d (pid %s) %s after every rank finished; the job is complete", rank.rank, pid, cause)
             rank.finished = True
             return
+        failed_in = int(self.store.get(keys.GENERATION))
+        self._read_beats()
+        last = self._last_step[rank.rank]
+        where = f"in generation {failed_in} " + (f"(its last step {last})" if last >= 0 else "(before completing a step)")
+        looping = self._crash_loop(failed_in)
+        if self.spec.crash_loop and looping >= self.spec.crash_loop:
+            self._stop_job(rank, cause, CrashLoopError, f"rank {rank.rank} {cause} {where}: {looping} failure(s) in a "
+                           f"row with no step completed in between (--crash-loop {self.spec.crash_loop})")
         spent = int(self.store.add(keys.RESTARTS, 1))
         if spent > self.spec.max_restarts:
-            message = (f"rank {rank.rank} {cause} in generation {self.generation}, and the job's "
-                       f"--max-restarts {self.spec.max_restarts} are spent")
-            self.store.set(keys.STOP, json.dumps({"rank": rank.rank, "cause": cause, "message": message}))
-            raise WorkerError(f"the job stopped: {message}", {rank.rank: cause})
-        failed_in = int(self.store.get(keys.GENERATION))
+            self._stop_job(rank, cause, WorkerError, f"rank {rank.rank} {cause} {where}, and the job's "
+                           f"--max-restarts {self.spec.max_restarts} are spent")
         # compare_set: when another supervisor raised it at the same moment (another rank failed), keep theirs
         self.generation = int(self.store.compare_set(keys.GENERATION, str(failed_in), str(failed_in + 1)))
         rank.restarts += 1
-        event = (f"rank {rank.rank} (pid {pid}) {cause} in generation {failed_in}; restarting it alone "
-                 f"in generation {self.generation} (restart {spent} of {self.spec.max_restarts})")
+        delay = self.spec.restart_backoff_s * 2 ** (looping - 1) if looping else 0.0
+        event = (f"rank {rank.rank} (pid {pid}) {cause} {where}; restarting it alone in generation "
+                 f"{self.generation}" + (f" in {delay:g} s" if delay else "") +
+                 f" (restart {spent} of {self.spec.max_restarts})")
         self.events.append(event)
         log.warning("%s", event)
-        self._start(rank)
+        if delay:
+            rank.process, rank.start_at = None, time.monotonic() + delay
+        else:
+            self._start(rank)
+
+    def _crash_loop(self, generation: int) -> int:
+        """Count this failure: the failures in a row with no step completed in between, this one included."""
+        completed = any(beats.value[0] == generation and beats.value[3] >= 0 for beats in self._beats.values())
+        if completed:
+            self.store.set(keys.CRASH_LOOP, "0")
+            return 0
+        return int(self.store.add(keys.CRASH_LOOP, 1))
+
+    def _stop_job(self, rank: _Rank, cause: str, kind: type[WorkerError], message: str) -> None:
+        self.store.set(keys.STOP, json.dumps({"rank": rank.rank, "cause": cause, "message": message,
+                                              "crash_loop": kind is CrashLoopError}))
+        raise kind(f"the job stopped: {message}", {rank.rank: cause})
 
     def _every_rank_done(self, generation: int) -> bool:
         return bool(self.store.check([keys.in_generation(generation, keys.done(other))
                                       for other in range(self.spec.world_size)]))
 
+    def _read_beats(self) -> None:
+        now = time.monotonic()
+        values = self.store.multi_get([keys.beat(rank) for rank in range(self.spec.world_size)])
+        for rank, raw in enumerate(values):
+            seen, value = self._beats[rank], keys.parse_beat(raw)
+            if value != seen.value:
+                seen.value, seen.changed = value, now
+                self._last_step[rank] = max(self._last_step[rank], value[3])
+
     def _check_hangs(self) -> None:
         if not self.spec.hang_timeout_s:
             return
         now = time.monotonic()
-        values = self.store.multi_get([keys.beat(rank) for rank in range(self.spec.world_size)])
         silent: list[tuple[int, float, int]] = []  # (progress, last change, rank)
-        for rank, raw in enumerate(values):
-            seen = self._beats[rank]
-            value = keys.parse_beat(raw)
-            if value != seen.value:
-                seen.value, seen.changed = value, now
-            elif value[0] == self.generation and value[1] > 0 and now - seen.changed > self.spec.hang_timeout_s:
-                silent.append((value[1], seen.changed, rank))
+        for rank, seen in self._beats.items():
+            generation, progress = seen.value[:2]
+            if generation == self.generation and progress > 0 and now - seen.changed > self.spec.hang_timeout_s:
+                silent.append((progress, seen.changed, rank))
         if not silent:
             return
         _, changed, hung = min(silent)

@@ -115,7 +115,7 @@ class WorkerContext:
     restart_count: int
     #: Generations this process took part in before this one (0: the first one it joined).
     rejoined: int
-    _beat: Callable[[], None] = field(repr=False)
+    _beat: Callable[[int | None], None] = field(repr=False)
     _managers: list[CheckpointManager] = field(default_factory=list, repr=False)
 
     def checkpoint_manager(self, local: str | os.PathLike[str], **options: Any) -> CheckpointManager:
@@ -127,9 +127,9 @@ class WorkerContext:
         self._managers.append(manager)
         return manager
 
-    def heartbeat(self) -> None:
+    def heartbeat(self, step: int | None = None) -> None:
         """Tell the supervisor this rank makes progress (see :func:`heartbeat`)."""
-        self._beat()
+        self._beat(step)
 
     def _close_managers(self, *, quietly: bool) -> None:
         managers, self._managers = self._managers, []
@@ -143,14 +143,15 @@ class WorkerContext:
 
 
 class _BeatingManager(CheckpointManager):
-    """A checkpoint manager whose ``save`` first beats the rank's heartbeat."""
+    """A checkpoint manager whose ``save`` first beats the rank's heartbeat, naming the step (completed:
+    its state is being saved)."""
 
-    def __init__(self, local: Path, *, beat: Callable[[], None], **options: Any) -> None:
+    def __init__(self, local: Path, *, beat: Callable[[int | None], None], **options: Any) -> None:
         self._beat = beat
         super().__init__(local, **options)
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
-        self._beat()
+        self._beat(step)
         return super().save(step, state, force=force)
 
 
@@ -159,16 +160,18 @@ class _Heart:
 
     def __init__(self, store: Any, rank: int) -> None:
         self.store, self.rank = store, rank
-        self.generation, self.progress, self.sequence = -1, 0, 0
+        self.generation, self.progress, self.sequence, self.step = -1, 0, 0, -1
         self._last_touch = 0.0
 
     def enter(self, generation: int) -> None:
-        self.generation, self.progress = generation, 0
-        self.touch()
+        self.generation, self.progress, self.step = generation, 0, -1
+        self._write()
 
-    def beat(self) -> None:
-        """The training made progress."""
+    def beat(self, step: int | None = None) -> None:
+        """The training made progress (``step``: it completed that step)."""
         self.progress += 1
+        if step is not None:
+            self.step = step
         self._write()
 
     def finish(self) -> None:
@@ -184,18 +187,20 @@ class _Heart:
     def _write(self) -> None:
         self.sequence += 1
         self._last_touch = time.monotonic()
-        self.store.set(keys.beat(self.rank), f"{self.generation}:{self.progress}:{self.sequence}")
+        self.store.set(keys.beat(self.rank), f"{self.generation}:{self.progress}:{self.sequence}:{self.step}")
 
 
 _heart: _Heart | None = None
 
 
-def heartbeat() -> None:
-    """Tell the supervisor this rank makes progress; call it once per step (each save through a manager from
-    :meth:`WorkerContext.checkpoint_manager` beats too). A rank that beat in this generation and then stays
-    silent for ``--hang-timeout`` seconds is killed and replaced. Does nothing outside ``ckptd launch``."""
+def heartbeat(step: int | None = None) -> None:
+    """Tell the supervisor this rank makes progress (``step``: the step it just completed); call it once per
+    step (each save through a manager from :meth:`WorkerContext.checkpoint_manager` beats too, naming the
+    step). A rank that beat in this generation and then stays silent for ``--hang-timeout`` seconds is
+    killed and replaced; failures with no step completed in between count toward ``--crash-loop``. Does
+    nothing outside ``ckptd launch``."""
     if _heart is not None:
-        _heart.beat()
+        _heart.beat(step)
 
 
 class _GenerationWatcher:

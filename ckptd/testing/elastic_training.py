@@ -7,7 +7,8 @@ The sample ids each rank consumed are part of the state (one row per step), so a
 repeated a batch shows in them.
 
 With ``--kill-rank R --kill-step S`` rank R sends itself ``--kill-signal`` (KILL, or STOP for a hang)
-at step S of the first generation, ``--kill-phase`` before or after that step's save. Each rank writes,
+at step S of the first generation, ``--kill-phase`` before the step's collectives, or before or after that
+step's save; with ``--kill-generations N`` also at the first step of generations 1 to N-1 (a crash loop). Each rank writes,
 for every generation it joins, ``rank<r>-gen<g>.json`` (pid, restored step, tier, wall-clock times of
 entering the generation, of the restore and of its first completed step; the victim also writes
 ``rank<r>-killed.json`` just before the signal) and at the end
@@ -84,6 +85,12 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
     record_path = out / f"rank{ctx.rank}-gen{ctx.generation}.json"
     record_path.write_text(json.dumps(record))
     for step in range((start or 0) + 1, args.steps + 1):
+        victim = ctx.rank == args.kill_rank and (step == args.kill_step if ctx.generation == 0 else
+                                                 ctx.generation < args.kill_generations and step == (start or 0) + 1)
+        if victim:
+            (out / f"rank{ctx.rank}-killed.json").write_text(json.dumps({"step": step, "at": time.time()}))
+        if victim and args.kill_phase == "before-step":
+            os.kill(os.getpid(), getattr(signal, f"SIG{args.kill_signal}"))
         if step == (start or 0) + 2:  # the first step of this generation completed
             record_path.write_text(json.dumps(record | {"first_step_at": time.time()}))
         elastic.heartbeat()
@@ -96,9 +103,6 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
             dist.all_reduce(parameter.grad)
             parameter.grad /= ctx.world_size
         optim.step()
-        victim = ctx.generation == 0 and ctx.rank == args.kill_rank and step == args.kill_step
-        if victim:
-            (out / f"rank{ctx.rank}-killed.json").write_text(json.dumps({"step": step, "at": time.time()}))
         if victim and args.kill_phase == "before-save":
             os.kill(os.getpid(), getattr(signal, f"SIG{args.kill_signal}"))
         manager.save(step, state)
@@ -122,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--kill-signal", choices=("KILL", "STOP"), default="KILL")
-    parser.add_argument("--kill-phase", choices=("before-save", "after-save"), default="after-save")
+    parser.add_argument("--kill-phase", choices=("before-step", "before-save", "after-save"), default="after-save")
+    parser.add_argument("--kill-generations", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     Path(args.out).mkdir(parents=True, exist_ok=True)
