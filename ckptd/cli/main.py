@@ -1,11 +1,15 @@
 """The ``ckptd`` command line: one module per subcommand, registered on one click group.
 
+A subcommand's module is imported only when that command runs, so ``ckptd --help`` (and each
+command's ``--help``) starts without torch; a command imports what it needs inside its function.
+
 Errors from :mod:`ckptd.errors` become one line on stderr and the error's exit code; set
 ``CKPTD_DEBUG=1`` to see the traceback instead.
 
 Exit codes: 0 success, 1 generic ckptd error, 2 usage or configuration, 3 malformed format,
 4 integrity failure, 5 commit failure, 6 storage unreachable or full, 7 directory locked,
-8 not found, 9 state mismatch, 10 pickle refused, 11 plugin missing, 12 failure on some rank.
+8 not found, 9 state mismatch, 10 pickle refused, 11 plugin missing, 12 failure on some rank or in
+background work, 13 a deadline passed.
 """
 
 from __future__ import annotations
