@@ -116,3 +116,16 @@ def test_parts_that_fail_together_never_exceed_the_operation_budget(seed, s3_ser
             assert not direct.exists("chunks/aa/big.raw"), "a failed upload leaves no object"
     finally:
         direct.close()
+
+
+def test_a_store_that_never_answers_costs_one_read_timeout_per_attempt_of_the_budget(s3_server, s3_bucket,
+                                                                                      s3_options):
+    with override(**_FAST, s3_retries=2, s3_connect_retries=1, s3_read_timeout_s=0.5), \
+            FaultProxy(s3_server.endpoint_url, fraction=1.0, kinds=("stall",), stall_s=2.0) as proxy:
+        tier = ObjectTier(f"s3://{s3_bucket}/run", storage_options=proxy.storage_options(s3_options))
+        try:
+            with pytest.raises(TierUnreachableError, match="cannot be reached while uploading"):
+                tier.write_bytes("chunks/aa/small.raw", b"x" * 1000)
+            assert proxy.counts["requests"] == 3, f"one attempt and the budget's two retries: {proxy.counts}"
+        finally:
+            tier.close()

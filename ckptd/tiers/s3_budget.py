@@ -7,8 +7,10 @@ whole calls on top. Here each operation (one :meth:`IoLanes.run` or ``submit``) 
 :class:`OperationBudget`: a hook that runs before botocore's retry handler asks botocore's own retry
 conditions whether a failure is retryable; if so, the retry spends from the budget and waits a
 full-jitter exponential back-off (``s3_backoff_base_s`` doubling, capped at ``s3_backoff_max_s``); once
-the budget is spent the failure is raised as it is (and :mod:`ckptd.tiers.s3_errors` classifies it). Retries after a connection could not be made at all spend
-from a smaller allowance too, so a dead endpoint is known within about two connect timeouts.
+the budget is spent the failure is raised as it is (and :mod:`ckptd.tiers.s3_errors` classifies it).
+Retries after a connection could not be made at all spend from a smaller allowance too, so a dead
+endpoint is known within about two connect timeouts; a store that accepts connections and then stays
+silent costs a read timeout per attempt of the budget (the metadata client's are short).
 
 The budget lives in a context variable of the operation's task; the tasks it starts (the parts of a
 multipart upload) inherit it. The hooks are installed on each botocore client the first time s3fs
@@ -70,9 +72,19 @@ async def within_budget(budget: OperationBudget, factory: Callable[[], Coroutine
 
 
 def _is_connect_failure(exc: BaseException | None) -> bool:
+    """Whether no connection could be made (refused, connect timeout, unknown host). A connection reset
+    mid-request (also an EndpointConnectionError to botocore) is not one: the store was there."""
+    import socket
+
     from botocore import exceptions as boto
 
-    return isinstance(exc, (boto.EndpointConnectionError, boto.ConnectTimeoutError, boto.ProxyConnectionError))
+    if isinstance(exc, (boto.ConnectTimeoutError, boto.ProxyConnectionError)):
+        return True
+    if not isinstance(exc, boto.EndpointConnectionError):
+        return False
+    cause = getattr(exc, "kwargs", {}).get("error")
+    return cause is None or isinstance(cause, socket.gaierror) or type(cause).__name__ in {
+        "ClientConnectorError", "ClientConnectorDNSError", "ClientConnectorCertificateError"}
 
 
 @functools.lru_cache(maxsize=1)
