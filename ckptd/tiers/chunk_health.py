@@ -56,7 +56,8 @@ def report_bad_chunk(tier: StorageTier, path: str, *, step: int | None, reason: 
     uploads it again instead of reusing it and ``verify --repair`` mends the steps that reference it.
 
     Never raises for a storage failure (a reader calls it on its way to the next tier): a record that
-    cannot be written is logged as a warning; an unsafe ``path`` raises UnsafePathError. ``step`` is the step whose read found it (None: a scrub)."""
+    cannot be written is logged as a warning; an unsafe ``path`` raises UnsafePathError. ``step`` is the
+    step whose read found it (None: a scrub)."""
     if not _records_apply(tier):
         return
     body = {"path": path, "step": step, "reason": reason, "reported": time.time(),

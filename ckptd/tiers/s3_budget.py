@@ -150,4 +150,5 @@ def budgeted_filesystem_class() -> type:
     return BudgetedS3FileSystem
 
 
-__all__ = ["OperationBudget", "backoff_s", "budgeted_filesystem_class", "current_budget", "install_hooks", "within_budget"]
+__all__ = ["OperationBudget", "backoff_s", "budgeted_filesystem_class", "current_budget", "install_hooks",
+           "within_budget"]
