@@ -31,11 +31,14 @@ import mmap
 import os
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ckptd._types import Buffer
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: the CLI's listings load this module
+    import torch
 
 #: Alignment of memory, offsets and lengths for direct I/O (the page size; enough for 4 KiB sectors).
 ALIGNMENT = mmap.PAGESIZE
@@ -75,6 +78,8 @@ def aligned_empty(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> to
 
     The storage itself starts there (storage offset 0): some torch functions, ``set_rng_state`` among
     them, read a tensor's storage from its start and misread a view into a larger buffer."""
+    import torch
+
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_ALIGNED_BYTES:
         return torch.empty(shape, dtype=dtype)
@@ -137,6 +142,8 @@ def prefault(start: int, length: int) -> bool:
 def touch_pages(tensor: torch.Tensor) -> None:
     """Fault in every page of a tensor the caller has just allocated by writing a zero to one byte of
     each (use only on memory whose contents do not matter yet). The fallback of :func:`prefault`."""
+    import torch
+
     flat = tensor.reshape(-1).view(torch.uint8)
     with torch.no_grad():
         flat[::ALIGNMENT].zero_()
