@@ -110,12 +110,14 @@ def put_arguments(data: Buffer) -> dict[str, str]:
 
 
 async def _keep_owner_fresh(client: Any, bucket: str, record_key: str, owner: UploadOwner) -> None:
-    """Rewrite the owner record every third of its lease until cancelled (failures wait for the next turn)."""
+    """Rewrite the owner record every third of its lease until cancelled. A refresh spends nothing of the
+    upload's retry budget: one that fails waits for the next turn."""
     while True:
         await asyncio.sleep(max(0.05, owner.lease_s / 3))
+        refresh = functools.partial(client._call_s3, "put_object", Bucket=bucket, Key=record_key,
+                                    Body=owner.refreshed_now().to_json_bytes())
         with contextlib.suppress(Exception):
-            await client._call_s3("put_object", Bucket=bucket, Key=record_key,
-                                  Body=owner.refreshed_now().to_json_bytes())
+            await within_budget(OperationBudget(retries=0, connect_retries=0), refresh)
 
 
 async def multipart_upload(client: Any, bucket: str, key: str, data: memoryview, *, part: int, concurrency: int,
