@@ -10,10 +10,9 @@ Its loop, every ``poll_s``:
   or a signal is a failure;
 - heartbeats: every rank writes ``elastic/beat/<rank>`` (:func:`ckptd.elastic.heartbeat`); a rank that beat
   in the current generation and then stays silent for ``hang_timeout_s`` before its training function
-  returns is hung. When several ranks are
-  silent (the peers of a hung rank block in a collective with it) the one that is furthest behind (fewest
-  beats, then the longest silence) is the hung one; its own supervisor SIGKILLs it, so that its peers see a
-  connection reset at once, and it counts as failed;
+  returns is hung. When several ranks are silent (the peers of a hung rank block in a collective with it)
+  the one furthest behind (fewest beats, then the longest silence) is the hung one; its own supervisor
+  SIGKILLs it, so that its peers see a connection reset at once, and it counts as failed;
 - a failure raises the store's generation (``compare_set``, so two supervisors seeing one event raise it
   once) and starts the failed rank alone again in the new generation; the survivors rejoin it in-process
   (:func:`ckptd.elastic.run`). After ``max_restarts`` restarts of the job, the next failure stops it: the
@@ -95,7 +94,6 @@ class _Rank:
     rank: int
     local_rank: int
     process: subprocess.Popen[bytes] | None = None
-    generation: int = 0
     restarts: int = 0
     hung_for: float | None = None  # set when this supervisor killed it as hung
     finished: bool = False
@@ -129,8 +127,6 @@ class Supervisor:
         self._beats = {rank: _Beats() for rank in range(spec.world_size)}
         #: The newest step each rank reported completing, in any generation (-1: none).
         self._last_step = {rank: -1 for rank in range(spec.world_size)}
-        #: One line per recovery this supervisor started (also logged).
-        self.events: list[str] = []
 
     # --- start ----------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -167,7 +163,7 @@ class Supervisor:
         return env
 
     def _start(self, rank: _Rank) -> None:
-        rank.generation, rank.hung_for, rank.finished, rank.start_at = self.generation, None, False, None
+        rank.hung_for, rank.finished, rank.start_at = None, False, None
         rank.process = subprocess.Popen(list(self.spec.command), env=self._environment(rank),
                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         log.info("started rank %d (pid %d) in generation %d", rank.rank, rank.process.pid, self.generation)
@@ -183,8 +179,10 @@ class Supervisor:
                 self._follow_generation()
                 self._check_stop()
                 self._read_beats()
+                failed = [(rank, cause) for rank in self.ranks if (cause := self._check_exit(rank)) is not None]
+                if failed:
+                    self._recover(failed)
                 for rank in self.ranks:
-                    self._check_exit(rank)
                     if rank.start_at is not None and time.monotonic() >= rank.start_at:
                         self._start(rank)
                 if all(rank.finished for rank in self.ranks):
@@ -210,55 +208,61 @@ class Supervisor:
             kind = CrashLoopError if reason.get("crash_loop") else WorkerError
             raise kind(f"the job stopped: {reason['message']}", {int(reason["rank"]): reason["cause"]})
 
-    def _check_exit(self, rank: _Rank) -> None:
+    def _check_exit(self, rank: _Rank) -> str | None:
+        """The cause when the rank's process failed (None while it runs, once it finished, or waits to start)."""
         if rank.finished or rank.process is None or rank.start_at is not None:
-            return
+            return None
         code = rank.process.poll()  # waitpid(pid, WNOHANG)
         if code is None:
-            return
+            return None
         if code == 0:
             rank.finished = True
             log.info("rank %d finished", rank.rank)
-            return
+            return None
         if rank.hung_for is not None:
-            cause = f"hung (no heartbeat for {rank.hung_for:.1f} s), killed with SIGKILL"
-        elif code < 0:
-            cause = f"killed by signal {signal.Signals(-code).name}"
-        else:
-            cause = f"exited with code {code}"
-        self._recover(rank, cause)
+            return f"hung (no heartbeat for {rank.hung_for:.1f} s), killed with SIGKILL"
+        if code < 0:
+            return f"killed by signal {signal.Signals(-code).name}"
+        return f"exited with code {code}"
 
-    def _recover(self, rank: _Rank, cause: str) -> None:
-        pid = rank.process.pid if rank.process else None
+    def _recover(self, failed: list[tuple[_Rank, str]]) -> None:
+        """Ranks failed (found in one round): raise the generation once and start them again in it."""
         if self._every_rank_done(self.generation):
-            log.warning("rank %d (pid %s) %s after every rank finished; the job is complete", rank.rank, pid, cause)
-            rank.finished = True
+            for rank, cause in failed:
+                log.warning("rank %d (pid %s) %s after every rank finished; the job is complete", rank.rank,
+                            rank.process.pid if rank.process else None, cause)
+                rank.finished = True
             return
         failed_in = int(self.store.get(keys.GENERATION))
         self._read_beats()
-        last = self._last_step[rank.rank]
-        where = f"in generation {failed_in} " + (f"(its last step {last})" if last >= 0 else "(before completing a step)")
         looping = self._crash_loop(failed_in)
-        if self.spec.crash_loop and looping >= self.spec.crash_loop:
-            self._stop_job(rank, cause, CrashLoopError, f"rank {rank.rank} {cause} {where}: {looping} failure(s) in a "
-                           f"row with no step completed in between (--crash-loop {self.spec.crash_loop})")
-        spent = int(self.store.add(keys.RESTARTS, 1))
-        if spent > self.spec.max_restarts:
-            self._stop_job(rank, cause, WorkerError, f"rank {rank.rank} {cause} {where}, and the job's "
-                           f"--max-restarts {self.spec.max_restarts} are spent")
+        delay = self.spec.restart_backoff_s * 2 ** (looping - 1) if looping else 0.0
+        described: list[tuple[str, str]] = []
+        for rank, cause in failed:
+            last = self._last_step[rank.rank]
+            where = f"in generation {failed_in} " + (f"(its last step {last})" if last >= 0 else
+                                                     "(before completing a step)")
+            if self.spec.crash_loop and looping >= self.spec.crash_loop:
+                self._stop_job(rank, cause, CrashLoopError, f"rank {rank.rank} {cause} {where}: {looping} "
+                               f"failure(s) in a row with no step completed in between (--crash-loop "
+                               f"{self.spec.crash_loop})")
+            spent = int(self.store.add(keys.RESTARTS, 1))
+            if spent > self.spec.max_restarts:
+                self._stop_job(rank, cause, WorkerError, f"rank {rank.rank} {cause} {where}, and the job's "
+                               f"--max-restarts {self.spec.max_restarts} are spent")
+            described.append((f"rank {rank.rank} (pid {rank.process.pid if rank.process else None}) {cause} "
+                              f"{where}", f"(restart {spent} of {self.spec.max_restarts})"))
         # compare_set: when another supervisor raised it at the same moment (another rank failed), keep theirs
         self.generation = int(self.store.compare_set(keys.GENERATION, str(failed_in), str(failed_in + 1)))
-        rank.restarts += 1
-        delay = self.spec.restart_backoff_s * 2 ** (looping - 1) if looping else 0.0
-        event = (f"rank {rank.rank} (pid {pid}) {cause} {where}; restarting it alone in generation "
-                 f"{self.generation}" + (f" in {delay:g} s" if delay else "") +
-                 f" (restart {spent} of {self.spec.max_restarts})")
-        self.events.append(event)
-        log.warning("%s", event)
-        if delay:
-            rank.process, rank.start_at = None, time.monotonic() + delay
-        else:
-            self._start(rank)
+        for what, budget in described:
+            log.warning("%s; restarting it alone in generation %d%s %s", what, self.generation,
+                        f" in {delay:g} s" if delay else "", budget)
+        for rank, _ in failed:
+            rank.restarts += 1
+            if delay:
+                rank.process, rank.start_at = None, time.monotonic() + delay
+            else:
+                self._start(rank)
 
     def _crash_loop(self, generation: int) -> int:
         """Count this failure: the failures in a row with no step completed in between, this one included."""
