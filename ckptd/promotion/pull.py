@@ -60,8 +60,9 @@ def pull_step(remote: ObjectTier, local: LocalTier, step: int, *, ranks: Iterabl
         index = share.index
         placed = sorted({(chunk.file, chunk.offset): chunk for chunk in index.chunks}.values(),
                         key=lambda c: (c.file, c.offset))
-        remote.read_ahead([remote.chunk_path(chunk.object_key) for chunk in placed
-                           if read_by_digest(remote, index, chunk)])
+        packs = [step_file(step, f.name) for f in index.data_files if f.packed and f.size]
+        remote.read_ahead(packs + [remote.chunk_path(chunk.object_key) for chunk in placed
+                                   if read_by_digest(remote, index, chunk)])
         for number, data_file in enumerate(index.data_files):
             if data_file.packed:
                 local.write_bytes(step_file(step, data_file.name), read_verified_pack(remote, share, number))
