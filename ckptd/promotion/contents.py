@@ -12,7 +12,7 @@ from ckptd.format.hashing import chunk_digest
 from ckptd.format.verify import decode_verified
 from ckptd.format.layout import MANIFEST_NAME, step_file
 from ckptd.format.records import ChunkRecord, DataFile, Manifest, RankIndex
-from ckptd.stepio.packs import PackReads, chunk_location, read_by_digest
+from ckptd.stepio.packs import chunk_location, read_by_digest
 from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 from ckptd.tiers.base import StorageTier
 
@@ -87,16 +87,12 @@ def stored_chunk_path(tier: StorageTier, share: RankShare, chunk: ChunkRecord) -
     return chunk_location(tier, share.index, chunk)
 
 
-def read_stored_chunk(tier: StorageTier, share: RankShare, chunk: ChunkRecord, *,
-                      packs: PackReads | None = None) -> bytes:
-    """The stored (encoded) bytes of one chunk from a tier, checked against its digest. A chunk in a pack
-    on a tier that stores chunks by digest is read through ``packs`` when given (coalesced with its
-    neighbours), else by a ranged read of its own."""
+def read_stored_chunk(tier: StorageTier, share: RankShare, chunk: ChunkRecord) -> bytes:
+    """The stored (encoded) bytes of one chunk from a tier, checked against its digest: its own object,
+    or its range of its data file or pack (a whole pack is read by :func:`read_verified_pack`)."""
     path = stored_chunk_path(tier, share, chunk)
     if read_by_digest(tier, share.index, chunk):
         stored = tier.read_bytes(path)
-    elif packs is not None and tier.stores_chunks_by_digest:
-        stored = bytes(packs.stored_bytes(tier, share.index, chunk))
     else:
         stored = tier.read_bytes(path, chunk.offset, chunk.length)
     check_stored_chunk(stored, chunk, path=path, step=share.index.step, tier=tier.label)
