@@ -80,21 +80,25 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
     return finals
 
 
-def _scenario(seed: int, rank: int, signal_name: str) -> list[str]:
+def _scenario(seed: int, rank: int, signal_name: str, phase: str | None) -> list[str]:
     chooser = random.Random(seed)
-    return ["--kill-rank", str(rank), "--kill-step", str(chooser.randint(5, 10)), "--kill-signal", signal_name,
-            "--kill-phase", chooser.choice(["before-save", "after-save"])]
+    step, chosen = chooser.randint(5, 10), chooser.choice(["before-save", "after-save"])
+    return ["--kill-rank", str(rank), "--kill-step", str(step), "--kill-signal", signal_name,
+            "--kill-phase", phase or chosen]
 
 
-@pytest.mark.parametrize(("seed", "victim", "signal_name", "nodes"), [
-    (1, 1, "KILL", 1),
-    (5, 1, "KILL", 2),   # two supervisors ("nodes") meeting through node 0's store
-    (7, 0, "KILL", 1),   # rank 0 (it decides the commits) dies
-    (4, 1, "STOP", 1),   # a hang: found by the heartbeat timeout, killed, replaced
-], ids=["sigkill-rank1-seed1", "sigkill-rank1-seed5-two-nodes", "sigkill-rank0", "sigstop-hang-rank1"])
+@pytest.mark.parametrize(("seed", "victim", "signal_name", "nodes", "phase"), [
+    (1, 1, "KILL", 1, None),
+    (5, 1, "KILL", 2, None),   # two supervisors ("nodes") meeting through node 0's store
+    # rank 0 (it decides the commits) dies once its newest save is committed: the survivor restores that step
+    # from memory (the staged copy of its own last save), the replacement from its local directory
+    (7, 0, "KILL", 1, "after-commit"),
+    (4, 1, "STOP", 1, None),   # a hang: found by the heartbeat timeout, killed, replaced
+], ids=["sigkill-rank1-seed1", "sigkill-rank1-seed5-two-nodes", "sigkill-rank0-after-commit", "sigstop-hang-rank1"])
 def test_only_the_failed_rank_restarts_and_the_run_ends_bit_for_bit(tmp_path: Path, reference: list[bytes], seed: int,
-                                                                     victim: int, signal_name: str, nodes: int) -> None:
-    job = _scenario(seed, victim, signal_name)
+                                                                     victim: int, signal_name: str, nodes: int,
+                                                                     phase: str | None) -> None:
+    job = _scenario(seed, victim, signal_name, phase)
     result = _launch(tmp_path, *job, hang_timeout=4.0 if signal_name == "STOP" else 60.0, nodes=nodes)
     assert result.returncode == 0, result.stderr[-4000:]
     out = tmp_path / "out"
@@ -116,6 +120,11 @@ def test_only_the_failed_rank_restarts_and_the_run_ends_bit_for_bit(tmp_path: Pa
     step = restored.pop()
     # saves every 2 steps; by step 5 every rank staged step 4, after its writer committed step 2 everywhere
     assert step is not None and step % 2 == 0 and 2 <= step <= kill_step, (step, kill_step)
+    if phase == "after-commit":
+        assert step == kill_step - kill_step % 2, "the newest save, committed before the kill, is restored"
+        tiers = {rank: records[rank][1]["tier"] for rank in range(WORLD)}
+        assert tiers[victim].startswith("local ") and all(tier == "memory" for rank, tier in tiers.items()
+                                                          if rank != victim), tiers
     cause = "hung (no heartbeat" if signal_name == "STOP" else "killed by signal SIGKILL"
     assert f"rank {victim} (pid {records[victim][0]['pid']}) {cause}" in result.stderr
     assert f"restarting it alone in generation 1" in result.stderr

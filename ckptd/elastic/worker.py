@@ -48,10 +48,12 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from ckptd.config import settings
-from ckptd.errors import CkptdError, ConfigError, GenerationEndedError
+from ckptd.errors import CkptdError, ConfigError, GenerationEndedError, StillRunningError
 from ckptd.elastic import keys
 from ckptd.elastic.generation_store import GenerationStore
 from ckptd.elastic.waiting import wait_for
+from ckptd.manager.commit import StoreCoordinator
+from ckptd.manager.directories import directory_identity
 from ckptd.manager.manager import CheckpointManager
 
 T = TypeVar("T")
@@ -102,7 +104,7 @@ class WorkerEnvironment:
 @dataclass
 class WorkerContext:
     """What the training function gets in one generation: its rank, the generation's store view, and a
-    factory for checkpoint managers that join the recovery (closed by :func:`run` when it leaves)."""
+    factory for checkpoint managers that take part in the recovery."""
 
     rank: int
     world_size: int
@@ -116,43 +118,103 @@ class WorkerContext:
     #: Generations this process took part in before this one (0: the first one it joined).
     rejoined: int
     _beat: Callable[[int | None], None] = field(repr=False)
-    _managers: list[CheckpointManager] = field(default_factory=list, repr=False)
+    _managers: _ManagerRegistry = field(repr=False, default_factory=lambda: _ManagerRegistry())
 
     def checkpoint_manager(self, local: str | os.PathLike[str], **options: Any) -> CheckpointManager:
         """A :class:`~ckptd.CheckpointManager` agreeing through this generation's store; every save is also
         a heartbeat. ``options`` are the manager's keyword arguments (``rank``, ``world_size`` and
-        ``store`` are set here)."""
-        manager = _BeatingManager(Path(local), rank=self.rank, world_size=self.world_size, store=self.store,
-                                  beat=self._beat, **options)
-        self._managers.append(manager)
+        ``store`` are set here). In a later generation the same call (same directory, same options) in a
+        surviving process returns the same manager, moved to the new generation, so that its ``restore``
+        can load the staged copy of its last save (the memory tier) instead of reading the disk."""
+        directory, described = str(Path(local).resolve()), repr(sorted(options.items()))
+        kept = self._managers.take(directory)
+        if kept is not None:
+            if kept.options == described and kept.rejoin(self.store):
+                self._managers.keep(directory, kept)
+                return kept
+            _ManagerRegistry.close(kept, self.rank, quietly=True)  # it holds the directory's lock
+        manager = _BeatingManager(Path(local), beat=self._beat, described=described, rank=self.rank,
+                                  world_size=self.world_size, store=self.store, **options)
+        self._managers.keep(directory, manager)
         return manager
 
     def heartbeat(self, step: int | None = None) -> None:
         """Tell the supervisor this rank makes progress (see :func:`heartbeat`)."""
         self._beat(step)
 
-    def _close_managers(self, *, quietly: bool) -> None:
-        managers, self._managers = self._managers, []
-        for manager in managers:
-            try:
-                manager.close(timeout_s=settings().elastic_rejoin_timeout_s if quietly else None)
-            except CkptdError as error:
-                if not quietly:
-                    raise
-                log.info("rank %d: closing a manager of generation %d: %s", self.rank, self.generation, error)
-
 
 class _BeatingManager(CheckpointManager):
     """A checkpoint manager whose ``save`` first beats the rank's heartbeat, naming the step (completed:
-    its state is being saved)."""
+    its state is being saved), and that can move to a new generation (:meth:`rejoin`)."""
 
-    def __init__(self, local: Path, *, beat: Callable[[int | None], None], **options: Any) -> None:
+    def __init__(self, local: Path, *, beat: Callable[[int | None], None], described: str, **options: Any) -> None:
         self._beat = beat
+        self._close_called = False
+        #: The options it was made with, as :meth:`WorkerContext.checkpoint_manager` compares them.
+        self.options = described
         super().__init__(local, **options)
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
         self._beat(step)
         return super().save(step, state, force=force)
+
+    def close(self, timeout_s: float | None = None) -> None:
+        self._close_called = True
+        super().close(timeout_s)
+
+    def rejoin(self, store: GenerationStore) -> bool:
+        """Agree through ``store`` from now on; False when this manager cannot (closed, or not multi-rank).
+
+        Call only when the writer is idle (:meth:`_ManagerRegistry.leave` waited for it), on the training
+        thread. It runs the store protocol a new manager's constructor runs (join a coordinator
+        generation, exchange the directory identity), so that it meets a replacement rank's new manager."""
+        if self._close_called or not isinstance(self.coordinator, StoreCoordinator):
+            return False
+        self.coordinator.store = store
+        self.coordinator.join()
+        self.coordinator.exchange("local-directory", directory_identity(self.local.root))
+        return True
+
+
+class _ManagerRegistry:
+    """The checkpoint managers a process made, by directory, kept across generations."""
+
+    def __init__(self) -> None:
+        self._managers: dict[str, _BeatingManager] = {}
+
+    def keep(self, directory: str, manager: _BeatingManager) -> None:
+        self._managers[directory] = manager
+
+    def take(self, directory: str) -> _BeatingManager | None:
+        return self._managers.pop(directory, None)
+
+    def leave(self, rank: int, generation: int) -> None:
+        """After a failure (the generation's store view has ended): let each writer finish or fail its round;
+        a manager whose writer does not stop in time is closed and forgotten."""
+        for key, manager in list(self._managers.items()):
+            try:
+                manager.wait()
+            except StillRunningError as error:
+                log.warning("rank %d: a manager of generation %d still writes, closing it: %s", rank, generation,
+                            error)
+                del self._managers[key]
+                self.close(manager, rank, quietly=True)
+            except CkptdError as error:  # the save the failure interrupted: restore picks an older step
+                log.info("rank %d: a save of generation %d failed: %s", rank, generation, error)
+
+    def close_all(self, rank: int, *, quietly: bool) -> None:
+        managers, self._managers = list(self._managers.values()), {}
+        for manager in managers:
+            self.close(manager, rank, quietly=quietly)
+
+    @staticmethod
+    def close(manager: CheckpointManager, rank: int, *, quietly: bool) -> None:
+        try:
+            manager.close(timeout_s=settings().elastic_rejoin_timeout_s if quietly else None)
+        except CkptdError as error:
+            if not quietly:
+                raise
+            log.info("rank %d: closing a checkpoint manager: %s", rank, error)
 
 
 class _Heart:
@@ -297,13 +359,15 @@ def run(train_fn: Callable[[WorkerContext], T], *, backend: str = "gloo") -> T:
     heart = _heart = _Heart(store, env.rank)
     generation, rejoined = env.generation, 0
     options = settings()
+    managers = _ManagerRegistry()
     while True:
         view = GenerationStore(store, generation)
         heart.enter(generation)
         watcher = _GenerationWatcher(env, view)
         context = WorkerContext(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
                                 node_rank=env.node_rank, generation=generation, store=view,
-                                restart_count=env.restart_count, rejoined=rejoined, _beat=heart.beat)
+                                restart_count=env.restart_count, rejoined=rejoined, _beat=heart.beat,
+                                _managers=managers)
         try:
             _barrier(view, keys.ready, env.rank, env.world_size, "join", heart.touch)
             dist.init_process_group(backend, store=dist.PrefixStore("pg/", view.raw), rank=env.rank,
@@ -312,7 +376,7 @@ def run(train_fn: Callable[[WorkerContext], T], *, backend: str = "gloo") -> T:
             log.info("rank %d formed the process group of generation %d", env.rank, generation)
             result = train_fn(context)
             heart.finish()
-            context._close_managers(quietly=False)
+            managers.close_all(env.rank, quietly=False)
             _barrier(view, keys.done, env.rank, env.world_size, "finish", heart.touch)
             _destroy_group()
             return result
@@ -322,7 +386,7 @@ def run(train_fn: Callable[[WorkerContext], T], *, backend: str = "gloo") -> T:
             log.warning("rank %d leaves generation %d after a peer's failure: %s", env.rank, generation,
                         str(error).splitlines()[0] if str(error) else type(error).__name__)
             view.end(f"rank {env.rank} left it")
-            context._close_managers(quietly=True)
+            managers.leave(env.rank, generation)
             _destroy_group()
             generation = _next_generation(store, generation, env.rank)
             rejoined += 1

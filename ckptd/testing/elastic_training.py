@@ -7,8 +7,8 @@ The sample ids each rank consumed are part of the state (one row per step), so a
 repeated a batch shows in them.
 
 With ``--kill-rank R --kill-step S`` rank R sends itself ``--kill-signal`` (KILL, or STOP for a hang)
-at step S of the first generation, ``--kill-phase`` before the step's collectives, or before or after that
-step's save; with ``--kill-generations N`` also at the first step of generations 1 to N-1 (a crash loop). Each rank writes,
+at step S of the first generation, ``--kill-phase`` before the step's collectives, before or after that
+step's save, or once that save is committed; with ``--kill-generations N`` also at the first step of generations 1 to N-1 (a crash loop). Each rank writes,
 for every generation it joins, ``rank<r>-gen<g>.json`` (pid, restored step, tier, wall-clock times of
 entering the generation, of the restore and of its first completed step; the victim also writes
 ``rank<r>-killed.json`` just before the signal) and at the end
@@ -106,7 +106,9 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
         if victim and args.kill_phase == "before-save":
             os.kill(os.getpid(), getattr(signal, f"SIG{args.kill_signal}"))
         manager.save(step, state)
-        if victim and args.kill_phase == "after-save":
+        if victim and args.kill_phase == "after-commit":
+            manager.wait()
+        if victim and args.kill_phase in ("after-save", "after-commit"):
             os.kill(os.getpid(), getattr(signal, f"SIG{args.kill_signal}"))
     manager.close()
     optimizer_state = {f"{index}.{name}": _hex(value) if isinstance(value, torch.Tensor) else repr(value)
@@ -126,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--kill-signal", choices=("KILL", "STOP"), default="KILL")
-    parser.add_argument("--kill-phase", choices=("before-step", "before-save", "after-save"), default="after-save")
+    parser.add_argument("--kill-phase", choices=("before-step", "before-save", "after-save", "after-commit"), default="after-save")
     parser.add_argument("--kill-generations", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
