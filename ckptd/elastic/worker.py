@@ -21,11 +21,13 @@ What :func:`run` does for generation ``g`` (``CKPTD_GENERATION`` at start):
    starts ``g + 1`` (a rank died or hung and is being replaced), the context's store view ends
    (:class:`~ckptd.elastic.generation_store.GenerationStore`), which releases any commit round waiting
    for the dead rank; a collective with the dead rank fails in gloo on its own (connection reset).
-3. On such a failure (a gloo or store error, or the generation ended) the rank closes the managers the
-   context made, ``destroy_process_group()``, waits for the next generation and goes back to 1; the
-   training function runs again and its ``restore`` agrees with every rank, the replacement included,
-   on the newest step committed for all of them. Any other exception is this rank's own failure: it
-   propagates, the process exits, and the supervisor replaces it.
+3. On such a failure (a gloo or store error, or the generation ended) the rank lets the writers of the
+   managers the context made finish or fail their round, ``destroy_process_group()``, waits for the next
+   generation and goes back to 1; the training function runs again, gets the same managers (moved to the
+   new generation) and their ``restore`` agrees with every rank, the replacement included, on the newest
+   step committed for all of them: a survivor whose last save is that step loads it from memory, the
+   replacement from the nearest tier. Any other exception is this rank's own failure: it propagates, the
+   process exits, and the supervisor replaces it.
 4. When ``train_fn`` returns on every rank (a store barrier), the process group is destroyed and
    :func:`run` returns its value.
 
