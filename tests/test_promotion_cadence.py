@@ -105,6 +105,15 @@ def test_steps_that_keep_remote_keeps_for_good_are_never_superseded(tmp_path: Pa
     assert {5, 10, 15} <= set(committed), committed
 
 
+def test_which_queued_steps_may_be_superseded() -> None:
+    assert all(Policy().may_supersede(step) for step in (1, 7, 1000)), "keep_remote=None keeps only by recency"
+    assert Policy(keep_remote=3).may_supersede(9)
+    milestones = Policy(every_steps=5, keep_remote=KeepEvery(100, latest=2))
+    assert [step for step in range(5, 405, 5) if not milestones.may_supersede(step)] == [100, 200, 300, 400]
+    sparse = Policy(every_steps=10, remote_every_steps=50, keep_remote=KeepEvery(1000))
+    assert not sparse.may_supersede(1000) and sparse.may_supersede(1050)
+
+
 def _created(tier: LocalTier, step: int) -> float:
     return Manifest.from_json_bytes(tier.read_bytes(step_file(step, MANIFEST_NAME)), path=MANIFEST_NAME).created
 

@@ -51,7 +51,7 @@ def test_manager_promotes_in_background_and_an_empty_node_restores_from_s3(tmp_p
             for step in range(1, 7):
                 state["trained"].add_(1.0)
                 manager.save(step, state)
-            manager.wait_uploads()
+                manager.wait_uploads()  # uploaded before the next save: a newer step supersedes queued ones
             assert manager.local.committed_steps() == [6]
             assert manager.remote.committed_steps() == [4, 6]
     restored = zero_like(state)

@@ -5,8 +5,9 @@
 :meth:`~BackgroundUploader.on_commit` after each local commit (the saver's ``on_commit`` callback),
 :meth:`~BackgroundUploader.wait` to block until every queued step is promoted, and
 :meth:`~BackgroundUploader.close` at the end. Failures do not stop training: the step stays pinned
-locally (and is retried on the next start), the error is logged and kept (every one: one record per
-step), and ``wait``/``close`` re-raise them. When no promotion is queued, rank 0 applies ``keep_remote``
+locally (and is retried on the next start, unless a newer promoted step or the pin cap releases it), the
+error is logged and kept (every one: one record per step), and ``wait``/``close`` re-raise them;
+``close`` names every failed step. When no promotion is queued, rank 0 applies ``keep_remote``
 and collects garbage on the object tier, on the same thread, so in-process promotion and GC never
 overlap and a backlog of steps is promoted before any collection.
 
@@ -36,6 +37,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 
 from ckptd.background import BackgroundWorker, FailureRecord, raise_failures
 from ckptd.config import settings
@@ -54,6 +56,8 @@ from ckptd.tiers.object import ObjectTier
 log = logging.getLogger("ckptd.promotion")
 #: The uploader runs this much below the writer's ``background_nice``: a save never waits for an upload's CPU.
 _UPLOADER_EXTRA_NICE = 5
+#: How many superseded or released step numbers an uploader remembers (for logs, close and tests).
+_KEPT_STEP_NUMBERS = 4096
 _RESUME_HINT = "the local copies stay pinned; promotion resumes when a manager or `ckptd promote` starts again"
 
 
@@ -73,10 +77,10 @@ class BackgroundUploader:
         self.pin_cap = pin_cap or PinCap.from_settings()
         self.promoter = Promoter(self.pins.tier, remote)
         self.reports: list[PromotionReport] = []
-        #: Steps dropped, unpromoted, because a newer step superseded them (ascending as they happen).
-        self.superseded: list[int] = []
-        #: Steps whose pins the pin cap released before they were promoted.
-        self.released: list[int] = []
+        #: The latest steps dropped, unpromoted, because a newer step superseded them (oldest first).
+        self.superseded: deque[int] = deque(maxlen=_KEPT_STEP_NUMBERS)
+        #: The latest steps whose pins the pin cap released before they were promoted (oldest first).
+        self.released: deque[int] = deque(maxlen=_KEPT_STEP_NUMBERS)
         self._queued: set[int] = set()
         #: Steps handed to this uploader and not promoted yet (queued, running or failed): pinned locally.
         self._unpromoted: set[int] = set()
@@ -137,7 +141,7 @@ class BackgroundUploader:
     @property
     def lag(self) -> PromotionLag:
         """How far the object tier is behind the newest local commit this uploader saw (no I/O; the newest
-        remote step is what this uploader promoted, or found there when its thread started)."""
+        remote step is what this uploader promoted, or learned by :meth:`promotion_lag`)."""
         with self._lock:
             local, remote = self._local_newest, self._remote_newest
         if local is None:
@@ -145,6 +149,33 @@ class BackgroundUploader:
         if remote is None:
             return lag_between(local[0], None)
         return lag_between(local[0], remote[0], local_created=local[1], remote_created=remote[1])
+
+    def promotion_lag(self) -> PromotionLag:
+        """:attr:`lag`; the first time it lacks a tier's newest step, both tiers are listed once to learn it
+        (a tier that does not answer is skipped: the lag then counts from what this uploader saw)."""
+        if not self._asked_tiers and not self.knows_both_tiers:
+            self._asked_tiers = True
+            try:
+                self.learn_remote(promotion_lag(self.pins.local, self.remote))
+            except CkptdError as error:
+                log.debug("could not list the tiers for the promotion lag: %s", error)
+        return self.lag
+
+    def learn_remote(self, lag: PromotionLag) -> None:
+        """Take the newest steps of a :func:`~ckptd.promotion.lag.promotion_lag` computed from the tiers as
+        what :attr:`lag` starts from (steps seen or promoted by this uploader since are kept)."""
+        with self._lock:
+            if lag.local_step is not None and (self._local_newest is None or lag.local_step > self._local_newest[0]):
+                self._local_newest = (lag.local_step, None)
+            if lag.remote_step is not None and (self._remote_newest is None
+                                                or lag.remote_step > self._remote_newest[0]):
+                self._remote_newest = (lag.remote_step, None)
+
+    @property
+    def knows_both_tiers(self) -> bool:
+        """Whether :attr:`lag` knows a newest step of both tiers (else ask the tiers, see :meth:`learn_remote`)."""
+        with self._lock:
+            return self._local_newest is not None and self._remote_newest is not None
 
     def resume_pending(self) -> list[int]:
         """Queue the steps pinned by an earlier run that crashed before promoting them."""
@@ -232,33 +263,6 @@ class BackgroundUploader:
         lower_thread_priority(0 if nice <= 0 else nice + _UPLOADER_EXTRA_NICE)
         self.remote.connect()
 
-    def promotion_lag(self) -> PromotionLag:
-        """:attr:`lag`; the first time it lacks a tier's newest step, both tiers are listed once to learn it
-        (a tier that does not answer is skipped: the lag then counts from what this uploader saw)."""
-        if not self._asked_tiers and not self.knows_both_tiers:
-            self._asked_tiers = True
-            try:
-                self.learn_remote(promotion_lag(self.pins.local, self.remote))
-            except CkptdError as error:
-                log.debug("could not list the tiers for the promotion lag: %s", error)
-        return self.lag
-
-    def learn_remote(self, lag: PromotionLag) -> None:
-        """Take the newest steps of a :func:`~ckptd.promotion.lag.promotion_lag` computed from the tiers as
-        what :attr:`lag` starts from (steps seen or promoted by this uploader since are kept)."""
-        with self._lock:
-            if lag.local_step is not None and (self._local_newest is None or lag.local_step > self._local_newest[0]):
-                self._local_newest = (lag.local_step, None)
-            if lag.remote_step is not None and (self._remote_newest is None
-                                                or lag.remote_step > self._remote_newest[0]):
-                self._remote_newest = (lag.remote_step, None)
-
-    @property
-    def knows_both_tiers(self) -> bool:
-        """Whether :attr:`lag` knows a newest step of both tiers (else ask the tiers, see :meth:`learn_remote`)."""
-        with self._lock:
-            return self._local_newest is not None and self._remote_newest is not None
-
     def _enqueue(self, step: int) -> None:
         with self._lock:
             if step in self._queued:
@@ -339,7 +343,7 @@ class BackgroundUploader:
             self._unpin(step)
             with self._lock:
                 self._unpromoted.discard(step)
-                self._failed_steps.pop(step, None)
+                self._failed_steps = {failed: why for failed, why in self._failed_steps.items() if failed > step}
                 self._commit_times = {kept: at for kept, at in self._commit_times.items() if kept > step}
                 if self._remote_newest is None or step > self._remote_newest[0]:
                     self._remote_newest = (step, created)
@@ -372,6 +376,8 @@ class BackgroundUploader:
             error = crashed
         with self._lock:
             self._failed_steps[step] = str(error)
+            while len(self._failed_steps) > _KEPT_STEP_NUMBERS:  # a long outage: the oldest are forgotten
+                del self._failed_steps[min(self._failed_steps)]
         if self._closing and isinstance(error, StorageError):
             for dropped in self._worker.drop_queued():
                 self._forget_queued(dropped)
