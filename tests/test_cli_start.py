@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-#: Subcommands whose ``--help`` must not import torch (verify and data belong to other areas, and
-#: import the step reader and the data loader at module level).
-LIGHT_COMMANDS = ("ls", "inspect", "restore", "gc", "promote", "bench", "demo")
+#: Subcommands whose ``--help`` must not import torch (data imports the data loader at module level).
+LIGHT_COMMANDS = ("ls", "inspect", "restore", "gc", "promote", "bench", "demo", "verify")
 
 
 def imported_modules(*args: str) -> tuple[set[str], str]:
@@ -46,6 +45,21 @@ def test_subcommand_help_imports_no_torch(command: str) -> None:
     names, output = imported_modules("-m", "ckptd.cli.main", command, "--help")
     assert "torch" not in names, f"ckptd {command} --help imported torch"
     assert f"ckptd {command}" in output
+
+
+@pytest.mark.parametrize(("command", "says"), [(("ls",), "committed"), (("ls", "--verify"), "verified"),
+                                              (("verify",), "all intact"), (("inspect",), "weights")])
+def test_commands_that_read_a_checkpoint_directory_import_no_torch(tmp_path, command: tuple[str, ...],
+                                                                   says: str) -> None:
+    import torch
+
+    import ckptd
+
+    with ckptd.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(3, {"weights": torch.arange(70_000, dtype=torch.float32), "step": 3}, force=True)
+    names, output = imported_modules("-m", "ckptd.cli.main", *command, str(tmp_path / "ckpt"))
+    assert "torch" not in names, f"ckptd {' '.join(command)} DIR imported torch"
+    assert says in output, output
 
 
 def test_import_ckptd_imports_no_torch_until_the_manager_is_used() -> None:

@@ -8,10 +8,22 @@
 
 from __future__ import annotations
 
-from ckptd.promotion.gc import GcReport, collect_garbage
-from ckptd.promotion.promoter import Promoter, PromotionReport, promote_step, stored_chunks
-from ckptd.promotion.pull import prefetch_step, pull_step
-from ckptd.promotion.uploader import BackgroundUploader
+import importlib
+from typing import Any
 
-__all__ = ["BackgroundUploader", "GcReport", "Promoter", "PromotionReport", "collect_garbage",
-           "prefetch_step", "promote_step", "pull_step", "stored_chunks"]
+#: Public name -> the module that defines it, imported on first use (the CLI's verify and promote load
+#: parts of this package and must not pull in torch through the others).
+_HOMES = {
+    "GcReport": "gc", "collect_garbage": "gc",
+    "Promoter": "promoter", "PromotionReport": "promoter", "promote_step": "promoter", "stored_chunks": "promoter",
+    "prefetch_step": "pull", "pull_step": "pull",
+    "BackgroundUploader": "uploader",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"ckptd.promotion.{_HOMES[name]}"), name)
+    raise AttributeError(f"module 'ckptd.promotion' has no attribute {name!r}")

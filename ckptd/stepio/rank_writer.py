@@ -38,9 +38,7 @@ import queue
 import threading
 from collections import deque
 from concurrent.futures import Future
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ckptd._types import Buffer
 from ckptd.background import PoolLease, TaskPool, shared_pools
@@ -52,6 +50,9 @@ from ckptd.format.hashing import chunk_digest
 from ckptd.format.layout import rank_data_name, rank_index_name, step_dir, step_file
 from ckptd.format.records import ChunkRecord, DataFile, RankEntry, RankIndex, TensorRecord, dtype_name
 from ckptd.tiers.local import AtomicFile, LocalTier
+
+if TYPE_CHECKING:  # torch loads with the first tensor: listings and verification need none
+    import torch
 
 
 def lower_thread_priority(increment: int | None = None) -> None:
@@ -100,6 +101,8 @@ def lease_io_pool(purpose: str = "write", options: Settings | None = None) -> Po
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without copying."""
+    import torch
+
     flat = tensor.reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")

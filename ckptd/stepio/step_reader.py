@@ -28,8 +28,7 @@ import logging
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from ckptd._types import Buffer
 from ckptd.errors import CkptdError, IntegrityError, NotFoundError
@@ -44,6 +43,9 @@ from ckptd.tiers.atomicity import ranks_held
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.chunk_health import report_bad_chunk
 from ckptd.tiers.direct_io import address, aligned_empty, prefault
+
+if TYPE_CHECKING:  # torch loads with the first tensor read: listings and verification need none
+    import torch
 
 log = logging.getLogger("ckptd.restore")
 
@@ -226,6 +228,8 @@ class StepReader:
         else:
             _finish([io_pool("read").submit(self._read_chunk, name, chunk, piece) for chunk, piece in pieces])
         if out is not None and not direct:
+            import torch
+
             with torch.no_grad():
                 out.copy_(target)
             return out
