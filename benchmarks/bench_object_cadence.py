@@ -88,7 +88,7 @@ def _run(root: Path, steps: int, state: dict[str, torch.Tensor], compute_ms: flo
             if remote is not None:
                 lags.append(manager.promotion_lag.steps_behind)
         manager.wait_uploads()
-        uploader = manager._remote_sync.uploader if remote is not None else None
+        uploader = manager.uploader
         result: dict[str, Any] = {"step_s": step_times, "stall_s": stalls, "lag_steps": lags}
         if uploader is not None:
             result["promoted"] = len(manager.upload_reports)

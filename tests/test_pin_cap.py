@@ -66,7 +66,7 @@ def test_object_tier_down_for_ten_saves_stays_within_the_pin_cap_then_the_newest
             FaultProxy(s3_server.endpoint_url, fraction=1.0, kinds=("500",)) as proxy:
         with ckptd.CheckpointManager(root, remote=url, capture_rng=False, policy=Policy(keep_local=keep_local),
                                      storage_options=proxy.storage_options(s3_server.storage_options)) as manager:
-            uploader = manager._remote_sync.uploader
+            uploader = manager.uploader
             most_bytes = 0
             for step in range(1, 11):
                 manager.save(step, _state(step))

@@ -54,7 +54,7 @@ def test_saves_faster_than_uploads_keep_one_in_flight_and_one_queued(tmp_path: P
         with ckptd.CheckpointManager(tmp_path / "local", remote=url, capture_rng=False,
                                      storage_options=proxy.storage_options(s3_server.storage_options),
                                      policy=Policy(keep_local=2)) as manager:
-            uploader = manager._remote_sync.uploader
+            uploader = manager.uploader
             for step in steps:
                 manager.save(step, _state(step))
                 manager.wait()
@@ -99,7 +99,7 @@ def test_steps_that_keep_remote_keeps_for_good_are_never_superseded(tmp_path: Pa
                 manager.save(step, _state(step))
                 manager.wait()
             manager.wait_uploads()
-            superseded = list(manager._remote_sync.uploader.superseded)
+            superseded = list(manager.uploader.superseded)
     assert superseded and not {5, 10, 15} & set(superseded), superseded
     committed = object_tier(s3_bucket, s3_server.storage_options).committed_steps()
     assert {5, 10, 15} <= set(committed), committed

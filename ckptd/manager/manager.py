@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptd.config import settings
 from ckptd.errors import CkptdError, ConfigError, StillRunningError, StorageError
@@ -27,6 +27,9 @@ from ckptd.manager.saving import Saver
 from ckptd.state.staging import prepare_state
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.local import LocalTier
+
+if TYPE_CHECKING:
+    from ckptd.promotion.uploader import BackgroundUploader
 
 log = logging.getLogger("ckptd.manager")
 
@@ -264,6 +267,12 @@ class CheckpointManager:
     def upload_reports(self) -> list[Any]:
         """One :class:`~ckptd.promotion.PromotionReport` per step promoted by this manager, in order."""
         return list(self._remote_sync.uploader.reports) if self._remote_sync is not None else []
+
+    @property
+    def uploader(self) -> BackgroundUploader | None:
+        """The object tier's background uploader (its :attr:`~ckptd.promotion.BackgroundUploader.superseded`,
+        ``released`` and ``unpromoted`` steps), or None without an object tier."""
+        return self._remote_sync.uploader if self._remote_sync is not None else None
 
     @property
     def promotion_lag(self) -> PromotionLag | None:
