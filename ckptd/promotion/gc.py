@@ -5,9 +5,10 @@ step is never listed as committed), and uncommitted step directories untouched f
 are removed as abandoned (a crashed save or promotion). The local tier also never removes an
 uncommitted step newer than its newest committed one (a save in progress).
 
-Object tier, in addition, mark and sweep under the GC lease (:mod:`ckptd.promotion.lease`): every chunk
-referenced by a retained manifest's indexes or by an in-flight step's indexes is marked, every other
-chunk is deleted. When a retained step's metadata cannot be read, nothing is swept (its chunks are
+Object tier, in addition, mark and sweep under the GC lease (:mod:`ckptd.promotion.lease`): every
+content-addressed chunk referenced by a retained manifest's indexes or by an in-flight step's indexes is
+marked, every other chunk is deleted (packed chunks are no objects of their own: they go with their
+step's pack). When a retained step's metadata cannot be read, nothing is swept (its chunks are
 unknown). Multipart uploads no live writer owns are aborted: their owner record names a dead process on
 this host or stopped being refreshed (:mod:`ckptd.tiers.upload_owners`); an upload of a live promoter
 on another host is left alone however old, and one without a record is aborted after ``gc_abandoned_s``.
@@ -24,6 +25,7 @@ from ckptd.config import settings
 from ckptd.errors import CkptdError
 from ckptd.format.layout import step_dir, step_file
 from ckptd.format.records import RankIndex
+from ckptd.stepio.packs import read_by_digest
 from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 from ckptd.policy import RetentionPolicy
 from ckptd.promotion.lease import gc_lease
@@ -76,10 +78,17 @@ def _uncommitted(tier: StorageTier, committed: list[int], abandoned_after_s: flo
     return abandoned, in_flight
 
 
+def _content_addressed(tier: StorageTier, index: RankIndex) -> set[str]:
+    """Content addresses of ``index``'s chunks stored by digest (a packed chunk lives in its step's pack)."""
+    return {chunk.object_key for chunk in index.chunks if read_by_digest(tier, index, chunk)}
+
+
 def _referenced_by_committed(tier: StorageTier, step: int) -> set[str]:
     manifest = load_step_manifest(tier, step)
-    return {chunk.object_key for entry in manifest.ranks
-            for chunk in load_rank_index(tier, manifest, entry.rank).chunks}
+    keys: set[str] = set()
+    for entry in manifest.ranks:
+        keys |= _content_addressed(tier, load_rank_index(tier, manifest, entry.rank))
+    return keys
 
 
 def _referenced_by_in_flight(tier: StorageTier, step: int) -> set[str]:
@@ -88,7 +97,7 @@ def _referenced_by_in_flight(tier: StorageTier, step: int) -> set[str]:
         if name.endswith(_INDEX_SUFFIX):
             path = step_file(step, name)
             index = RankIndex.from_json_bytes(tier.read_bytes(path), path=path, step=step, tier=tier.label)
-            keys.update(chunk.object_key for chunk in index.chunks)
+            keys |= _content_addressed(tier, index)
     return keys
 
 
