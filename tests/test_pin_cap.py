@@ -125,3 +125,30 @@ def test_close_names_every_failed_step_and_gives_up_in_time(tmp_path: Path, s3_s
         proxy.stop()
         with pytest.raises(UnpromotedError):
             manager.close(timeout_s=60)
+
+
+def test_a_restart_with_more_pins_than_the_cap_resumes_the_newest(tmp_path: Path, s3_server, s3_bucket) -> None:
+    url, root = f"s3://{s3_bucket}/run", tmp_path / "local"
+    with override(pin_max_steps=10, **FAIL_FAST), \
+            FaultProxy(s3_server.endpoint_url, fraction=1.0, kinds=("500",)) as proxy:
+        manager = ckptd.CheckpointManager(root, remote=url, capture_rng=False, policy=Policy(keep_local=1),
+                                          storage_options=proxy.storage_options(s3_server.storage_options))
+        for step in range(1, 6):
+            manager.save(step, _state(step))
+            with pytest.raises(CkptdError):
+                manager.wait_uploads()
+        with pytest.raises(UnpromotedError) as caught:
+            manager.close()
+    assert caught.value.steps == (1, 2, 3, 4, 5)
+    with override(pin_max_steps=2), \
+            ckptd.CheckpointManager(root, remote=url, capture_rng=False, policy=Policy(keep_local=1),
+                                    storage_options=s3_server.storage_options) as manager:
+        manager.wait_uploads()
+    committed = object_tier(s3_bucket, s3_server.storage_options).committed_steps()
+    assert committed[-1] == 5 and len(committed) <= 3, committed  # the one started first, and the newest two
+    assert LocalTier(root / PIN_DIRECTORY).list_step_numbers() == []
+    restored = zero_like(_state(5))
+    with ckptd.CheckpointManager(tmp_path / "reader", remote=url, capture_rng=False,
+                                 storage_options=s3_server.storage_options) as reader:
+        assert reader.restore(restored) == 5
+    assert same_bytes(restored, _state(5))

@@ -178,12 +178,15 @@ class BackgroundUploader:
             return self._local_newest is not None and self._remote_newest is not None
 
     def resume_pending(self) -> list[int]:
-        """Queue the steps pinned by an earlier run that crashed before promoting them."""
+        """Queue the steps pinned by an earlier run that crashed before promoting them (past the pin cap, the
+        oldest are released)."""
         own_index = rank_index_name(self.rank)
         pending = [step for step in self.pins.pinned() if own_index in self.pins.tier.list_files(step)]
         for step in pending:
             log.info("resuming the promotion of step %d left by an earlier run", step)
             self._enqueue(step)
+        if pending:
+            self._apply_pin_cap()  # an earlier run may have kept more under a larger cap
         return pending
 
     @property
