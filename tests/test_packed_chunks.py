@@ -294,3 +294,28 @@ def test_pack_reads_fetch_each_range_once_and_drop_it_after_its_last_read(tmp_pa
     assert stored == [pack_bytes[c.offset:c.offset + c.length] for c in packed]
     assert bytes(packs.stored_bytes(tier, index, packed[0])) == stored[0]
     assert CountingTier.reads == 2, "every reference was read: the range was dropped and is fetched again"
+
+
+def test_pack_reads_fetch_again_after_an_interrupted_fetch(tmp_path):
+    local = save_steps(tmp_path / "local", {9: model_state(9)})
+    index = load_rank_index(local, load_step_manifest(local, 9), 0)
+
+    class Interrupted(BaseException):
+        pass
+
+    class InterruptedOnce(LocalTier):
+        interrupted = False
+
+        def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+            if not InterruptedOnce.interrupted:
+                InterruptedOnce.interrupted = True
+                raise Interrupted()
+            return super().read_bytes(path, offset, length)
+
+    tier, packs = InterruptedOnce(local.root), PackReads()
+    chunk = next(chunk for chunk in index.chunks if index.in_pack(chunk))
+    with pytest.raises(Interrupted):
+        packs.stored_bytes(tier, index, chunk)
+    pack_bytes = (local.root / step_dir(9) / PACK).read_bytes()
+    assert bytes(packs.stored_bytes(tier, index, chunk)) == pack_bytes[chunk.offset:chunk.offset + chunk.length]
+    assert packs.requests == 1, "the interrupted fetch is not remembered: the next read fetches the range"

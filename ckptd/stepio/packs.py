@@ -162,6 +162,8 @@ class PackReads:
             finally:
                 with self._lock:
                     piece.fetching = False
+                    if piece.data is None and piece.error is None:  # interrupted: the next read fetches
+                        piece.done = threading.Event()
                 done.set()
             return data
         done.wait()
