@@ -19,7 +19,7 @@ has taken ``N * batches_per_step`` batches in all. Iterating from the main threa
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,8 +84,8 @@ def _unwrapped(item: RankBatch) -> RankBatch:
 class ShardLoader:
     """Iterates a :class:`ShardDataset` through a torch DataLoader and tracks the resumable state.
 
-    ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``multiprocessing_context`` go to the
-    DataLoader (workers are started for each epoch). ``batches_per_step`` (micro-batches per training
+    ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``multiprocessing_context`` and
+    ``worker_init_fn`` go to the DataLoader (workers are started for each epoch). ``batches_per_step`` (micro-batches per training
     step, for gradient accumulation), ``start_step`` (the step number a save before any training would
     carry; 0 when the step you save counts the steps done) and ``max_ahead`` (batches a loop may hold
     untrained at a save) map saved steps to batches, see :mod:`ckptd.data.position`. ``steps=N`` runs one
@@ -97,7 +97,7 @@ class ShardLoader:
 
     def __init__(self, dataset: ShardDataset, *, num_workers: int = 0, pin_memory: bool = False,
                  prefetch_factor: int | None = None, multiprocessing_context: Any = None,
-                 batches_per_step: int = 1, start_step: int = 0, max_ahead: int | None = None,
+                 worker_init_fn: Callable[[int], None] | None = None, batches_per_step: int = 1, start_step: int = 0, max_ahead: int | None = None,
                  steps: int | None = None, with_sample_ids: bool = False,
                  allow_manifest_change: bool = False) -> None:
         if num_workers < 0:
@@ -109,6 +109,7 @@ class ShardLoader:
         self.pin_memory = pin_memory
         self.prefetch_factor = prefetch_factor
         self.multiprocessing_context = multiprocessing_context
+        self.worker_init_fn = worker_init_fn
         self.convention = StepConvention(batches_per_step, start_step, max_ahead)
         self.steps = steps
         self.with_sample_ids = with_sample_ids
@@ -156,6 +157,7 @@ class ShardLoader:
         options: dict[str, Any] = {}
         if self.num_workers:
             options["multiprocessing_context"] = self.multiprocessing_context
+            options["worker_init_fn"] = self.worker_init_fn
             if self.prefetch_factor is not None:
                 options["prefetch_factor"] = self.prefetch_factor
         # Starting a DataLoader iterator draws a base seed from the global torch RNG unless it has its own
