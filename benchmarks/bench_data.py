@@ -6,9 +6,12 @@ Measures, on the same data in the same run:
    sequential file reads of the shards (samples/s and MB/s; goal: verified >= 0.95 x unverified);
 2. cold cache: an epoch read from moto's S3 server on loopback through the loader (fetch, verify,
    cache) against a plain sequential s3fs read of the same objects;
-3. mosaicml-streaming on the same data, if it is importable (it is not a ckptd dependency).
+3. mosaicml-streaming on the same data, if it is importable (it is not a ckptd dependency);
+4. batch types: token batches as int64 tensors (the default collate) against lists of numpy arrays that
+   the training loop stacks into a tensor itself (the loader's earlier output), with 0 and 2 workers
+   (goal: tensors not slower).
 
-Usage: ``python benchmarks/bench_data.py [--quick] [--json]``.
+Usage: ``python benchmarks/bench_data.py [--quick] [--json] [--no-s3] [--only-batches]``.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from ckptd.data import DatasetManifest, ShardDataset, ShardLoader, index_dataset
+from ckptd.data import DatasetManifest, ShardDataset, ShardLoader, index_dataset, list_batch
 from ckptd.data.testing import write_jsonl_shards
 
 MB = 1024 * 1024
@@ -59,7 +63,7 @@ def _loader_epoch(manifest: DatasetManifest, cache: Path, verify: bool, batch: i
                   storage_options: dict[str, Any] | None = None) -> int:
     dataset = ShardDataset(manifest, global_batch_size=batch, seed=0, cache_dir=cache, verify=verify,
                            storage_options=storage_options, cache_bytes=1 << 40)
-    return sum(len(b) for b in ShardLoader(dataset))
+    return sum(len(b) for b in ShardLoader(dataset))  # tensors and lists both count their samples
 
 
 def _plain_tokens(directory: Path, seq_len: int) -> int:
@@ -171,6 +175,40 @@ def _cold_cases(root: Path, quick: bool, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
+def _training_tensors(manifest: DatasetManifest, cache: Path, batch: int, workers: int, as_list: bool) -> int:
+    """One epoch ending in the int64 ``[batch, seq_len]`` tensor a model takes, either straight from the
+    loader or stacked by the training loop from a list of numpy arrays."""
+    dataset = ShardDataset(manifest, global_batch_size=batch, seed=0, cache_dir=cache, cache_bytes=1 << 40,
+                           collate_fn=list_batch if as_list else None)
+    count = 0
+    for item in ShardLoader(dataset, num_workers=workers):
+        tokens = torch.from_numpy(np.stack(item).astype(np.int64)) if as_list else item
+        count += int(tokens.shape[0])
+    return count
+
+
+def _batch_type_cases(root: Path, quick: bool, repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    shards, tokens_per_shard, seq_len = (8, 2 * MB, 512) if quick else (16, 4 * MB, 1024)
+    token_dir = root / "batch-tokens"
+    token_dir.mkdir()
+    rng = np.random.default_rng(2)
+    for shard in range(shards):
+        rng.integers(0, 50_000, tokens_per_shard, dtype=np.uint16).tofile(token_dir / f"part-{shard:03d}.bin")
+    manifest = index_dataset(str(token_dir), "tokens", reader_options={"seq_len": seq_len}).manifest
+    cache = root / "cache-batch-tokens"
+    _training_tensors(manifest, cache, 64, 0, False)  # fill the cache
+    for workers in (0, 2):
+        timed = _best_of(repeats, {
+            "tensors": lambda: _training_tensors(manifest, cache, 64, workers, False),
+            "lists": lambda: _training_tensors(manifest, cache, 64, workers, True)})
+        tensors, lists = timed["tensors"], timed["lists"]
+        rows += [_row(f"tokens, {workers} workers: int64 tensor batches", tensors, manifest.total_bytes),
+                 _row(f"tokens, {workers} workers: numpy lists stacked by the loop", lists, manifest.total_bytes)]
+        rows[-2]["ratio_vs_lists"] = _ratio(lists, tensors)
+    return rows
+
+
 def _streaming_case() -> list[dict[str, Any]]:
     try:
         import streaming  # noqa: F401
@@ -184,14 +222,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller data, one repeat")
     parser.add_argument("--json", action="store_true", help="print JSON rows")
     parser.add_argument("--no-s3", action="store_true", help="skip the moto cold-cache case")
+    parser.add_argument("--only-batches", action="store_true", help="run only the batch-type comparison")
     args = parser.parse_args()
     repeats = 1 if args.quick else 5
     root = Path(tempfile.mkdtemp(prefix="ckptd-bench-data-"))
     try:
-        rows = _warm_cases(root, args.quick, repeats)
-        if not args.no_s3:
+        rows = [] if args.only_batches else _warm_cases(root, args.quick, repeats)
+        if not args.no_s3 and not args.only_batches:
             rows += _cold_cases(root, args.quick, repeats)
-        rows += _streaming_case()
+        rows += _batch_type_cases(root, args.quick, repeats)
+        if not args.only_batches:
+            rows += _streaming_case()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if args.json:

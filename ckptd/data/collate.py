@@ -3,7 +3,11 @@
 The default, :func:`tensor_batch`, gives torch tensors: samples that are numpy arrays of one shape are
 stacked into one tensor (integer arrays, such as token windows, become ``int64``, what embedding layers
 and ``cross_entropy`` targets take; other dtypes are kept); dicts, tuples, numbers and strings are
-collated field by field as :func:`torch.utils.data.default_collate` does (strings stay lists).
+collated field by field as :func:`torch.utils.data.default_collate` does (strings stay lists). It runs
+in two halves: :func:`stack_samples` where the batch is built (stacked numpy arrays keep the shard's
+compact dtype, so a DataLoader worker sends a quarter of the bytes of ``int64`` tokens, pickled rather
+than through a shared-memory segment per batch) and :func:`as_tensors` in the training process (in
+DataLoader's pinning thread when ``pin_memory=True``).
 :func:`list_batch` keeps the list of samples as the reader produced them. :func:`next_token_split`
 cuts a ``[batch, seq_len]`` token batch into ``(inputs, targets)`` for next-token prediction.
 
@@ -27,14 +31,33 @@ from ckptd.errors import ConfigError
 CollateFn = Callable[[list[Any]], Any]
 
 
-def _stack_arrays(arrays: list[np.ndarray], *, collate_fn_map: Any = None) -> torch.Tensor:
-    stacked = np.stack(arrays)
-    if stacked.dtype.kind in "iub":
-        stacked = stacked.astype(np.int64, copy=False)
-    return torch.from_numpy(stacked)
+def _stack_arrays(arrays: list[np.ndarray], *, collate_fn_map: Any = None) -> np.ndarray:
+    return np.stack(arrays)
 
 
 _COLLATE_MAP: dict[Any, Any] = {**default_collate_fn_map, np.ndarray: _stack_arrays}
+
+
+def stack_samples(samples: list[Any]) -> Any:
+    """The first half of :func:`tensor_batch`: numpy arrays stacked (dtype kept), every other field
+    collated as ``default_collate`` does; an empty list stays an empty list."""
+    if not samples:
+        return []
+    return collate(samples, collate_fn_map=_COLLATE_MAP)
+
+
+def as_tensors(batch: Any) -> Any:
+    """The second half of :func:`tensor_batch`: every numpy array in ``batch`` (through dicts, lists and
+    tuples) becomes a tensor, integer arrays as ``int64``."""
+    if isinstance(batch, np.ndarray):
+        return torch.from_numpy(batch.astype(np.int64) if batch.dtype.kind in "iub" else batch)
+    if isinstance(batch, dict):
+        return {key: as_tensors(value) for key, value in batch.items()}
+    if isinstance(batch, list):
+        return [as_tensors(value) for value in batch]
+    if isinstance(batch, tuple) and not hasattr(batch, "_fields"):
+        return tuple(as_tensors(value) for value in batch)
+    return batch
 
 
 def list_batch(samples: list[Any]) -> list[Any]:
@@ -45,9 +68,7 @@ def list_batch(samples: list[Any]) -> list[Any]:
 def tensor_batch(samples: list[Any]) -> Any:
     """Samples collated into tensors (see the module docstring); an empty list stays an empty list
     (a batch whose samples all came from skipped shards, with ``on_corrupt="skip"``)."""
-    if not samples:
-        return []
-    return collate(samples, collate_fn_map=_COLLATE_MAP)
+    return as_tensors(stack_samples(samples))
 
 
 def next_token_split(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,14 +83,16 @@ def next_token_split(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
 
 
-class SplitTargets:
-    """A collate function that applies ``collate_fn`` and then :func:`next_token_split` (picklable)."""
+class Finish:
+    """What the training process applies to a collated batch: :func:`as_tensors` (after the default
+    :func:`stack_samples`), then :func:`next_token_split` when ``split_targets``. Picklable."""
 
-    def __init__(self, collate_fn: CollateFn) -> None:
-        self.collate_fn = collate_fn
+    def __init__(self, *, tensors: bool, split_targets: bool) -> None:
+        self.tensors, self.split_targets = tensors, split_targets
 
-    def __call__(self, samples: list[Any]) -> Any:
-        batch = self.collate_fn(samples)
-        if isinstance(batch, list) and not batch:
-            return batch
-        return next_token_split(batch)
+    def __call__(self, batch: Any) -> Any:
+        if self.tensors:
+            batch = as_tensors(batch)
+        if self.split_targets and not (isinstance(batch, list) and not batch):
+            batch = next_token_split(batch)
+        return batch

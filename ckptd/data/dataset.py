@@ -2,7 +2,8 @@
 
 Each item is a :class:`RankBatch`: one rank's ``global_batch_size / world_size`` samples of one global
 step, collated by ``collate_fn`` (torch tensors by default, see :mod:`ckptd.data.collate`), tagged with
-the epoch position it ends at and, when asked for, the ids of its samples. Under a DataLoader with ``num_workers=K``, worker ``w`` produces the batches of steps ``w, w+K, ...``;
+the epoch position it ends at and, when asked for, the ids of its samples. The default collation ends
+in the training process: a custom loader takes ``item.finished().batch``. Under a DataLoader with ``num_workers=K``, worker ``w`` produces the batches of steps ``w, w+K, ...``;
 the DataLoader takes one batch from each worker in turn, so the training loop sees the same sequence
 as with no workers. Use :class:`ckptd.data.ShardLoader` to get this wiring plus a resumable state;
 iterate the dataset alone only for custom loaders.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from ckptd.config import settings
 from ckptd.data.cache import ShardCache
-from ckptd.data.collate import CollateFn, SplitTargets, tensor_batch
+from ckptd.data.collate import CollateFn, Finish, stack_samples
 from ckptd.data.fetch import VerifiedFetcher
 from ckptd.data.manifest import DatasetManifest, load_dataset_manifest
 from ckptd.data.order import EpochOrder, RankSchedule
@@ -47,12 +48,22 @@ class RankBatch:
     newly_skipped: tuple[str, ...] = ()
     #: ``"<shard path>#<index in shard>"`` of every sample, in batch order (when the loader asks for them).
     sample_ids: tuple[str, ...] | None = None
+    #: What the training process still applies to ``batch`` (see :class:`~ckptd.data.collate.Finish`).
+    finish: Callable[[Any], Any] | None = None
+
+    def finished(self) -> RankBatch:
+        """This batch in its final form (tensors, split into inputs and targets)."""
+        if self.finish is None:
+            return self
+        return dataclasses.replace(self, batch=self.finish(self.batch), finish=None)
 
     def pin_memory(self) -> RankBatch:
-        """This batch with its tensors in pinned memory (what DataLoader's ``pin_memory=True`` calls)."""
+        """This batch, finished, with its tensors in pinned memory (DataLoader's ``pin_memory=True`` calls
+        this in its pinning thread)."""
         from torch.utils.data._utils.pin_memory import pin_memory
 
-        return dataclasses.replace(self, batch=pin_memory(self.batch))
+        done = self.finished()
+        return dataclasses.replace(done, batch=pin_memory(done.batch))
 
 
 def distributed_rank_and_world() -> tuple[int, int]:
@@ -118,9 +129,10 @@ class ShardDataset(IterableDataset):  # type: ignore[type-arg]
         self.seed, self.shuffle, self.block_shards = seed, shuffle, block_shards
         self.cache_dir, self.cache_bytes = cache_dir, cache_bytes
         self.verify, self.on_corrupt = verify, on_corrupt
-        self.collate_fn: CollateFn = collate_fn or tensor_batch
-        if split_targets:
-            self.collate_fn = SplitTargets(self.collate_fn)
+        self.collate_fn: CollateFn = collate_fn or stack_samples
+        finish = Finish(tensors=collate_fn is None, split_targets=split_targets)
+        #: Applied to each batch in the training process (None: the collated batch is final).
+        self.finish: Callable[[Any], Any] | None = finish if (finish.tensors or finish.split_targets) else None
         #: Whether batches carry their sample ids (set by the loader through :meth:`set_position`).
         self.sample_ids = False
         self.prefetch_shards = settings().data_prefetch_shards if prefetch_shards is None else prefetch_shards
@@ -173,6 +185,7 @@ class ShardDataset(IterableDataset):  # type: ignore[type-arg]
                 newly, reading.newly_skipped = tuple(reading.newly_skipped), []
                 yield RankBatch(epoch=epoch, end_position=start + (step + 1) * self.schedule.global_batch_size,
                                 batch=self.collate_fn(samples), newly_skipped=newly,
-                                sample_ids=self._ids(pairs, reading.skipped) if self.sample_ids else None)
+                                sample_ids=self._ids(pairs, reading.skipped) if self.sample_ids else None,
+                                finish=self.finish)
         finally:
             reading.close()

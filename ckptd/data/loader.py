@@ -184,6 +184,7 @@ class ShardLoader:
                                   sample_ids=self.with_sample_ids)
         batch_size = self.dataset.schedule.global_batch_size
         for item in self._data_loader():
+            item = item.finished()  # already done by the pinning thread with pin_memory=True
             if item.epoch != self._epoch:
                 raise ResumeMismatchError(f"a worker produced a batch of epoch {item.epoch} during epoch "
                                           f"{self._epoch}", hint="do not change the loader while iterating")
