@@ -42,6 +42,17 @@ def test_bad_records_are_kept_outside_steps_and_chunks(s3_bucket, s3_options):
         report_bad_chunk(remote, "../elsewhere/x", step=None, reason="scrub")
 
 
+def test_a_record_naming_no_file_under_the_root_is_ignored(s3_server, s3_bucket, s3_options):
+    remote = object_tier(s3_bucket, s3_options)
+    try:
+        report_bad_chunk(remote, "chunks/ab/abcd.raw", step=3, reason="digest mismatch")
+        for name in ("step-000000000003/../../elsewhere/rank-00000.pack", "chunks//ab.raw"):
+            _boto(s3_server).put_object(Bucket=s3_bucket, Key=f"run/health/bad/{name}.bad.json", Body=b"{}")
+        assert bad_chunk_paths(remote) == {"chunks/ab/abcd.raw"}, "repair never writes where such a record points"
+    finally:
+        remote.close()
+
+
 # --- dedup: a stored chunk is reused only when the store's checksum matches the intact local copy --------
 
 _BIG_CHUNK = 2 * 1024 * 1024  # above the pack threshold: content-addressed, shared by the steps

@@ -73,12 +73,22 @@ def report_bad_chunk(tier: StorageTier, path: str, *, step: int | None, reason: 
 
 
 def bad_chunk_paths(tier: StorageTier) -> set[str]:
-    """Paths (relative to the tier root) of every object recorded as bad: one listing."""
+    """Paths (relative to the tier root) of every object recorded as bad: one listing. Records whose
+    name is not a safe path under the root (``..``, empty parts) are ignored with a warning."""
     if not _records_apply(tier):
         return set()
     prefix = f"{BAD_PREFIX}/"
-    return {obj.path[len(prefix):-len(_SUFFIX)] for obj in tier.list_objects(BAD_PREFIX)
-            if obj.path.startswith(prefix) and obj.path.endswith(_SUFFIX)}
+    found = set()
+    for obj in tier.list_objects(BAD_PREFIX):
+        if not (obj.path.startswith(prefix) and obj.path.endswith(_SUFFIX)):
+            continue
+        path = obj.path[len(prefix):-len(_SUFFIX)]
+        try:  # a record's name comes from the store: one that names no file under the root is ignored
+            found.add(_checked(path))
+        except UnsafePathError:
+            _log.warning("ignoring the bad-object record %s on %s: it names no file under the tier root",
+                         obj.path, tier.label)
+    return found
 
 
 def clear_bad_chunk(tier: StorageTier, path: str) -> None:
