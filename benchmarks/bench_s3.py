@@ -4,15 +4,22 @@ Measures, on the same bytes, the same server and in the same run (rounds interle
 in machine load hits every case alike; the best round of each case counts):
 
 1. promotion throughput with verification (every chunk re-hashed from the bytes sent, remote manifest
-   last) against the better of ``s3fs.put_file`` and boto3's ``upload_file`` of the rank's data file;
-2. restore from S3 into an empty local tier (``CheckpointManager.restore``, every chunk verified) against
-   the better of ``s3fs.get_file`` and boto3's ``download_file`` of the same bytes;
+   last) against the better of s3fs's ``put`` and boto3's TransferManager uploading every data file of
+   the step (the pack ``rank-00000.data`` and the parallel files ``.1.data``, ``.2.data``...: the same
+   bytes ckptd sends), all files at once, with ckptd's part size and concurrency;
+2. restore from S3 into memory (``CheckpointManager.restore`` with an empty local tier, every chunk
+   verified, into target tensors written before the timer as a model's parameters are) against the
+   better of s3fs's ``cat`` and boto3's TransferManager downloading the same data files into memory,
+   all at once. Every client is connected before its timer; opening a manager on the S3 tier (its
+   clients, their first connections) is timed on its own;
 3. dedup: bytes uploaded at step 2 of a fine-tuning-like workload (large frozen part, small trained part)
    as a fraction of step 1;
 4. objects and requests per step: a model of 200 small tensors and 4 large frozen ones, promoted at two
    steps and restored from the object tier, with packing (the default) and without
    (``CKPTD_PACK_BELOW_BYTES=0``): objects each step adds to the bucket, uploads per step, GETs per
    restore and the restore's seconds.
+
+Throughput is bytes of the step's data files over seconds, for every case alike.
 
 Usage: ``python benchmarks/bench_s3.py [--mib 256] [--repeats 2] [--quick] [--json]``.
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import logging
 import shutil
@@ -34,13 +42,16 @@ from typing import Any
 import boto3
 import s3fs
 import torch
+from boto3.s3.transfer import TransferConfig, create_transfer_manager
+from botocore.config import Config
 
 import ckptd
-from ckptd.config import override
+from ckptd.config import override, settings
 from ckptd.embedded_s3 import EmbeddedS3
 from ckptd.errors import NotFoundError
-from ckptd.format.layout import rank_data_name, step_dir
+from ckptd.format.layout import step_dir
 from ckptd.promotion import promote_step
+from ckptd.stepio.step_reader import load_rank_index, load_step_manifest
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
 
@@ -72,7 +83,8 @@ class _Bench:
         self.server, self.workdir = server, workdir
         self.options = server.storage_options
         self.client = boto3.client("s3", endpoint_url=server.endpoint_url, aws_access_key_id="testing",
-                                   aws_secret_access_key="testing", region_name="us-east-1")
+                                   aws_secret_access_key="testing", region_name="us-east-1",
+                                   config=Config(max_pool_connections=4 * settings().s3_concurrency))
 
     def bucket(self) -> str:
         name = f"bench-{uuid.uuid4().hex[:10]}"
@@ -94,53 +106,84 @@ class _Bench:
         with ckptd.CheckpointManager(local_dir, capture_rng=False) as manager:
             manager.save(1, state)
         local = LocalTier(local_dir)
-        data_file = local.root / step_dir(1) / rank_data_name(0)
-        size = data_file.stat().st_size
+        data_files = _data_files(local, 1)
+        size = sum(path.stat().st_size for path in data_files)
         plain_fs = s3fs.S3FileSystem(**self.options, skip_instance_cache=True)
+        plain = _PlainBoto3(self.client)
         source_bucket = self.bucket()
-        self.client.upload_file(str(data_file), source_bucket, "plain.data")
+        plain.upload(data_files, source_bucket)
+        plain_keys = [f"plain/{path.name}" for path in data_files]
         restore_remote = ObjectTier(f"s3://{source_bucket}/ckpt", storage_options=self.options)
         promote_step(local, restore_remote, 1)
-        out = self.workdir / "downloaded.data"
 
-        def fresh_tier() -> ObjectTier:
-            """A tier on a new bucket whose clients are connected (as the plain clients are)."""
-            tier = ObjectTier(f"s3://{self.bucket()}/ckpt", storage_options=self.options)
+        def connect(tier: ObjectTier) -> ObjectTier:
+            """Open ``tier``'s connections (the plain clients are connected before their timer too)."""
             for _ in tier.lanes:
                 with contextlib.suppress(NotFoundError):
                     tier.read_bytes("warm-up")
             return tier
 
-        def empty_dir() -> Path:
-            return self.workdir / f"empty-{uuid.uuid4().hex[:6]}"
+        def fresh_tier() -> ObjectTier:
+            return connect(ObjectTier(f"s3://{self.bucket()}/ckpt", storage_options=self.options))
 
-        def restore(empty: Path) -> None:
-            target = {"weights": torch.zeros_like(state["weights"])}
-            with ckptd.CheckpointManager(empty, remote=restore_remote.url, storage_options=self.options,
-                                         capture_rng=False) as manager:
-                if manager.restore(target) != 1 or not torch.equal(target["weights"], state["weights"]):
-                    raise RuntimeError("restore from S3 returned other bytes")
+        opening: list[float] = []
+
+        def open_reader() -> tuple[ckptd.CheckpointManager, dict[str, torch.Tensor]]:
+            """A manager on an empty local tier and the S3 step, connected, and the (written) target
+            tensors, as a model built before its restore has them; opening is timed on its own."""
+            started = time.perf_counter()
+            manager = ckptd.CheckpointManager(self.workdir / f"empty-{uuid.uuid4().hex[:6]}",
+                                              remote=restore_remote.url, storage_options=self.options,
+                                              capture_rng=False)
+            connect(manager.remote)  # type: ignore[arg-type]
+            opening.append(time.perf_counter() - started)
+            return manager, {"weights": torch.zeros_like(state["weights"])}
+
+        def restore(reader: tuple[ckptd.CheckpointManager, dict[str, torch.Tensor]]) -> None:
+            manager, target = reader
+            if manager.restore(target) != 1:
+                raise RuntimeError("restore from S3 found no step")
+
+        def close_reader(reader: tuple[ckptd.CheckpointManager, dict[str, torch.Tensor]]) -> None:
+            manager, target = reader
+            manager.close()
+            shutil.rmtree(manager.local.root, ignore_errors=True)
+            if not torch.equal(target["weights"], state["weights"]):
+                raise RuntimeError("restore from S3 returned other bytes")
+
+        def s3fs_put(bucket: str) -> None:
+            plain_fs.put([str(path) for path in data_files], [f"{bucket}/plain/{path.name}" for path in data_files])
+
+        def s3fs_cat(_: None) -> None:
+            got = plain_fs.cat([f"{source_bucket}/{key}" for key in plain_keys])
+            if sum(len(data) for data in got.values()) != size:
+                raise RuntimeError("s3fs.cat returned other sizes")
+
+        def boto3_download(_: None) -> None:
+            if sum(len(data) for data in plain.download(source_bucket, plain_keys)) != size:
+                raise RuntimeError("boto3 download returned other sizes")
 
         upload_cases = {
             "promote_verified": _Case(lambda tier: promote_step(local, tier, 1), fresh_tier,
                                       lambda tier: self.drop(tier.bucket)),
-            "s3fs.put_file": _Case(lambda bucket: plain_fs.put_file(str(data_file), f"{bucket}/plain.data"),
-                                   self.bucket, self.drop),
-            "boto3.upload_file": _Case(lambda bucket: self.client.upload_file(str(data_file), bucket, "plain.data"),
-                                       self.bucket, self.drop),
+            "s3fs.put": _Case(s3fs_put, self.bucket, self.drop),
+            "boto3.upload": _Case(lambda bucket: plain.upload(data_files, bucket), self.bucket, self.drop),
         }
         download_cases = {
-            "restore_verified": _Case(restore, empty_dir, lambda empty: shutil.rmtree(empty)),
-            "s3fs.get_file": _Case(lambda _: plain_fs.get_file(f"{source_bucket}/plain.data", str(out))),
-            "boto3.download_file": _Case(lambda _: self.client.download_file(source_bucket, "plain.data", str(out))),
+            "restore_verified": _Case(restore, open_reader, close_reader),
+            "s3fs.cat": _Case(s3fs_cat),
+            "boto3.download": _Case(boto3_download),
         }
         upload = _best_of(repeats, upload_cases)
         download = _best_of(repeats, download_cases)
+        plain.close()
+        restore_remote.close()
         self.drop(source_bucket)
         gbps = {name: size / seconds / 1e9 for name, seconds in {**upload, **download}.items()}
-        best_put = max(gbps["s3fs.put_file"], gbps["boto3.upload_file"])
-        best_get = max(gbps["s3fs.get_file"], gbps["boto3.download_file"])
-        return {"bytes": size, "GB_per_s": {k: round(v, 4) for k, v in gbps.items()},
+        best_put = max(gbps["s3fs.put"], gbps["boto3.upload"])
+        best_get = max(gbps["s3fs.cat"], gbps["boto3.download"])
+        return {"bytes": size, "data_files": len(data_files), "GB_per_s": {k: round(v, 4) for k, v in gbps.items()},
+                "open_manager_s": round(min(opening), 3),
                 "promotion_vs_best_plain_upload": round(gbps["promote_verified"] / best_put, 3),
                 "restore_vs_best_plain_download": round(gbps["restore_verified"] / best_get, 3)}
 
@@ -201,6 +244,42 @@ class _Bench:
         return {"bytes_uploaded": uploaded, "step2_over_step1": round(uploaded[2] / uploaded[1], 4)}
 
 
+def _data_files(local: LocalTier, step: int) -> list[Path]:
+    """Every data file of ``step`` on ``local`` (rank 0's pack and its parallel files): the bytes a
+    promotion moves, apart from the small index and manifest."""
+    manifest = load_step_manifest(local, step)
+    names = [data_file.name for entry in manifest.ranks
+             for data_file in load_rank_index(local, manifest, entry.rank).data_files]
+    return [local.root / step_dir(step) / name for name in names]
+
+
+class _PlainBoto3:
+    """boto3's managed transfers as a user would set them up: one TransferManager for all files, with
+    ckptd's part size and concurrency, so every file and every part of a file is in flight at once."""
+
+    def __init__(self, client: Any) -> None:
+        tuning = settings()
+        config = TransferConfig(multipart_threshold=tuning.s3_part_bytes, multipart_chunksize=tuning.s3_part_bytes,
+                                max_concurrency=tuning.s3_concurrency, use_threads=True)
+        self.manager = create_transfer_manager(client, config)
+
+    def upload(self, paths: list[Path], bucket: str) -> None:
+        futures = [self.manager.upload(str(path), bucket, f"plain/{path.name}") for path in paths]
+        for future in futures:
+            future.result()
+
+    def download(self, bucket: str, keys: list[str]) -> list[bytes]:
+        """The objects' bytes, downloaded into memory."""
+        buffers = [io.BytesIO() for _ in keys]
+        futures = [self.manager.download(bucket, key, buffer) for key, buffer in zip(keys, buffers)]
+        for future in futures:
+            future.result()
+        return [buffer.getvalue() for buffer in buffers]
+
+    def close(self) -> None:
+        self.manager.shutdown()
+
+
 def _record_requests(tier: ObjectTier) -> list[str]:
     """The S3 method of every request ``tier`` sends from now on."""
     sent: list[str] = []
@@ -236,11 +315,14 @@ def main() -> None:
         print(json.dumps(results, indent=2))
         return
     transfer = results["transfer"]
-    print(f"object tier on moto (loopback), {transfer['bytes'] / MIB:.0f} MiB, best of {repeats}:")
+    print(f"object tier on moto (loopback), {transfer['bytes'] / MIB:.0f} MiB in {transfer['data_files']} data files, "
+          f"best of {repeats}:")
     for name, value in transfer["GB_per_s"].items():
         print(f"  {name:<22} {value:.3f} GB/s")
     print(f"  promotion (verified) / best plain upload:   {transfer['promotion_vs_best_plain_upload']:.2f} x")
     print(f"  restore (verified) / best plain download:   {transfer['restore_vs_best_plain_download']:.2f} x")
+    print(f"  opening a manager on the S3 tier, connected (not in the restore's time): "
+          f"{transfer['open_manager_s']:.2f} s")
     dedup = results["dedup"]
     print(f"dedup: bytes uploaded {dedup['bytes_uploaded']}, step 2 / step 1 = {dedup['step2_over_step1']:.2%}")
     print("objects and requests per step (200 small tensors, 4 large frozen ones, one rank):")
