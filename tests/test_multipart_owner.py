@@ -34,7 +34,7 @@ bucket, options = sys.argv[1], json.loads(sys.argv[2])
 async def slow_link(**_):
     await asyncio.sleep(3600)
 
-with override(s3_part_bytes=5 * 1024 * 1024, s3_upload_owner_lease_s=3.0, s3_read_timeout_s=3600.0):
+with override(s3_part_bytes=5 * 1024 * 1024, s3_upload_owner_lease_s=6.0, s3_read_timeout_s=3600.0):
     tier = ObjectTier(f"s3://{bucket}/run", storage_options=options)
     tier.connect()
     for client in tier.lanes:
@@ -83,14 +83,14 @@ def test_a_live_promoter_on_another_host_keeps_its_upload_until_its_lease_expire
     child = _start_promoter(s3_bucket, s3_options, host_id="another-host")
     try:
         _wait_for_upload(boto, s3_bucket)
-        time.sleep(4.0)  # past the 3 s lease: only the owner's refreshes keep the record alive
+        time.sleep(7.0)  # past the 6 s lease: only the owner's refreshes (every 2 s) keep the record alive
         with override(gc_abandoned_s=0.0):
             report = collect_garbage(remote)
             assert report.aborted_uploads == 0 and _open_uploads(boto, s3_bucket) == [f"run/{_KEY}"], \
                 "the upload of a live promoter on another host is left alone, however old"
             _kill(child)  # the host "dies": nobody refreshes the record any more
-            assert collect_garbage(remote).aborted_uploads == 0, "its record is still fresh"
-            time.sleep(3.5)
+            assert collect_garbage(remote).aborted_uploads == 0, "its record is still fresh (>= 4 s left)"
+            time.sleep(6.5)
             report = collect_garbage(remote)
         assert report.aborted_uploads == 1 and _open_uploads(boto, s3_bucket) == []
         assert not remote.list_objects(OWNERS_PREFIX), "the expired owner record is removed too"
@@ -124,6 +124,26 @@ def test_an_upload_without_an_owner_record_falls_back_to_its_age(s3_server, s3_b
         age = time.time() - started
         assert collect_garbage(remote, abandoned_after_s=age + 3600.0).aborted_uploads == 0
         assert collect_garbage(remote, abandoned_after_s=max(0.0, age - 1.0)).aborted_uploads == 1
+        assert _open_uploads(boto, s3_bucket) == []
+    finally:
+        remote.close()
+
+
+def test_an_upload_that_finishes_while_the_collector_looks_is_no_error(s3_server, s3_bucket, s3_options):
+    boto = s3_client(s3_server)
+    remote = object_tier(s3_bucket, s3_options)
+    key = "run/chunks/ef/finishing.raw"
+    upload_id = boto.create_multipart_upload(Bucket=s3_bucket, Key=key)["UploadId"]
+    listed = remote.incomplete_uploads
+
+    def listed_then_finished() -> list[tuple[str, str, float]]:
+        found = listed()
+        boto.abort_multipart_upload(Bucket=s3_bucket, Key=key, UploadId=upload_id)  # its writer finishes it
+        return found
+
+    remote.incomplete_uploads = listed_then_finished
+    try:
+        assert remote.abort_incomplete_uploads(0.0) == 0, "an upload gone since the listing is not counted"
         assert _open_uploads(boto, s3_bucket) == []
     finally:
         remote.close()

@@ -334,9 +334,12 @@ class ObjectTier(StorageTier):
         the owner records that are no longer alive; returns how many uploads were aborted."""
         count = 0
         for path, upload_id, why in self.abandoned_uploads(older_than_s):
-            with self._errors("aborting a multipart upload", path):
-                self._call(self.fs, "abort_multipart_upload", Bucket=self.bucket, Key=self.key(path),
-                           UploadId=upload_id)
+            try:
+                with self._errors("aborting a multipart upload", path):
+                    self._call(self.fs, "abort_multipart_upload", Bucket=self.bucket, Key=self.key(path),
+                               UploadId=upload_id)
+            except NotFoundError:
+                continue  # completed or aborted since it was listed
             _log.info("aborted an abandoned multipart upload of %s on %s: %s", path, self.label, why)
             count += 1
         stale = [record_path for entries in self._owner_records().values() for record_path, record in entries
