@@ -27,10 +27,12 @@ WORLD = 2
 
 
 def _launch(root: Path, *job_args: str, max_restarts: int = 3, hang_timeout: float = 60.0, nodes: int = 1,
-            extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+            extra: tuple[str, ...] = (), settings: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """``ckptd launch`` of the test job with WORLD ranks; with ``nodes=2`` two supervisors (one rank each)
-    stand in for two nodes: node 0 hosts the store, each keeps its ranks' checkpoints in its own root."""
+    stand in for two nodes: node 0 hosts the store, each keeps its ranks' checkpoints in its own root.
+    ``settings``: more environment variables (``CKPTD_*``) for the supervisors and their ranks."""
     environment = dict(os.environ, OMP_NUM_THREADS="1", CKPTD_ELASTIC_REJOIN_TIMEOUT_S="60")
+    environment.update(settings or {})
     endpoint = f"127.0.0.1:{free_port()}"
     commands = []
     for node in range(nodes):
@@ -128,6 +130,22 @@ def test_only_the_failed_rank_restarts_and_the_run_ends_bit_for_bit(tmp_path: Pa
     cause = "hung (no heartbeat" if signal_name == "STOP" else "killed by signal SIGKILL"
     assert f"rank {victim} (pid {records[victim][0]['pid']}) {cause}" in result.stderr
     assert f"restarting it alone in generation 1" in result.stderr
+
+
+def test_a_hang_outlasting_the_collective_and_rejoin_timeouts_restarts_only_the_hung_rank(
+        tmp_path: Path, reference: list[bytes]) -> None:
+    # the survivor's collective with the stopped rank times out long before the hang timeout finds it: the
+    # survivor must keep waiting (and beating) for the next generation until the supervisor kills the hung
+    # rank, instead of giving up after the rejoin timeout and being replaced itself
+    job = ["--kill-rank", "1", "--kill-step", "6", "--kill-signal", "STOP", "--kill-phase", "after-save"]
+    result = _launch(tmp_path, *job, hang_timeout=14.0,
+                     settings={"CKPTD_ELASTIC_COLLECTIVE_TIMEOUT_S": "3", "CKPTD_ELASTIC_REJOIN_TIMEOUT_S": "8"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert _finals(tmp_path / "out") == reference
+    survivor, victim = _generations(tmp_path / "out", 0), _generations(tmp_path / "out", 1)
+    assert sorted(survivor) == [0, 1] and survivor[0]["pid"] == survivor[1]["pid"], "the survivor was restarted"
+    assert sorted(victim) == [0, 1] and victim[0]["pid"] != victim[1]["pid"]
+    assert f"rank 1 (pid {victim[0]['pid']}) hung (no heartbeat" in result.stderr
 
 
 def test_a_failure_past_max_restarts_stops_every_rank_and_names_rank_and_cause(tmp_path: Path) -> None:

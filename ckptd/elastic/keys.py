@@ -14,6 +14,9 @@ ENV_GENERATION = "CKPTD_GENERATION"
 ENV_STORE = "CKPTD_ELASTIC_STORE"
 #: How often the supervisor started this rank before (0 for the first process of the rank).
 ENV_RESTART_COUNT = "CKPTD_ELASTIC_RESTART_COUNT"
+#: The supervisor's ``--hang-timeout`` in seconds (0: none): a survivor waits that long, and more, for the
+#: generation that replaces a hung peer.
+ENV_HANG_TIMEOUT = "CKPTD_ELASTIC_HANG_TIMEOUT_S"
 
 #: The current generation, a decimal string; raised by the supervisor that sees a rank fail.
 GENERATION = "elastic/generation"

@@ -9,8 +9,9 @@ Its loop, every ``poll_s``:
 - ``waitpid`` (``Popen.poll``) on each local rank: an exit with code 0 is a finished rank; any other exit
   or a signal is a failure;
 - heartbeats: every rank writes ``elastic/beat/<rank>`` (:func:`ckptd.elastic.heartbeat`); a rank that beat
-  in the current generation and then stays silent for ``hang_timeout_s`` before its training function
-  returns is hung. When several ranks are silent (the peers of a hung rank block in a collective with it)
+  (in the current generation, or in an older one it never left) and then stays silent for ``hang_timeout_s``
+  (counted from its last beat or from the start of the current generation, whichever is later) before its
+  training function returns is hung. When several ranks are silent (the peers of a hung rank block in a collective with it)
   the one furthest behind (fewest beats, then the longest silence) is the hung one; its own supervisor
   SIGKILLs it, so that its peers see a connection reset at once, and it counts as failed;
 - a failure raises the store's generation (``compare_set``, so two supervisors seeing one event raise it
@@ -158,12 +159,15 @@ class Supervisor:
             "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(rank.restarts),
             "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             keys.ENV_STORE: f"{spec.rdzv_host}:{spec.rdzv_port}", keys.ENV_GENERATION: str(self.generation),
-            keys.ENV_RESTART_COUNT: str(rank.restarts),
+            keys.ENV_RESTART_COUNT: str(rank.restarts), keys.ENV_HANG_TIMEOUT: str(spec.hang_timeout_s),
         })
         return env
 
     def _start(self, rank: _Rank) -> None:
         rank.hung_for, rank.finished, rank.start_at = None, False, None
+        # the new process is not judged by the old one's beats
+        self.store.set(keys.beat(rank.rank), keys.NO_BEAT)
+        self._beats[rank.rank] = _Beats()
         rank.process = subprocess.Popen(list(self.spec.command), env=self._environment(rank),
                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         log.info("started rank %d (pid %d) in generation %d", rank.rank, rank.process.pid, self.generation)
@@ -197,10 +201,14 @@ class Supervisor:
     def _follow_generation(self) -> None:
         current = int(self.store.get(keys.GENERATION))
         if current != self.generation:
-            self.generation = current
-            now = time.monotonic()
-            for beats in self._beats.values():
-                beats.changed = now
+            self._enter_generation(current)
+
+    def _enter_generation(self, generation: int) -> None:
+        """Follow the job into ``generation``: the hang timeout counts from now for every rank."""
+        self.generation = generation
+        now = time.monotonic()
+        for beats in self._beats.values():
+            beats.changed = now
 
     def _check_stop(self) -> None:
         if self.store.check([keys.STOP]):
@@ -253,7 +261,7 @@ class Supervisor:
             described.append((f"rank {rank.rank} (pid {rank.process.pid if rank.process else None}) {cause} "
                               f"{where}", f"(restart {spent} of {self.spec.max_restarts})"))
         # compare_set: when another supervisor raised it at the same moment (another rank failed), keep theirs
-        self.generation = int(self.store.compare_set(keys.GENERATION, str(failed_in), str(failed_in + 1)))
+        self._enter_generation(int(self.store.compare_set(keys.GENERATION, str(failed_in), str(failed_in + 1))))
         for what, budget in described:
             log.warning("%s; restarting it alone in generation %d%s %s", what, self.generation,
                         f" in {delay:g} s" if delay else "", budget)
@@ -297,7 +305,8 @@ class Supervisor:
         silent: list[tuple[int, float, int]] = []  # (progress, last change, rank)
         for rank, seen in self._beats.items():
             generation, progress = seen.value[:2]
-            if generation == self.generation and progress > 0 and now - seen.changed > self.spec.hang_timeout_s:
+            # an older generation counts too: a rank stuck in a generation that moved on never beats in the new one
+            if generation <= self.generation and progress > 0 and now - seen.changed > self.spec.hang_timeout_s:
                 silent.append((progress, seen.changed, rank))
         if not silent:
             return

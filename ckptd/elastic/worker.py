@@ -79,6 +79,8 @@ class WorkerEnvironment:
     store_port: int
     generation: int
     restart_count: int
+    #: The supervisor's hang timeout (0: none).
+    hang_timeout_s: float = 0.0
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> WorkerEnvironment:
@@ -92,7 +94,8 @@ class WorkerEnvironment:
             return cls(rank=int(env["RANK"]), world_size=int(env["WORLD_SIZE"]), local_rank=int(env["LOCAL_RANK"]),
                        local_world_size=int(env["LOCAL_WORLD_SIZE"]), node_rank=int(env.get("GROUP_RANK", "0")),
                        store_host=host, store_port=int(port), generation=int(env[keys.ENV_GENERATION]),
-                       restart_count=int(env.get(keys.ENV_RESTART_COUNT, "0")))
+                       restart_count=int(env.get(keys.ENV_RESTART_COUNT, "0")),
+                       hang_timeout_s=float(env.get(keys.ENV_HANG_TIMEOUT, "0")))
         except (KeyError, ValueError) as exc:
             raise ConfigError(f"the launcher's environment is incomplete or malformed: {exc!r}",
                               hint="start the script with `ckptd launch`") from exc
@@ -335,7 +338,11 @@ def _caused_by_peer(error: BaseException, view: GenerationStore) -> bool:
     return False
 
 
-def _next_generation(store: Any, after: int, rank: int) -> int:
+def _next_generation(store: Any, after: int, rank: int, *, beat: Callable[[], None], hang_timeout_s: float) -> int:
+    """The generation after ``after``, once the supervisor starts it. The rank beats while it waits, so that
+    the supervisor takes the silent peer, not this rank, for the hung one; and it waits out the supervisor's
+    hang timeout too (a collective with a hung peer can time out long before the peer is found)."""
+
     def newer() -> int | None:
         if store.check([keys.STOP]):
             raise GenerationEndedError(f"rank {rank}: the job is stopping: {store.get(keys.STOP).decode()}")
@@ -343,7 +350,7 @@ def _next_generation(store: Any, after: int, rank: int) -> int:
         return current if current > after else None
 
     return wait_for(newer, what=f"rank {rank}: the supervisor's generation after {after}",
-                    timeout_s=settings().elastic_rejoin_timeout_s, poll_s=0.01,
+                    timeout_s=settings().elastic_rejoin_timeout_s + hang_timeout_s, on_poll=beat, poll_s=0.01,
                     hint="the supervisor replaces a failed rank and raises the generation; is it running?")
 
 
@@ -390,7 +397,8 @@ def run(train_fn: Callable[[WorkerContext], T], *, backend: str = "gloo") -> T:
             view.end(f"rank {env.rank} left it")
             managers.leave(env.rank, generation)
             _destroy_group()
-            generation = _next_generation(store, generation, env.rank)
+            generation = _next_generation(store, generation, env.rank, beat=heart.touch,
+                                          hang_timeout_s=env.hang_timeout_s)
             rejoined += 1
         finally:
             watcher.stop()
