@@ -160,6 +160,13 @@ def test_uploads_ask_the_store_for_a_crc32_of_the_whole_object(s3_bucket, s3_opt
 
 # --- end to end: restore falls back, verify --repair mends, every remote step verifies ---------------------
 
+@pytest.fixture
+def cli_credentials(monkeypatch):
+    """The credentials moto accepts, where the CLI and a fresh manager look for them."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+
+
 def _run_states() -> dict[int, dict[str, torch.Tensor]]:
     """A frozen tensor shared by every step, an adapter that changes at step 2 and then stays (its chunk
     is shared by steps 2 and 3), and a small trained tensor that changes every step."""
@@ -191,9 +198,7 @@ def _restore_fresh(directory, remote, s3_options, like):
 
 
 def test_a_bad_shared_chunk_is_recorded_by_restore_and_mended_by_verify_repair(tmp_path, s3_server, s3_bucket,
-                                                                                s3_options, monkeypatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+                                                                                s3_options, cli_credentials):
     states = _run_states()
     local = save_local(tmp_path / "local", states, chunk_bytes=_BIG_CHUNK)
     remote = object_tier(s3_bucket, s3_options)
@@ -235,9 +240,7 @@ def test_a_bad_shared_chunk_is_recorded_by_restore_and_mended_by_verify_repair(t
         remote.close()
 
 
-def test_a_bad_pack_is_mended_whole_from_the_local_copy(tmp_path, s3_server, s3_bucket, s3_options, monkeypatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+def test_a_bad_pack_is_mended_whole_from_the_local_copy(tmp_path, s3_server, s3_bucket, s3_options, cli_credentials):
     states = _run_states()
     local = save_local(tmp_path / "local", states, chunk_bytes=_BIG_CHUNK, pack_below_bytes=1024 * 1024)
     remote = object_tier(s3_bucket, s3_options)
@@ -263,11 +266,9 @@ def _flip_object_byte(server, bucket: str, key: str) -> None:
     client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
 
 
-def test_the_next_promotion_uploads_a_bad_chunk_again(tmp_path, s3_server, s3_bucket, s3_options, monkeypatch):
+def test_the_next_promotion_uploads_a_bad_chunk_again(tmp_path, s3_server, s3_bucket, s3_options, cli_credentials):
     """Through the promoter's wiring: ``Promoter.promote`` decides what to upload with
     :func:`ckptd.promotion.dedup.chunks_to_upload` and calls :func:`~ckptd.promotion.dedup.mark_uploaded`."""
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     states = _run_states()
     local = save_local(tmp_path / "local", states, chunk_bytes=_BIG_CHUNK)
     remote = object_tier(s3_bucket, s3_options)
