@@ -16,17 +16,43 @@ next step trains on (:mod:`ckptd.data.position`), so loops that fetch ahead resu
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ckptd.data.cache import ShardCache
-from ckptd.data.collate import list_batch, next_token_split, tensor_batch
-from ckptd.data.dataset import RankBatch, ShardDataset
 from ckptd.data.fetch import VerifiedFetcher
 from ckptd.data.indexer import IndexResult, index_dataset
-from ckptd.data.loader import LoaderState, ShardLoader
 from ckptd.data.manifest import DatasetManifest, ShardRecord, load_dataset_manifest, save_dataset_manifest
 from ckptd.data.order import EpochOrder, RankSchedule
 from ckptd.data.position import StepConvention
 from ckptd.data.reader_api import OpenShard, ShardLayout, ShardReader
 from ckptd.data.registry import available_formats, make_reader, reader_class, register_reader
+
+if TYPE_CHECKING:
+    from ckptd.data.collate import list_batch, next_token_split, tensor_batch
+    from ckptd.data.dataset import RankBatch, ShardDataset
+    from ckptd.data.loader import LoaderState, ShardLoader
+
+#: Names that need torch, and their modules: imported on first use (PEP 562), so that indexing
+#: (``ckptd data index``) and manifest tools start without torch.
+_LAZY: dict[str, str] = {
+    "list_batch": "ckptd.data.collate", "next_token_split": "ckptd.data.collate",
+    "tensor_batch": "ckptd.data.collate", "RankBatch": "ckptd.data.dataset", "ShardDataset": "ckptd.data.dataset",
+    "LoaderState": "ckptd.data.loader", "ShardLoader": "ckptd.data.loader",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     "DatasetManifest",
