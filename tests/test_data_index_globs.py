@@ -4,6 +4,8 @@ splits, a single file, and the help that documents every format option."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -136,3 +138,10 @@ def test_help_documents_every_format_option() -> None:
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     for needed in ("--include", "--exclude", "seq_len", "block_size + 1", "split_targets"):
         assert needed in readme, needed
+
+
+def test_indexing_does_not_import_torch() -> None:
+    code = ("import sys, ckptd.cli.data_cmd, ckptd.data.indexer, ckptd.data; "
+            "assert 'torch' not in sys.modules, 'torch imported'; "
+            "from ckptd.data import ShardLoader; assert 'torch' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
