@@ -24,9 +24,17 @@ once a step is promoted, older steps whose promotion failed are released the sam
 path waits for the uploader: :meth:`~BackgroundUploader.on_commit` links the step's files into the pin
 directory without an fsync (the uploader thread makes the pin durable before it promotes). Pins are capped
 (:class:`~ckptd.promotion.pinning.PinCap`, settings ``pin_max_steps``/``pin_max_bytes``): past the cap the
-oldest unpromoted pins are released with a warning naming how far the object tier is behind. With several
-ranks each rank decides alone, so steps are superseded only when ``world_size == 1`` (a rank that dropped
-a step rank 0 still promotes would make rank 0 wait for its share); the pin cap applies on every rank.
+oldest unpromoted pins are released with a warning naming how far the object tier is behind.
+
+Several ranks (a :class:`~ckptd.promotion.schedule.PromotionSchedule`, see :meth:`~BackgroundUploader.use_schedule`):
+rank 0 decides as a single process does and announces each step it promotes before it starts; every other
+rank promotes its share of exactly the announced steps, in order, and releases its pins of the steps older
+than an announced one that were never announced. A rank waits for each decision at most
+``CKPTD_COMMIT_TIMEOUT_S`` (rank 0 waits as long for the other ranks' shares), logging while it waits. Rank 0
+announces when it closes; the other ranks' ``close`` finishes what was announced, within its deadline. The
+pin cap applies on every rank, never to a step announced and not yet promoted by this rank. Without a
+schedule each rank decides alone and nothing is superseded (a rank that dropped a step rank 0 still
+promotes would make rank 0 wait for its share).
 :attr:`~BackgroundUploader.lag` says how far the object tier is behind, without any I/O.
 
 The node daemon reuses this class with its own queue of steps.
@@ -41,7 +49,7 @@ from collections import deque
 
 from ckptd.background import BackgroundWorker, FailureRecord, raise_failures
 from ckptd.config import settings
-from ckptd.errors import CkptdError, StillRunningError, StorageError, UnpromotedError
+from ckptd.errors import CkptdError, DeadlineError, StillRunningError, StorageError, UnpromotedError
 from ckptd.format.layout import MANIFEST_NAME, rank_files, rank_index_name
 from ckptd.stepio.rank_writer import lower_thread_priority
 from ckptd.stepio.step_reader import load_step_manifest
@@ -50,6 +58,7 @@ from ckptd.promotion.gc import collect_garbage
 from ckptd.promotion.lag import PromotionLag, lag_between, promotion_lag
 from ckptd.promotion.pinning import PinCap, PinnedSteps, pins_over_cap
 from ckptd.promotion.promoter import Promoter, PromotionReport
+from ckptd.promotion.schedule import Decision, PromotionSchedule
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
 
@@ -59,17 +68,24 @@ _UPLOADER_EXTRA_NICE = 5
 #: How many superseded or released step numbers an uploader remembers (for logs, close and tests).
 _KEPT_STEP_NUMBERS = 4096
 _RESUME_HINT = "the local copies stay pinned; promotion resumes when a manager or `ckptd promote` starts again"
+#: How long a multi-rank uploader's first promotion waits for :meth:`BackgroundUploader.use_schedule`.
+_SCHEDULE_GRACE_S = 10.0
+#: A rank following rank 0 looks for the next decision this often, and logs its wait this often.
+_DECISION_POLL_S = 0.5
+_DECISION_LOG_S = 10.0
 
 
 class BackgroundUploader:
     """Promotes steps of ``local`` to ``remote`` on a background thread (see the module docstring).
 
-    With ``world_size > 1`` each rank promotes its own share and rank 0 commits the step. When
-    ``policy.remote_every_steps`` is None every saved step is promoted.
+    With ``world_size > 1`` each rank promotes its own share and rank 0 commits the step; with a
+    ``schedule`` rank 0 decides which steps (see :meth:`use_schedule`). When ``policy.remote_every_steps``
+    is None every saved step is promoted.
     """
 
     def __init__(self, local: LocalTier, remote: ObjectTier, *, policy: Policy, rank: int = 0,
-                 world_size: int = 1, pin_cap: PinCap | None = None) -> None:
+                 world_size: int = 1, pin_cap: PinCap | None = None,
+                 schedule: PromotionSchedule | None = None) -> None:
         self.local, self.remote, self.policy = local, remote, policy
         self.rank, self.world_size = rank, world_size
         self.pins = PinnedSteps(local)
@@ -96,11 +112,39 @@ class BackgroundUploader:
         self._collection_due = False
         self._closing = False
         self._lock = threading.Lock()
+        self.schedule = schedule
+        self._schedule_known = threading.Event()
+        if schedule is not None or world_size == 1:
+            self._schedule_known.set()
+        #: Rank 0: the newest step announced. Other ranks: decisions read and not yet acted on, the index of
+        #: the last one read, and the newest announced step.
+        self._last_announced: int | None = None
+        self._decisions: deque[Decision] = deque()
+        self._decision_index = 0
+        self._fetch_lock = threading.Lock()
+        self._close_deadline: float | None = None
         self._worker: BackgroundWorker[int] = BackgroundWorker(
             "ckptd-uploader", self._promote, describe=self._describe, failures=self._failed,
             step_of=lambda step: step, on_start=self._start, on_idle=self._collect_if_due)
 
     # --- called from the training thread --------------------------------------------------------
+    def use_schedule(self, schedule: PromotionSchedule | None) -> None:
+        """With several ranks: decide through ``schedule`` (rank 0 announces, the others follow; None:
+        every rank decides alone, nothing superseded). Call it right after construction, before the first
+        commit: a multi-rank uploader's first promotion waits for it (at most 10 s)."""
+        self.schedule = schedule
+        self._schedule_known.set()
+
+    @property
+    def decides(self) -> bool:
+        """Whether this uploader picks the steps to promote (one rank, or rank 0 with a schedule)."""
+        return self.world_size == 1 or (self.schedule is not None and self.rank == 0)
+
+    @property
+    def follows(self) -> bool:
+        """Whether this uploader promotes the steps rank 0 announces (a rank > 0 with a schedule)."""
+        return self.world_size > 1 and self.schedule is not None and self.rank != 0
+
     def wants(self, step: int) -> bool:
         """Whether the policy promotes this step."""
         return self.policy.promotes(step)
@@ -114,7 +158,7 @@ class BackgroundUploader:
                 self._local_newest = (step, now)
             self._commit_times[step] = now
         if self.wants(step):
-            self.submit(step, supersede=self.world_size == 1)
+            self.submit(step, supersede=self.decides)
         self._log_lag_growth()
 
     def submit(self, step: int, *, supersede: bool = False) -> None:
@@ -196,6 +240,16 @@ class BackgroundUploader:
             return sorted(self._unpromoted)
 
     @property
+    def announced_pending(self) -> list[int]:
+        """A rank following rank 0: the announced steps it read and has not promoted yet, the one it promotes
+        included (what the object tier still waits for from this rank)."""
+        with self._lock:
+            pending = self._announced_pending()
+            if self._current is not None:
+                pending.add(self._current)
+        return sorted(pending)
+
+    @property
     def running(self) -> bool:
         """Whether the uploader thread still runs (after a :meth:`close` that gave up, it may)."""
         return self._worker.alive
@@ -224,8 +278,12 @@ class BackgroundUploader:
         later ``close`` waits for it again). Other kept failures are raised as :meth:`wait` does."""
         timeout_s = settings().close_timeout_s if timeout_s is None else timeout_s
         self._closing = True
+        self._close_deadline = time.monotonic() + timeout_s
         try:
-            self._worker.close(timeout_s, what=f"uploads to {self.remote.label}")
+            try:
+                self._worker.close(timeout_s, what=f"uploads to {self.remote.label}")
+            finally:
+                self._announce_closing()
         except StillRunningError as error:
             for step in self._worker.drop_queued():
                 self._forget_queued(step)
@@ -243,6 +301,15 @@ class BackgroundUploader:
                                   tier=self.remote.label,
                                   hint=_RESUME_HINT) from (records[0].error if records else None)
         raise_failures(records)
+
+    def _announce_closing(self) -> None:
+        """Rank 0 with a schedule: tell the other ranks that no decision follows."""
+        if self.schedule is None or self.world_size == 1 or self.rank != 0:
+            return
+        try:
+            self.schedule.announce_closing()
+        except CkptdError as error:
+            log.warning("could not tell the other ranks that rank 0's uploader closes: %s", error)
 
     def _failures_in_words(self) -> str:
         """Every step whose promotion failed and was not promoted since, with its error (for close)."""
@@ -298,14 +365,27 @@ class BackgroundUploader:
         if len(pinned) <= 1:
             return
         held = {step: self.pins.held_bytes(step) if self.pin_cap.max_bytes else 0 for step in pinned}
-        over = pins_over_cap(held, self.pin_cap, keep=() if current is None else (current,))
         with self._lock:
-            over = [step for step in over if step in self._unpromoted and step != self._current]
+            keep = self._announced_pending() | ({current} if current is not None else set())
+        over = pins_over_cap(held, self.pin_cap, keep=keep)
+        if over and self.follows:
+            try:  # learn the steps rank 0 announced meanwhile: they are kept
+                self._read_decisions(0.0)
+            except CkptdError as error:
+                log.debug("could not read rank 0's promotion decisions: %s", error)
+        with self._lock:
+            announced = self._announced_pending()
+            over = [step for step in over
+                    if step in self._unpromoted and step != self._current and step not in announced]
             self._withdraw(over)
             self.released.extend(over)
         if not over:
             return
         self._release_pins(over)
+        if self.follows:  # rank 0, which decides, warns of the lag; these steps were not announced (yet)
+            log.info("pins capped at %d step(s): rank %d released the pins of step(s) %s, which rank 0 has not "
+                     "announced", self.pin_cap.max_steps, self.rank, ", ".join(map(str, over)))
+            return
         lag = self.lag
         log.warning("pins capped at %d step(s) / %s: released the local pins of step(s) %s, which will not "
                     "reach %s; %s", self.pin_cap.max_steps,
@@ -329,13 +409,20 @@ class BackgroundUploader:
 
     def _promote(self, step: int) -> None:
         """Uploader thread: promote one step (its failure is kept by the worker, see :meth:`_failed`); a
-        step superseded or released while queued is skipped."""
-        with self._lock:
-            self._queued.discard(step)
-            if step not in self._unpromoted:
+        step superseded or released while queued is skipped. With a schedule rank 0 announces the step
+        first, and the other ranks promote it only once rank 0 announced it."""
+        if self.world_size > 1 and not self._schedule_known.is_set():
+            self._schedule_known.wait(_SCHEDULE_GRACE_S)
+        if self.follows:
+            if not self._await_decision(step):
                 return
-            self._current = step
+        elif not self._start_deciding(step):
+            return
         try:
+            if self.world_size > 1 and self.decides:
+                assert self.schedule is not None
+                self.schedule.announce(step)
+                self._last_announced = step
             self.pins.make_durable(step)
             ranks = None if self.world_size == 1 else [self.rank]
             report = self.promoter.promote(step, ranks=ranks)
@@ -352,7 +439,7 @@ class BackgroundUploader:
                     self._remote_newest = (step, created)
                 older = sorted(failed for failed in self._unpromoted
                                if failed < step and failed not in self._queued and self.policy.may_supersede(failed))
-                if self.world_size == 1:
+                if self.decides or self.follows:
                     self._withdraw(older)
                     self.superseded.extend(older)
                 else:
@@ -365,6 +452,96 @@ class BackgroundUploader:
         finally:
             with self._lock:
                 self._current = None
+
+    def _start_deciding(self, step: int) -> bool:
+        """Uploader thread, one rank or rank 0: whether ``step`` is still to be promoted (it becomes the
+        current one). Rank 0 announces steps in ascending order: one not newer than the last announced is
+        superseded by it."""
+        with self._lock:
+            self._queued.discard(step)
+            if step not in self._unpromoted:
+                return False
+            stale = self.world_size > 1 and self._last_announced is not None and step <= self._last_announced
+            if stale:
+                self._withdraw([step])
+                self.superseded.append(step)
+            else:
+                self._current = step
+        if stale:
+            log.info("step %d is older than step %d, announced already: it is not promoted", step,
+                     self._last_announced)
+            self._release_pins([step])
+        return not stale
+
+    def _await_decision(self, step: int) -> bool:
+        """Uploader thread, a rank following rank 0: wait for rank 0's decision about ``step``. True (and
+        ``step`` is the current one) when rank 0 announced it; a newer step announced first means rank 0
+        never promotes this one: its pin is released. Waits at most ``CKPTD_COMMIT_TIMEOUT_S``
+        (DeadlineError; the step stays pinned), or until shortly before the deadline of :meth:`close`."""
+        with self._lock:
+            self._queued.discard(step)
+        started = logged = time.monotonic()
+        limit = settings().commit_timeout_s
+        while True:
+            with self._lock:
+                if step not in self._unpromoted:  # released by the pin cap while it waited
+                    return False
+                while self._decisions and not self._decisions[0].closing and self._decisions[0].step < step:
+                    passed = self._decisions.popleft()
+                    if passed.step in self._unpromoted:
+                        log.warning("rank 0 announced step %d after rank %d stopped waiting for it: this rank's "
+                                    "share is not promoted", passed.step, self.rank)
+                head = self._decisions[0] if self._decisions else None
+                if head is not None and head.step == step:
+                    self._decisions.popleft()
+                    self._current = step
+                    return True
+                if head is not None and not head.closing:
+                    self._withdraw([step])
+                    self.superseded.append(step)
+            if head is not None:
+                if head.closing:
+                    log.info("rank 0's uploader closed without announcing step %d: rank %d keeps it pinned", step,
+                             self.rank)
+                else:
+                    log.info("rank 0 promotes step %d: step %d, never announced, is not promoted", head.step, step)
+                    self._release_pins([step])
+                return False
+            now = time.monotonic()
+            if self._close_deadline is not None and now >= self._close_deadline - 2 * _DECISION_POLL_S:
+                log.warning("rank %d closes before rank 0 decided about step %d: it stays pinned", self.rank, step)
+                return False
+            if now - started >= limit:
+                raise DeadlineError(f"rank {self.rank} waited {limit:g} s for rank 0's promotion decision about "
+                                    "this step; its share was not promoted", step=step, tier=self.remote.label,
+                                    hint="rank 0's uploader may be stuck or dead (CKPTD_COMMIT_TIMEOUT_S bounds "
+                                    "the wait); " + _RESUME_HINT)
+            if now - logged >= _DECISION_LOG_S:
+                logged = now
+                log.info("rank %d waits for rank 0's promotion decision about step %d (%.0f s so far)", self.rank,
+                         step, now - started)
+            self._read_decisions(min(_DECISION_POLL_S, max(0.0, started + limit - now)))
+
+    def _read_decisions(self, timeout_s: float) -> None:
+        """A rank following rank 0: read the decisions announced since the last read, waiting at most
+        ``timeout_s`` seconds for the first of them."""
+        assert self.schedule is not None
+        with self._fetch_lock:
+            wait = timeout_s
+            while True:
+                decision = self.schedule.next_decision(self._decision_index, wait)
+                if decision is None:
+                    return
+                with self._lock:
+                    self._decisions.append(decision)
+                    self._decision_index = decision.index
+                if decision.closing:
+                    return
+                wait = 0.0
+
+    def _announced_pending(self) -> set[int]:
+        """Under the lock: the steps rank 0 announced that this rank has read and not yet acted on."""
+        return {decision.step for decision in self._decisions if decision.step is not None}
 
     def _failed(self, step: int, error: BaseException) -> list[FailureRecord]:
         """Uploader thread: log a failed promotion and keep it; while closing, a tier that fails drops the

@@ -1,0 +1,82 @@
+"""Rank 0's promotion decisions through the job's c10d store (a
+:class:`~ckptd.promotion.schedule.PromotionSchedule`).
+
+Decision ``k`` is the key ``<coordinator prefix>/promotion/<k>``, holding the step number or ``closed``.
+The keys live under the :class:`~ckptd.manager.commit.StoreCoordinator`'s generation prefix, so a
+decision of an earlier incarnation of the job is never read as one of this incarnation. When the
+coordinator joins a new generation (an in-process restart), the numbering of keys starts again at 1 while
+the indices the uploader sees keep growing.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+from ckptd.errors import CommitError
+from ckptd.manager.commit import StoreCoordinator
+from ckptd.promotion.schedule import Decision
+
+#: The value of the decision that says rank 0's uploader closed.
+CLOSED = "closed"
+
+
+class StorePromotionSchedule:
+    """:class:`~ckptd.promotion.schedule.PromotionSchedule` over a coordinator's store (thread-safe)."""
+
+    def __init__(self, coordinator: StoreCoordinator) -> None:
+        self.coordinator = coordinator
+        self._lock = threading.Lock()
+        self._announced = 0
+        self._generation = coordinator.generation
+        #: Indices of earlier generations: decision ``index`` of this generation is key ``index - offset``.
+        self._offset = 0
+
+    def announce(self, step: int) -> int:
+        with self._lock:
+            self._follow_generation(self._announced)
+            self._announced += 1
+            self._set(self._announced, str(step))
+            return self._announced
+
+    def announce_closing(self) -> None:
+        with self._lock:
+            self._follow_generation(self._announced)
+            self._set(self._announced + 1, CLOSED)
+
+    def next_decision(self, after_index: int, timeout_s: float) -> Decision | None:
+        with self._lock:
+            self._follow_generation(after_index)
+            index = after_index + 1
+            key = self._key(index)
+        store = self.coordinator.store
+        try:
+            if timeout_s > 0:
+                try:
+                    store.wait([key], timedelta(seconds=timeout_s))
+                except Exception:  # noqa: BLE001 - c10d raises a plain RuntimeError/DistStoreError on timeout
+                    pass
+            if not store.check([key]):
+                return None
+            value = store.get(key).decode()
+        except Exception as exc:  # noqa: BLE001 - the store went away (rank 0, its host, has exited)
+            raise CommitError(f"could not read rank 0's promotion decision {index} from the job's store: {exc}",
+                              hint="rank 0 may have exited or died; its steps stay pinned and are promoted at "
+                              "the next start") from exc
+        return Decision(index, None if value == CLOSED else int(value))
+
+    def _follow_generation(self, last_index: int) -> None:
+        """Under the lock: after a new generation, number this generation's keys from 1 again."""
+        if self.coordinator.generation != self._generation:
+            self._generation = self.coordinator.generation
+            self._offset = last_index
+
+    def _key(self, index: int) -> str:
+        return f"{self.coordinator.prefix}/promotion/{index - self._offset}"
+
+    def _set(self, index: int, value: str) -> None:
+        try:
+            self.coordinator.store.set(self._key(index), value)
+        except Exception as exc:  # noqa: BLE001 - c10d store errors are plain RuntimeErrors
+            raise CommitError(f"could not announce promotion decision {index} ({value}) in the job's store: {exc}",
+                              hint="the job's store (hosted by rank 0) is unreachable") from exc

@@ -1,0 +1,112 @@
+"""Promotion at training cadence with several ranks: two real gloo ranks, each with its own local root
+(node-local directories), save every step faster than a slow object store (a proxy that delays every
+request to moto's server) takes them. Rank 0 decides which steps are promoted and announces them through
+the job's store; rank 1 promotes its share of exactly those steps. Steps are superseded on both ranks,
+the object tier never owes more than one step in flight and one queued on either rank, every remote step
+holds both ranks' shares and verifies, the newest step is promoted, both ranks' close() return within
+their deadline, and a restore from the object tier alone gives back the saved bytes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptd
+from ckptd.format.layout import step_file
+from ckptd.promotion.pinning import PIN_DIRECTORY, PinCap
+from ckptd.stepio.step_reader import verify_step
+from ckptd.testing import run_multirank
+from ckptd.tiers.local import LocalTier
+from test_multirank_manager import _rank_state, _tensor_bytes
+from test_promotion_cadence import DelayingProxy
+from test_promotion_support import object_tier
+
+pytestmark = [pytest.mark.multirank, pytest.mark.s3]
+STEPS = 24
+CLOSE_TIMEOUT_S = 60.0
+POLICY = ckptd.Policy(keep_local=2, remote_every_steps=1)
+
+
+def _train(rank: int, world_size: int, base: str, url: str, options: dict[str, Any]) -> dict[str, Any]:
+    state = _rank_state(rank)
+    local = Path(base) / f"node{rank}"
+    samples: list[dict[str, Any]] = []
+    manager = ckptd.CheckpointManager(local, remote=url, storage_options=options, policy=POLICY,
+                                      capture_rng=False)
+    uploader = manager.uploader
+    assert uploader is not None and (uploader.decides if rank == 0 else uploader.follows)
+    for step in range(1, STEPS + 1):
+        with torch.no_grad():
+            for parameter in state["model"].parameters():
+                parameter.add_(0.25 * (rank + 1))
+        state["buffer"].add_(step)
+        state["step_info"] = {"rank": rank, "step": step}
+        assert manager.save(step, state)
+        manager.wait()  # committed locally: the uploader has it
+        samples.append({"step": step, "unpromoted": uploader.unpromoted,
+                        "announced": uploader.announced_pending,
+                        "pinned": LocalTier(local / PIN_DIRECTORY).list_step_numbers()})
+        time.sleep(0.03)
+    expected = _tensor_bytes(state)
+    manager.wait_uploads()
+    promoted = [report.step for report in manager.upload_reports]
+    superseded, released = list(uploader.superseded), list(uploader.released)
+    started = time.monotonic()
+    manager.close(timeout_s=CLOSE_TIMEOUT_S)
+    closed_in = time.monotonic() - started
+    return {"expected": expected, "promoted": promoted, "superseded": superseded, "released": released,
+            "samples": samples,
+            "closed_in": closed_in, "running": uploader.running,
+            "pins_left": LocalTier(local / PIN_DIRECTORY).list_step_numbers()}
+
+
+def _restore(rank: int, world_size: int, base: str, url: str, options: dict[str, Any]) -> dict[str, Any]:
+    fresh = _rank_state(world_size + 11)
+    fresh["step_info"] = {}
+    with ckptd.CheckpointManager(Path(base) / f"empty{rank}", remote=url, storage_options=options,
+                                 policy=POLICY, capture_rng=False) as manager:
+        step = manager.restore(fresh)
+        tier = manager.last_restore.tier if manager.last_restore else None
+    return {"step": step, "tier": tier, "values": _tensor_bytes(fresh), "info": fresh["step_info"]}
+
+
+def test_two_ranks_supersede_together_and_keep_pace(tmp_path: Path, s3_server, s3_bucket) -> None:
+    url = f"s3://{s3_bucket}/cadence"
+    direct = object_tier(s3_bucket, s3_server.storage_options, prefix="cadence")  # behind the proxy's back
+    cap = PinCap.from_settings()
+    with DelayingProxy(s3_server.endpoint_url, delay_s=0.05) as proxy:
+        options = proxy.storage_options(s3_server.storage_options)
+        results = run_multirank(_train, 2, str(tmp_path), url, options, timeout_s=240)
+
+    for rank, result in enumerate(results):
+        assert result["superseded"], f"rank {rank}: steps commit faster than they upload, some must be superseded"
+        assert result["promoted"][-1] == STEPS, f"rank {rank}: the newest step is promoted in the end"
+        dropped = set(result["superseded"]) | set(result["released"])  # rank 1's pin cap releases unannounced steps
+        assert sorted(set(result["promoted"]) | dropped) == list(range(1, STEPS + 1)), rank
+        assert not set(result["promoted"]) & dropped, rank
+        assert not result["running"] and result["closed_in"] <= CLOSE_TIMEOUT_S, rank
+        assert result["pins_left"] == [], f"rank {rank}: every pin is released once the newest step is promoted"
+        for sample in result["samples"]:
+            assert len(sample["pinned"]) <= cap.max_steps, (rank, sample)
+            assert len(sample["announced"]) <= 2, (rank, sample)
+    for sample in results[0]["samples"]:  # rank 0 decides: one step in flight, one queued
+        assert len(sample["unpromoted"]) <= 2, sample
+    assert results[1]["promoted"] == results[0]["promoted"], "rank 1 promotes exactly the steps rank 0 announced"
+
+    committed = direct.committed_steps()
+    assert committed == results[0]["promoted"], "every step rank 0 promoted is committed on the object tier"
+    for step in committed:
+        assert list(verify_step(direct, step)) == [], f"remote step {step} does not verify"
+        for rank in (0, 1):
+            assert direct.exists(step_file(step, f"rank-{rank:05d}.promoted")), (step, rank)
+
+    restored = run_multirank(_restore, 2, str(tmp_path), url, s3_server.storage_options, timeout_s=180)
+    for rank in (0, 1):
+        got = restored[rank]
+        assert got["step"] == STEPS and got["tier"] is not None and got["tier"].startswith("object"), got["tier"]
+        assert got["values"] == results[rank]["expected"], f"rank {rank} restored other bytes than it saved"
+        assert got["info"] == {"rank": rank, "step": STEPS}
