@@ -6,7 +6,8 @@ in machine load hits every case alike; the best round of each case counts):
 1. promotion throughput with verification (every chunk re-hashed from the bytes sent, remote manifest
    last) against the better of s3fs's ``put`` and boto3's TransferManager uploading every data file of
    the step (the pack ``rank-00000.data`` and the parallel files ``.1.data``, ``.2.data``...: the same
-   bytes ckptd sends), all files at once, with ckptd's part size and concurrency;
+   bytes ckptd sends), all files at once, with ckptd's part size and concurrency, and boto3 once more
+   with one PUT per file (``_whole``: moto's multipart and ranged requests cost more than real S3's);
 2. restore from S3 into memory (``CheckpointManager.restore`` with an empty local tier, every chunk
    verified, into target tensors written before the timer as a model's parameters are) against the
    better of s3fs's ``cat`` and boto3's TransferManager downloading the same data files into memory,
@@ -56,6 +57,7 @@ from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
 
 MIB = 1024 * 1024
+_MAX_SINGLE_PUT = 5 * 1024 * MIB
 
 
 class _Case:
@@ -109,7 +111,7 @@ class _Bench:
         data_files = _data_files(local, 1)
         size = sum(path.stat().st_size for path in data_files)
         plain_fs = s3fs.S3FileSystem(**self.options, skip_instance_cache=True)
-        plain = _PlainBoto3(self.client)
+        plain, whole = _PlainBoto3(self.client), _PlainBoto3(self.client, whole_objects=True)
         source_bucket = self.bucket()
         plain.upload(data_files, source_bucket)
         plain_keys = [f"plain/{path.name}" for path in data_files]
@@ -159,8 +161,8 @@ class _Bench:
             if sum(len(data) for data in got.values()) != size:
                 raise RuntimeError("s3fs.cat returned other sizes")
 
-        def boto3_download(_: None) -> None:
-            if sum(len(data) for data in plain.download(source_bucket, plain_keys)) != size:
+        def boto3_download(client: _PlainBoto3) -> None:
+            if sum(len(data) for data in client.download(source_bucket, plain_keys)) != size:
                 raise RuntimeError("boto3 download returned other sizes")
 
         upload_cases = {
@@ -168,20 +170,23 @@ class _Bench:
                                       lambda tier: self.drop(tier.bucket)),
             "s3fs.put": _Case(s3fs_put, self.bucket, self.drop),
             "boto3.upload": _Case(lambda bucket: plain.upload(data_files, bucket), self.bucket, self.drop),
+            "boto3.upload_whole": _Case(lambda bucket: whole.upload(data_files, bucket), self.bucket, self.drop),
         }
         download_cases = {
             "restore_verified": _Case(restore, open_reader, close_reader),
             "s3fs.cat": _Case(s3fs_cat),
-            "boto3.download": _Case(boto3_download),
+            "boto3.download": _Case(boto3_download, lambda: plain),
+            "boto3.download_whole": _Case(boto3_download, lambda: whole),
         }
         upload = _best_of(repeats, upload_cases)
         download = _best_of(repeats, download_cases)
         plain.close()
+        whole.close()
         restore_remote.close()
         self.drop(source_bucket)
         gbps = {name: size / seconds / 1e9 for name, seconds in {**upload, **download}.items()}
-        best_put = max(gbps["s3fs.put"], gbps["boto3.upload"])
-        best_get = max(gbps["s3fs.cat"], gbps["boto3.download"])
+        best_put = max(value for name, value in gbps.items() if name.startswith(("s3fs.put", "boto3.upload")))
+        best_get = max(value for name, value in gbps.items() if name.startswith(("s3fs.cat", "boto3.download")))
         return {"bytes": size, "data_files": len(data_files), "GB_per_s": {k: round(v, 4) for k, v in gbps.items()},
                 "open_manager_s": round(min(opening), 3),
                 "promotion_vs_best_plain_upload": round(gbps["promote_verified"] / best_put, 3),
@@ -255,11 +260,16 @@ def _data_files(local: LocalTier, step: int) -> list[Path]:
 
 class _PlainBoto3:
     """boto3's managed transfers as a user would set them up: one TransferManager for all files, with
-    ckptd's part size and concurrency, so every file and every part of a file is in flight at once."""
+    ckptd's part size and concurrency, so every file and every part of a file is in flight at once.
 
-    def __init__(self, client: Any) -> None:
+    With ``whole_objects`` every file is one PUT and one GET (no multipart, no ranges). moto reads an
+    object whole for every ranged GET and copies the parts when it completes a multipart upload, costs
+    that real S3 does not have; the single requests spare boto3 those, so its better variant counts."""
+
+    def __init__(self, client: Any, *, whole_objects: bool = False) -> None:
         tuning = settings()
-        config = TransferConfig(multipart_threshold=tuning.s3_part_bytes, multipart_chunksize=tuning.s3_part_bytes,
+        threshold = _MAX_SINGLE_PUT if whole_objects else tuning.s3_part_bytes
+        config = TransferConfig(multipart_threshold=threshold, multipart_chunksize=tuning.s3_part_bytes,
                                 max_concurrency=tuning.s3_concurrency, use_threads=True)
         self.manager = create_transfer_manager(client, config)
 
