@@ -309,3 +309,23 @@ def test_gc_forgets_bad_records_of_the_objects_it_deletes(tmp_path, s3_bucket, s
         assert bad_chunk_paths(remote) == {shared}, "the record of a chunk still referenced is kept"
     finally:
         remote.close()
+
+
+def test_verify_repair_clears_the_record_of_an_object_that_verifies_now(tmp_path, s3_bucket, s3_options,
+                                                                        cli_credentials):
+    local = save_local(tmp_path / "local", _run_states(), chunk_bytes=_BIG_CHUNK, pack_below_bytes=1024 * 1024)
+    remote = object_tier(s3_bucket, s3_options)
+    try:
+        promote_step(local, remote, 2)
+        chunk = f"chunks/{_frozen_keys(read_step_contents(remote, 2))[0]}"
+        ((share, number),) = read_step_contents(remote, 2).packs()
+        pack = f"step-{2:012d}/{share.index.data_files[number].name}"
+        for path in (chunk, pack):  # e.g. a read that went bad on its way: the objects themselves are intact
+            report_bad_chunk(remote, path, step=2, reason="digest mismatch in transit")
+        outcome = _verify_cli(remote, s3_options, "--repair")
+        assert outcome.exit_code == 0, outcome.output
+        answer = json.loads(outcome.output)
+        assert sorted(answer["intact"]) == sorted([chunk, pack]) and answer["unrepairable"] == []
+        assert bad_chunk_paths(remote) == set(), "so later promotions trust them again"
+    finally:
+        remote.close()

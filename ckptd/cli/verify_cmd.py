@@ -94,11 +94,14 @@ def verify(path: str, step: int | None, repair: bool, sources: tuple[str, ...], 
         if report is not None:
             answer["repaired"] = list(report.repaired)
             answer["unrepairable"] = [{"path": path, "why": why} for path, why in report.unrepairable]
+            answer["intact"] = list(report.intact)
         print_json(answer)
     else:
         if report is not None:
             for repaired in report.repaired:
                 click.echo(f"REPAIRED {repaired}")
+            for intact in report.intact:
+                click.echo(f"INTACT {intact}: recorded bad, but it verifies now; record cleared")
             for bad, why in report.unrepairable:
                 click.echo(f"UNREPAIRABLE {bad}: {why}")
         for problem in problems:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ckptd.errors import CkptdError
 from ckptd.format.layout import parse_step_dir
-from ckptd.promotion.contents import (RankShare, StepContents, check_stored_chunk, read_step_contents,
+from ckptd.promotion.contents import (RankShare, StepContents, check_stored_chunk, pack_path, read_step_contents,
                                       read_stored_chunk, read_verified_pack, stored_chunk_path)
 from ckptd.promotion.pinning import PIN_DIRECTORY
 from ckptd.format.records import ChunkRecord
@@ -34,11 +34,13 @@ log = logging.getLogger("ckptd.repair")
 
 @dataclass(frozen=True)
 class RepairReport:
-    """What a repair mended, and what it could not (path and why)."""
+    """What a repair mended, what it found intact after all (its record cleared), and what it could not
+    mend (path and why)."""
 
     tier: str
     repaired: tuple[str, ...] = ()
     unrepairable: tuple[tuple[str, str], ...] = ()
+    intact: tuple[str, ...] = ()
 
 
 @dataclass
@@ -81,6 +83,26 @@ def _index_copies(sources: Sequence[StorageTier]) -> _Copies:
                     if data_file.packed:
                         copies.packs.setdefault((step, data_file.name), []).append((source, contents, share, number))
     return copies
+
+
+def _intact(remote: StorageTier, path: str, step: int | None, copies: _Copies) -> bool:
+    """Whether the recorded object at ``path`` now passes the check of a step on ``remote`` that holds
+    it: the record came from a read that went bad on its way (or from a promotion that stored the
+    object again but could not clear the record)."""
+    try:
+        if path.startswith(remote.chunk_path("")):
+            for source, share, chunk in copies.chunks.get(path[len(remote.chunk_path("")):], []):
+                if source is remote and stored_chunk_path(source, share, chunk) == path:
+                    read_stored_chunk(remote, share, chunk)
+                    return True
+        elif step is not None:
+            for source, _, share, number in copies.packs.get((step, path.rpartition("/")[2]), []):
+                if source is remote and pack_path(share, number) == path:
+                    read_verified_pack(remote, share, number)
+                    return True
+    except CkptdError:
+        return False
+    return False
 
 
 def _mend_chunk(remote: StorageTier, path: str, copies: _Copies) -> str | None:
@@ -128,16 +150,22 @@ def _mend_pack(remote: StorageTier, path: str, step: int, copies: _Copies) -> st
 
 def repair_objects(remote: StorageTier, paths: Iterable[str], sources: Sequence[StorageTier]) -> RepairReport:
     """Replace each bad object at ``paths`` on ``remote`` (chunks and packs) with an intact copy found on
-    ``sources`` (:func:`repair_sources`), and clear its bad record. Raises nothing for an object that
-    cannot be mended: the report names it and why."""
+    ``sources`` (:func:`repair_sources`), and clear its bad record. An object that passes its check on
+    ``remote`` now (when ``remote`` is among the sources) only has its record cleared. Raises nothing for
+    an object that cannot be mended: the report names it and why."""
     wanted = sorted(set(paths))
     if not wanted:
         return RepairReport(tier=remote.label)
     copies = _index_copies(sources)
-    repaired, unrepairable = [], []
+    repaired, unrepairable, intact = [], [], []
     for path in wanted:
         directory = path.partition("/")[0]
         step = parse_step_dir(directory)
+        if _intact(remote, path, step, copies):
+            clear_bad_chunk(remote, path)
+            log.info("%s on %s is intact: its bad record is cleared", path, remote.label)
+            intact.append(path)
+            continue
         if path.startswith(remote.chunk_path("")):
             why = _mend_chunk(remote, path, copies)
         elif step is not None:
@@ -149,7 +177,8 @@ def repair_objects(remote: StorageTier, paths: Iterable[str], sources: Sequence[
             repaired.append(path)
         else:
             unrepairable.append((path, why))
-    return RepairReport(tier=remote.label, repaired=tuple(repaired), unrepairable=tuple(unrepairable))
+    return RepairReport(tier=remote.label, repaired=tuple(repaired), unrepairable=tuple(unrepairable),
+                        intact=tuple(intact))
 
 
 __all__ = ["RepairReport", "repair_objects", "repair_sources"]
