@@ -163,7 +163,7 @@ def test_an_ended_generation_releases_its_waiters_and_refuses_writes() -> None:
 
     from ckptd.elastic import keys
     from ckptd.elastic.generation_store import GenerationStore
-    from ckptd.errors import GenerationEndedError
+    from ckptd.errors import DeadlineError, GenerationEndedError
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
     old, new = GenerationStore(store, 4), GenerationStore(store, 5)
@@ -188,6 +188,8 @@ def test_an_ended_generation_releases_its_waiters_and_refuses_writes() -> None:
     assert store.get(keys.in_generation(4, "round")) == b"a"
     new.set("round", "b")
     assert new.get("round") == b"b"
+    with pytest.raises(DeadlineError, match="absent of generation 5"):
+        new.wait(["absent"], timedelta(seconds=0.2))
 
 
 def test_a_crash_loop_stops_the_job_with_its_own_exit_code_after_backing_off(tmp_path: Path) -> None:

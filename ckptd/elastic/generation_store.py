@@ -12,14 +12,14 @@ into the new generation. Thread-safe: the training and writer threads share one 
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from ckptd.errors import DeadlineError, GenerationEndedError
+from ckptd.errors import GenerationEndedError
 from ckptd.elastic.keys import generation_prefix
+from ckptd.elastic.waiting import wait_for
 
 #: Longest pause between two looks at the keys a ``wait`` waits for.
 _POLL_S = 0.005
@@ -71,13 +71,7 @@ class GenerationStore:
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         """Return once every key exists; raise GenerationEndedError when the generation ends first, and
-        DeadlineError after ``timeout`` (default: the store's own timeout)."""
-        limit = (timeout or self.raw.timeout).total_seconds()
-        deadline = time.monotonic() + limit
-        delay = 0.0005
-        while not self.check(keys):
-            if time.monotonic() > deadline:
-                raise DeadlineError(f"store keys {keys} of generation {self.generation} did not appear within "
-                                    f"{limit:g} s")
-            self._ended.wait(delay)
-            delay = min(_POLL_S, delay * 2)
+        DeadlineError after ``timeout`` (default: the store's own timeout), logging while it waits."""
+        shown = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+        wait_for(lambda: self.check(keys), what=f"store key(s) {shown} of generation {self.generation}",
+                 timeout_s=(timeout or self.raw.timeout).total_seconds(), poll_s=_POLL_S)
