@@ -9,15 +9,23 @@ their deadline, and a restore from the object tier alone gives back the saved by
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.distributed import TCPStore
 
 import ckptd
+from ckptd.errors import UnpromotedError
 from ckptd.format.layout import step_file
+from ckptd.manager.commit import StoreCoordinator
+from ckptd.manager.promotion_schedule import StorePromotionSchedule
 from ckptd.promotion.pinning import PIN_DIRECTORY, PinCap
+from ckptd.promotion.schedule import Decision
+from ckptd.promotion.uploader import BackgroundUploader
 from ckptd.stepio.step_reader import verify_step
 from ckptd.testing import run_multirank
 from ckptd.tiers.local import LocalTier
@@ -110,3 +118,101 @@ def test_two_ranks_supersede_together_and_keep_pace(tmp_path: Path, s3_server, s
         assert got["step"] == STEPS and got["tier"] is not None and got["tier"].startswith("object"), got["tier"]
         assert got["values"] == results[rank]["expected"], f"rank {rank} restored other bytes than it saved"
         assert got["info"] == {"rank": rank, "step": STEPS}
+
+
+# --- the schedule over a real c10d store, and a following rank's uploader, in this process -------------
+def _coordinators(store_port: int) -> list[StoreCoordinator]:
+    """Rank 0's and rank 1's coordinators on one TCPStore (each joins from its own thread, as ranks do)."""
+    stores = [TCPStore("127.0.0.1", store_port, 2, False, timedelta(seconds=30)) for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(StoreCoordinator, stores[rank], rank, 2, timeout_s=20) for rank in (0, 1)]
+        return [future.result() for future in futures]
+
+
+def _rejoin(coordinators: list[StoreCoordinator]) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        for future in [pool.submit(coordinator.join) for coordinator in coordinators]:
+            future.result()
+
+
+@pytest.fixture
+def store_port() -> Any:
+    master = TCPStore("127.0.0.1", 0, 2, True, timedelta(seconds=30), wait_for_workers=False)
+    yield master.port
+    del master
+
+
+def test_store_schedule_sequence_closing_and_generations(store_port: int) -> None:
+    coordinators = _coordinators(store_port)
+    leader, follower = (StorePromotionSchedule(coordinator) for coordinator in coordinators)
+    assert follower.next_decision(0, 0.0) is None, "nothing announced yet"
+    assert follower.next_decision(0, 0.2) is None, "a wait that times out answers None"
+    assert leader.announce(3) == 1 and leader.announce(7) == 2
+    assert follower.next_decision(0, 1.0) == Decision(1, 3)
+    assert follower.next_decision(1, 1.0) == Decision(2, 7)
+    leader.announce_closing()
+    closing = follower.next_decision(2, 1.0)
+    assert closing == Decision(3, None) and closing is not None and closing.closing
+
+    _rejoin(coordinators)  # an in-process restart: keys of the old generation are not read again
+    assert follower.next_decision(2, 0.0) is None
+    assert leader.announce(9) == 3
+    assert follower.next_decision(2, 1.0) == Decision(3, 9)
+
+    fresh = _coordinators(store_port)  # a new incarnation of the job on the same store
+    assert StorePromotionSchedule(fresh[1]).next_decision(0, 0.0) is None, "an earlier incarnation's decision"
+
+
+def _save_local_steps(rank: int, world_size: int, base: str) -> dict[int, dict[str, bytes]]:
+    state = _rank_state(rank)
+    saved: dict[int, dict[str, bytes]] = {}
+    with ckptd.CheckpointManager(Path(base) / f"node{rank}", policy=ckptd.Policy(keep_local=None),
+                                 capture_rng=False) as manager:
+        for step in range(1, 7):
+            state["buffer"].add_(step)
+            assert manager.save(step, state)
+            saved[step] = _tensor_bytes(state)
+    return saved
+
+
+def test_following_rank_promotes_only_announced_steps(tmp_path: Path, store_port: int, s3_bucket: str,
+                                                      s3_options: dict[str, Any]) -> None:
+    run_multirank(_save_local_steps, 2, str(tmp_path), timeout_s=120)
+    leader, follower_schedule = (StorePromotionSchedule(c) for c in _coordinators(store_port))
+    local, remote = LocalTier(tmp_path / "node1"), object_tier(s3_bucket, s3_options, prefix="follow")
+    pins = LocalTier(tmp_path / "node1" / PIN_DIRECTORY)
+    uploader = BackgroundUploader(local, remote, policy=POLICY, rank=1, world_size=2, schedule=follower_schedule)
+    assert uploader.follows and not uploader.decides
+
+    def marker(step: int) -> str:
+        return step_file(step, "rank-00001.promoted")
+
+    for step in (1, 2, 3, 4):
+        uploader.on_commit(step)
+    assert leader.announce(3) == 1  # rank 0 superseded 1 and 2 and promotes 3
+    deadline = time.monotonic() + 30
+    while not remote.exists(marker(3)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert remote.exists(marker(3)), "rank 1 uploaded its share of the announced step"
+    assert not remote.exists(marker(1)) and not remote.exists(marker(2))
+    assert remote.committed_steps() == [], "only rank 0 commits a step"
+    assert sorted(uploader.superseded) == [1, 2] and uploader.unpromoted == [4]
+    assert pins.list_step_numbers() == [4], "the pins of the steps never announced are released"
+
+    # The pin cap never releases a step rank 0 announced and this rank has not uploaded yet.
+    uploader.pin_cap = PinCap(max_steps=1)
+    assert leader.announce(5) == 2
+    while 4 in uploader.unpromoted and time.monotonic() < deadline:
+        time.sleep(0.05)
+    uploader.on_commit(5)
+    uploader.on_commit(6)  # over the cap of 1: 5 is older than the newest, but announced
+    while not remote.exists(marker(5)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert remote.exists(marker(5)) and 5 not in uploader.released and 4 in uploader.superseded
+
+    # Rank 0 never decides about step 6: close() still returns by its deadline and names the step.
+    started = time.monotonic()
+    with pytest.raises(UnpromotedError) as raised:
+        uploader.close(timeout_s=3.0)
+    assert raised.value.steps == (6,) and time.monotonic() - started <= 3.0 + 2.0
+    assert not uploader.running and pins.list_step_numbers() == [6], "the undecided step stays pinned"

@@ -120,8 +120,9 @@ class CheckpointManager:
                 if self.world_size > 1:  # rank 0 decides which steps are promoted, the other ranks follow
                     from ckptd.manager.promotion_schedule import StorePromotionSchedule
 
-                    self._remote_sync.uploader.use_schedule(StorePromotionSchedule(self.coordinator)
-                                                            if isinstance(self.coordinator, StoreCoordinator) else None)
+                    schedule = (StorePromotionSchedule(self.coordinator)
+                                if isinstance(self.coordinator, StoreCoordinator) else None)
+                    self._remote_sync.uploader.use_schedule(schedule)
                 self._saver.on_commit.append(self._remote_sync.on_commit)
         except BaseException:  # nothing of a manager that failed to start may linger: thread, lock, tiers
             self._abandon_start()
