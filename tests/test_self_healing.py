@@ -329,3 +329,39 @@ def test_verify_repair_clears_the_record_of_an_object_that_verifies_now(tmp_path
         assert bad_chunk_paths(remote) == set(), "so later promotions trust them again"
     finally:
         remote.close()
+
+
+def test_a_chunk_stored_in_another_encoding_is_never_replaced(tmp_path, s3_server, s3_bucket, s3_options,
+                                                              cli_credentials):
+    """Another zstd level gives a frozen chunk another stored length under the same content address:
+    promoting the new step must not replace the object the older step reads (it fails instead), and a
+    repair takes no copy of the other length."""
+    from ckptd.errors import CommitError
+
+    frozen = (torch.arange(1024 * 1024) % 977).to(torch.float32)  # compressible: the level changes the length
+    saved = {}
+    for step, level in ((1, 1), (2, 19)):
+        with override(codec="zstd", zstd_level=level):
+            saved[step] = save_local(tmp_path / f"level-{level}", {step: {"frozen": frozen}}, chunk_bytes=_BIG_CHUNK)
+    remote = object_tier(s3_bucket, s3_options)
+    try:
+        promote_step(saved[1], remote, 1)
+        first = read_step_contents(remote, 1).unique_chunks()
+        second = read_step_contents(saved[2], 2).unique_chunks()
+        assert set(first) == set(second) and any(
+            first[key][1].length != second[key][1].length for key in first), "same addresses, other lengths"
+        before = {key: remote.read_bytes(remote.chunk_path(key)) for key in first}
+        with pytest.raises(CommitError, match="another encoding"):
+            promote_step(saved[2], remote, 2)
+        assert {key: remote.read_bytes(remote.chunk_path(key)) for key in first} == before
+        assert remote.committed_steps() == [1]
+
+        victim = next(key for key in first if first[key][1].length != second[key][1].length)
+        _tamper_same_size(s3_server, s3_bucket, victim)
+        outcome = _verify_cli(remote, s3_options, "--repair", "--from", str(tmp_path / "level-19"),
+                              "--from", str(tmp_path / "level-1"))
+        assert outcome.exit_code == 0, outcome.output
+        assert json.loads(outcome.output)["repaired"] == [f"chunks/{victim}"], "from the copy of step 1's length"
+        assert remote.read_bytes(remote.chunk_path(victim)) == before[victim]
+    finally:
+        remote.close()

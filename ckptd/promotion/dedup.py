@@ -3,7 +3,10 @@
 Dedup used to trust a stored chunk when its key and size matched, so one flipped object was inherited
 by every later step. Here a stored chunk is reused only when all of these hold:
 
-1. it is listed under ``chunks/`` with the recorded size (one LIST for the whole step);
+1. it is listed under ``chunks/`` with the recorded size (one LIST for the whole step). An object of
+   another size is bad, unless it decodes to the chunk's digest: then it is the same chunk in another
+   encoding (a zstd level or version other than this step's), which the older steps that reference it
+   read with its own length, so it is never replaced and the promotion fails with CommitError;
 2. it is not recorded as bad (:mod:`ckptd.tiers.chunk_health`; one LIST);
 3. the CRC32 the store kept since its upload (``ChecksumMode=ENABLED`` on a HEAD, no body transferred)
    equals the CRC32 of the intact local copy's stored bytes, which are read and checked against their
@@ -27,12 +30,12 @@ import logging
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ckptd.config import settings
-from ckptd.errors import NotFoundError
+from ckptd.errors import CommitError, IntegrityError, NotFoundError
 from ckptd.format.records import ChunkRecord
-from ckptd.promotion.contents import RankShare, read_stored_chunk
+from ckptd.promotion.contents import RankShare, check_stored_chunk, read_stored_chunk
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.chunk_health import bad_chunk_paths, clear_bad_chunk, report_bad_chunk
 from ckptd.tiers.object import ObjectTier
@@ -90,12 +93,29 @@ def _verdict(remote: ObjectTier, local: StorageTier, share: RankShare, chunk: Ch
         return False, "reading", len(stored)
 
 
+def _refuse_if_other_encoding(remote: ObjectTier, path: str, share: RankShare, chunk: ChunkRecord,
+                              size: int) -> None:
+    """Raise CommitError when the object at ``path`` (``size`` bytes, not ``chunk.length``) is an intact
+    copy of ``chunk`` in another encoding: replacing it would break every step that reads it as it is."""
+    try:
+        check_stored_chunk(remote.read_bytes(path), replace(chunk, length=size), path=path,
+                           step=share.index.step, tier=remote.label)
+    except (IntegrityError, NotFoundError):
+        return  # bad (or gone): uploading the local copy mends it
+    raise CommitError(f"chunk {chunk.digest} is stored in another encoding ({size} bytes, this step's copy "
+                      f"{chunk.length}); older steps read it as it is, so it is not replaced and the step "
+                      "was not promoted", step=share.index.step, tier=remote.label, path=path,
+                      hint="save with the codec and CKPTD_ZSTD_LEVEL of the steps already on the object tier, "
+                      "or promote to another prefix")
+
+
 def chunks_to_upload(remote: ObjectTier, needed: dict[str, tuple[RankShare, ChunkRecord]],
                      local: StorageTier) -> list[tuple[RankShare, ChunkRecord]]:
     """The chunks of ``needed`` (content address -> first rank share and record, as
     :meth:`~ckptd.promotion.contents.StepContents.unique_chunks` gives) that must be uploaded to
     ``remote``: missing, of another size, recorded bad, or failing the checksum check against the intact
-    copy on ``local``. Raises IntegrityError when the local copy of a checked chunk is itself corrupt."""
+    copy on ``local``. Raises IntegrityError when the local copy of a checked chunk is itself corrupt,
+    CommitError when the object tier holds a chunk intact in another encoding (see the module docstring)."""
     global last_check
     listed = remote.listed_tags(remote.chunk_path("").rstrip("/"))
     bad = bad_chunk_paths(remote)
@@ -106,6 +126,8 @@ def chunks_to_upload(remote: ObjectTier, needed: dict[str, tuple[RankShare, Chun
         path = remote.chunk_path(key)
         size, tag = listed.get(path, (None, ""))
         if size != chunk.length:
+            if size is not None:
+                _refuse_if_other_encoding(remote, path, share, chunk, size)
             missing += 1
             upload.append((share, chunk))
         elif path in bad:

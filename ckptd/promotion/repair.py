@@ -108,10 +108,17 @@ def _intact(remote: StorageTier, path: str, step: int | None, copies: _Copies) -
 def _mend_chunk(remote: StorageTier, path: str, copies: _Copies) -> str | None:
     """Write an intact copy of chunk ``path``; None when done, else why not."""
     key = path[len(remote.chunk_path("")):]
+    candidates = copies.chunks.get(key, [])
+    # the stored lengths the steps on the object tier read it with (a copy in another encoding breaks them)
+    lengths = {chunk.length for source, share, chunk in candidates
+               if source is remote and stored_chunk_path(source, share, chunk) == path}
     tried = []
-    for source, share, chunk in copies.chunks.get(key, []):
+    for source, share, chunk in candidates:
         if source is remote and stored_chunk_path(source, share, chunk) == path:
             continue  # the bad object itself
+        if lengths and chunk.length not in lengths:
+            tried.append(f"{source.label} step {share.index.step}: another encoding ({chunk.length} bytes)")
+            continue
         try:
             stored = read_stored_chunk(source, share, chunk)
             remote.write_bytes(path, stored)
