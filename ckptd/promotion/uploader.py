@@ -119,6 +119,7 @@ class BackgroundUploader:
         #: Rank 0: the newest step announced. Other ranks: decisions read and not yet acted on, the index of
         #: the last one read, and the newest announced step.
         self._last_announced: int | None = None
+        self._announced_closing = False
         self._decisions: deque[Decision] = deque()
         self._decision_index = 0
         self._fetch_lock = threading.Lock()
@@ -303,9 +304,11 @@ class BackgroundUploader:
         raise_failures(records)
 
     def _announce_closing(self) -> None:
-        """Rank 0 with a schedule: tell the other ranks that no decision follows."""
+        """Rank 0 with a schedule: tell the other ranks that no decision follows (and announce none after)."""
         if self.schedule is None or self.world_size == 1 or self.rank != 0:
             return
+        with self._lock:
+            self._announced_closing = True
         try:
             self.schedule.announce_closing()
         except CkptdError as error:
@@ -370,7 +373,7 @@ class BackgroundUploader:
         over = pins_over_cap(held, self.pin_cap, keep=keep)
         if over and self.follows:
             try:  # learn the steps rank 0 announced meanwhile: they are kept
-                self._read_decisions(0.0)
+                self._read_decisions(0.0, blocking=False)
             except CkptdError as error:
                 log.debug("could not read rank 0's promotion decisions: %s", error)
         with self._lock:
@@ -461,6 +464,8 @@ class BackgroundUploader:
             self._queued.discard(step)
             if step not in self._unpromoted:
                 return False
+            if self._announced_closing:  # the other ranks no longer follow: the step stays pinned
+                return False
             stale = self.world_size > 1 and self._last_announced is not None and step <= self._last_announced
             if stale:
                 self._withdraw([step])
@@ -522,11 +527,14 @@ class BackgroundUploader:
                          step, now - started)
             self._read_decisions(min(_DECISION_POLL_S, max(0.0, started + limit - now)))
 
-    def _read_decisions(self, timeout_s: float) -> None:
+    def _read_decisions(self, timeout_s: float, *, blocking: bool = True) -> None:
         """A rank following rank 0: read the decisions announced since the last read, waiting at most
-        ``timeout_s`` seconds for the first of them."""
+        ``timeout_s`` seconds for the first of them. ``blocking=False`` (the save path): nothing when the
+        uploader thread is reading them right now."""
         assert self.schedule is not None
-        with self._fetch_lock:
+        if not self._fetch_lock.acquire(blocking=blocking):
+            return
+        try:
             wait = timeout_s
             while True:
                 decision = self.schedule.next_decision(self._decision_index, wait)
@@ -538,6 +546,8 @@ class BackgroundUploader:
                 if decision.closing:
                     return
                 wait = 0.0
+        finally:
+            self._fetch_lock.release()
 
     def _announced_pending(self) -> set[int]:
         """Under the lock: the steps rank 0 announced that this rank has read and not yet acted on."""
