@@ -4,14 +4,15 @@
 Decision ``k`` is the key ``<coordinator prefix>/promotion/<k>``, holding the step number or ``closed``.
 The keys live under the :class:`~ckptd.manager.commit.StoreCoordinator`'s generation prefix, so a
 decision of an earlier incarnation of the job is never read as one of this incarnation. When the
-coordinator joins a new generation (an in-process restart), the numbering of keys starts again at 1 while
-the indices the uploader sees keep growing.
+coordinator joins a new generation (an in-process restart, or a survivor's manager moved to a new store),
+the numbering of keys starts again at 1 while the indices the uploader sees keep growing.
 """
 
 from __future__ import annotations
 
 import threading
 from datetime import timedelta
+from typing import Any
 
 from ckptd.errors import CommitError
 from ckptd.manager.commit import StoreCoordinator
@@ -28,7 +29,8 @@ class StorePromotionSchedule:
         self.coordinator = coordinator
         self._lock = threading.Lock()
         self._announced = 0
-        self._generation = coordinator.generation
+        #: The store and generation the keys are numbered for (see :meth:`_follow_generation`).
+        self._generation: tuple[Any, int] = (coordinator.store, coordinator.generation)
         #: Indices of earlier generations: decision ``index`` of this generation is key ``index - offset``.
         self._offset = 0
 
@@ -67,8 +69,9 @@ class StorePromotionSchedule:
 
     def _follow_generation(self, last_index: int) -> None:
         """Under the lock: after a new generation, number this generation's keys from 1 again."""
-        if self.coordinator.generation != self._generation:
-            self._generation = self.coordinator.generation
+        store, generation = self.coordinator.store, self.coordinator.generation
+        if store is not self._generation[0] or generation != self._generation[1]:
+            self._generation = (store, generation)
             self._offset = last_index
 
     def _key(self, index: int) -> str:
