@@ -493,9 +493,10 @@ class BackgroundUploader:
                     return False
                 while self._decisions and not self._decisions[0].closing and self._decisions[0].step < step:
                     passed = self._decisions.popleft()
-                    if passed.step in self._unpromoted:
-                        log.warning("rank 0 announced step %d after rank %d stopped waiting for it: this rank's "
-                                    "share is not promoted", passed.step, self.rank)
+                    if passed.step in self._unpromoted or passed.step in self.released:
+                        log.warning("rank 0 announced step %d after rank %d stopped waiting for it or released its "
+                                    "pin: this rank's share is not promoted, and rank 0 cannot commit the step",
+                                    passed.step, self.rank)
                 head = self._decisions[0] if self._decisions else None
                 if head is not None and head.step == step:
                     self._decisions.popleft()
