@@ -68,3 +68,40 @@ def test_lock_of_a_killed_manager_is_released(manager_factory: ManagerFactory, c
     assert child.killed
     survivor = manager_factory()
     assert survivor.committed_steps() == [1]
+
+
+_TRAINER_WITH_A_WORKER = """
+import os, sys, time
+import torch, ckptd
+manager = ckptd.CheckpointManager(sys.argv[1])
+manager.save(1, {"w": torch.ones(4)}, force=True)
+manager.wait()
+worker = os.fork()  # what a DataLoader worker is: a forked child that outlives its parent by seconds
+if worker == 0:
+    time.sleep(60)
+    os._exit(0)
+print(worker, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_killed_trainers_forked_worker_does_not_hold_the_lock(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from ckptd.tiers.local import LocalTier
+
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER_WITH_A_WORKER, str(tmp_path / "ckpt")],
+                               stdout=subprocess.PIPE, text=True)
+    worker = int(trainer.stdout.readline())
+    try:
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=30)
+        os.kill(worker, 0)  # the worker still lives
+        successor = LocalTier(tmp_path / "ckpt")
+        successor.acquire_lock(0)  # raises LockedError while the worker holds the lock
+        successor.release_locks()
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        trainer.stdout.close()

@@ -3,7 +3,8 @@
 Files are committed the file-system way: write to a temporary name in the same directory, fsync the
 file, rename it over the final name, fsync the directory. A crash at any moment leaves either the old
 state or the new one plus a temporary file, which :meth:`LocalTier.remove_temporaries` deletes on the
-next start. A per-rank lock file (``flock``) keeps two writers of the same rank out of one directory.
+next start. A per-rank lock file (``flock``) keeps two writers of the same rank out of one directory; forked
+children (DataLoader workers) close their copies, so the lock ends with the process that took it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import socket
 import threading
 import uuid
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -355,6 +357,18 @@ class LocalTier(StorageTier):
         except OSError:
             pass
         self._locks[rank] = fd
+        _LOCK_HOLDERS.add(self)
+
+    def _drop_inherited_locks(self) -> None:
+        """In a forked child: close the inherited lock descriptors without unlocking (an unlock would
+        release the parent's lock, which the child shares), so the lock ends with the process that took
+        it and not with its last DataLoader worker."""
+        for fd in self._locks.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._locks.clear()
 
     def release_locks(self) -> None:
         for fd in self._locks.values():
@@ -364,3 +378,16 @@ class LocalTier(StorageTier):
 
     def close(self) -> None:
         self.release_locks()
+
+
+#: Tiers holding writer locks in this process; a forked child closes its copies of their descriptors.
+_LOCK_HOLDERS: weakref.WeakSet[LocalTier] = weakref.WeakSet()
+
+
+def _close_locks_in_child() -> None:
+    for tier in list(_LOCK_HOLDERS):
+        tier._drop_inherited_locks()
+    _LOCK_HOLDERS.clear()
+
+
+os.register_at_fork(after_in_child=_close_locks_in_child)
