@@ -147,3 +147,20 @@ def test_an_upload_that_finishes_while_the_collector_looks_is_no_error(s3_server
         assert _open_uploads(boto, s3_bucket) == []
     finally:
         remote.close()
+
+
+def test_a_record_from_another_pid_namespace_of_this_host_name_is_judged_by_its_lease_only():
+    """Containers that share a host name cannot see each other's pids: a pid missing here proves
+    nothing about a record written in another pid namespace."""
+    import socket
+
+    from ckptd.tiers.upload_owners import UploadOwner, this_host
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    fresh = time.time()
+    mine = UploadOwner(key=_KEY, host=this_host(), pid=gone.pid, refreshed=fresh, lease_s=3600.0)
+    assert not mine.is_alive(), "a dead pid in this namespace: its upload is abandoned"
+    if os.path.exists("/proc/self/ns/pid"):
+        neighbour = UploadOwner(key=_KEY, host=socket.gethostname(), pid=gone.pid, refreshed=fresh, lease_s=3600.0)
+        assert neighbour.is_alive(), "same host name, another pid namespace: alive while its lease lasts"

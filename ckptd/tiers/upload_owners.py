@@ -14,13 +14,15 @@ upload of a live promoter on another host, aborts at once an upload whose owner 
 killed, and aborts any upload whose owner stopped refreshing (a dead host). An upload with no record
 at all (written by an older ckptd) falls back to its ``Initiated`` time.
 
-The host identity is ``CKPTD_HOST_ID`` (``host_id`` setting) or the host name; tests give a second
-process another identity to stand in for another host. Records live outside step directories and
+The host identity is ``CKPTD_HOST_ID`` (``host_id`` setting) or the host name with the pid namespace
+(two containers with one host name cannot see each other's pids, so each counts as another host); tests
+give a second process another identity to stand in for another host. Records live outside step directories and
 ``chunks/``, so step and chunk listings never see them.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -35,9 +37,23 @@ from ckptd.config import settings
 OWNERS_PREFIX = "uploads"
 
 
+@functools.cache
+def _pid_namespace() -> str:
+    """This process's pid namespace (Linux), or "" where there is none to tell."""
+    try:
+        return os.readlink("/proc/self/ns/pid").removeprefix("pid:[").removesuffix("]")
+    except OSError:
+        return ""
+
+
 def this_host() -> str:
-    """This machine's identity in owner records and leases."""
-    return settings().host_id or socket.gethostname()
+    """This machine's identity in owner records and leases: ``CKPTD_HOST_ID``, or the host name and pid
+    namespace (containers that share a host name judge only the pids they can see)."""
+    configured = settings().host_id
+    if configured:
+        return configured
+    namespace = _pid_namespace()
+    return f"{socket.gethostname()} (pid namespace {namespace})" if namespace else socket.gethostname()
 
 
 def process_exists(pid: int) -> bool:
