@@ -144,8 +144,7 @@ def _loop(shape: str, manifest: DatasetManifest, cache: str, workers: int, train
         batches = iter(loader)
         batch, iter_num = next(batches), restored or 0
         while iter_num < STEPS:
-            if iter_num != restored:  # the restored step is committed already
-                save(iter_num, state)
+            save(iter_num, state)  # right after a resume: the restored step, which save() skips
             trainer.step([batch], iter_num)
             batch = next(batches, None)
             iter_num += 1

@@ -54,3 +54,26 @@ def test_resumed_training_equals_uninterrupted_training(crash_injector: CrashInj
     assert_same_state(result["after"], uninterrupted["after"])
     assert_same_state(result["model"], uninterrupted["model"])
     assert_same_state(result["optim"], uninterrupted["optim"])
+
+
+def test_saving_the_restored_step_again_is_a_no_op(tmp_path) -> None:
+    """nanoGPT saves at the top of an iteration, so right after a resume it asks to save the step it
+    restored: that returns False and leaves the committed step as it was."""
+    import torch
+
+    import ckptd
+
+    with ckptd.CheckpointManager(tmp_path / "ckpt") as manager:
+        manager.save(3, {"w": torch.full((8,), 3.0)}, force=True)
+    committed = {path.name: path.read_bytes() for path in (tmp_path / "ckpt" / "step-000000000003").iterdir()}
+    state = {"w": torch.zeros(8)}
+    with ckptd.CheckpointManager(tmp_path / "ckpt") as manager:
+        assert manager.restore(state) == 3
+        state["w"].add_(1.0)
+        assert manager.save(3, state, force=True) is False
+        assert manager.save(4, state, force=True) is True
+    assert {path.name: path.read_bytes() for path in (tmp_path / "ckpt" / "step-000000000003").iterdir()} == committed
+    fresh = {"w": torch.zeros(8)}
+    with ckptd.CheckpointManager(tmp_path / "ckpt") as manager:
+        assert manager.restore(fresh) == 4
+    assert torch.equal(fresh["w"], torch.full((8,), 4.0))

@@ -152,8 +152,14 @@ class CheckpointManager:
         blocks until they are done. Returns False when the policy does not save this step or, with
         ``Policy(on_busy="skip")``, when the previous save is still being written. An error of an
         earlier background save is raised here (or by :meth:`wait`/:meth:`close`).
+
+        The step the last restore loaded is committed already and is not saved again (False): loops
+        that save at the top of an iteration, as nanoGPT does, ask for it right after a resume.
         """
         self._check_open()
+        if self.last_restore is not None and step == self.last_restore.step:
+            log.info("step %d is the step this run restored; it is committed and not saved again", step)
+            return False
         if not force and not self.policy.saves(step):
             if self._prepare_staging:  # once: the first save then finds its buffers allocated, faulted in
                 self._prepare_staging = False
