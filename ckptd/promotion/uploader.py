@@ -26,8 +26,9 @@ directory without an fsync (the uploader thread makes the pin durable before it 
 (:class:`~ckptd.promotion.pinning.PinCap`, settings ``pin_max_steps``/``pin_max_bytes``): past the cap the
 oldest unpromoted pins are released with a warning naming how far the object tier is behind.
 
-Several ranks (a :class:`~ckptd.promotion.schedule.PromotionSchedule`, see :meth:`~BackgroundUploader.use_schedule`):
-rank 0 decides as a single process does and announces each step it promotes before it starts; every other
+Several ranks (a :class:`~ckptd.promotion.schedule.PromotionSchedule`, see
+:meth:`~BackgroundUploader.use_schedule`): rank 0 decides as a single process does and announces each step
+it promotes before it starts; every other
 rank promotes its share of exactly the announced steps, in order, and releases its pins of the steps older
 than an announced one that were never announced. A rank waits for each decision at most
 ``CKPTD_COMMIT_TIMEOUT_S`` (rank 0 waits as long for the other ranks' shares), logging while it waits. Rank 0
