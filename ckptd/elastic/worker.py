@@ -37,6 +37,7 @@ Outside ``ckptd launch`` (no ``CKPTD_ELASTIC_STORE``) :func:`run` raises ConfigE
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -370,6 +371,10 @@ def run(train_fn: Callable[[WorkerContext], T], *, backend: str = "gloo") -> T:
     options = settings()
     managers = _ManagerRegistry()
     while True:
+        if rejoined:
+            # the failed generation's process group, store client and the error that ended it hold one
+            # another in reference cycles: free them (gloo threads, sockets) before forming the next group
+            gc.collect()
         view = GenerationStore(store, generation)
         heart.enter(generation)
         watcher = _GenerationWatcher(env, view)

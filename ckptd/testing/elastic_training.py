@@ -9,7 +9,7 @@ repeated a batch shows in them.
 With ``--kill-rank R --kill-step S`` rank R sends itself ``--kill-signal`` (KILL, or STOP for a hang)
 at step S of the first generation, ``--kill-phase`` before the step's collectives, before or after that
 step's save, or once that save is committed; with ``--kill-generations N`` also at the first step of generations 1 to N-1 (a crash loop). Each rank writes,
-for every generation it joins, ``rank<r>-gen<g>.json`` (pid, restored step, tier, wall-clock times of
+for every generation it joins, ``rank<r>-gen<g>.json`` (pid, restored step, tier, its OS threads and open files, wall-clock times of
 entering the generation, of the restore and of its first completed step; the victim also writes
 ``rank<r>-killed.json`` just before the signal) and at the end
 ``rank<r>-final.json`` (weights, optimizer state, sample ids) into ``--out``.
@@ -81,7 +81,9 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
     out = Path(args.out)
     record = {"pid": os.getpid(), "generation": ctx.generation, "restored": start, "restart_count": ctx.restart_count,
               "rejoined": ctx.rejoined, "tier": manager.last_restore.tier if manager.last_restore else None,
-              "entered_at": entered, "restored_at": time.time()}
+              "entered_at": entered, "restored_at": time.time(),
+              # the process's OS threads and open files: a survivor's must not grow from generation to generation
+              "tasks": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd"))}
     record_path = out / f"rank{ctx.rank}-gen{ctx.generation}.json"
     record_path.write_text(json.dumps(record))
     for step in range((start or 0) + 1, args.steps + 1):
