@@ -10,7 +10,7 @@ import sys
 import pytest
 
 #: Subcommands whose ``--help`` must not import torch (data imports the data loader at module level).
-LIGHT_COMMANDS = ("ls", "inspect", "restore", "gc", "promote", "bench", "demo", "verify")
+LIGHT_COMMANDS = ("ls", "inspect", "restore", "gc", "promote", "bench", "demo", "verify", "launch")
 
 
 def imported_modules(*args: str) -> tuple[set[str], str]:
@@ -34,7 +34,7 @@ def test_the_import_log_sees_torch_when_it_is_imported() -> None:
 def test_ckptd_help_imports_no_torch() -> None:
     names, output = imported_modules("-m", "ckptd.cli.main", "--help")
     assert "torch" not in names
-    for command in ("ls", "verify", "inspect", "restore", "gc", "promote", "bench", "data", "demo"):
+    for command in ("ls", "verify", "inspect", "restore", "gc", "promote", "bench", "data", "demo", "launch"):
         assert f"  {command} " in output, output
     assert not any(name.startswith("ckptd.cli.") and name.endswith("_cmd") for name in names), \
         "no subcommand module is imported to list the commands"
