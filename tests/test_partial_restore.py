@@ -133,6 +133,16 @@ def test_a_key_the_checkpoint_lacks_is_named(tmp_path: Path) -> None:
     assert _committed_bytes(root) == before, "a failed restore changes no committed step"
 
 
+def test_one_key_given_as_a_string_is_that_key(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    _save(root, [1])
+    with ckptd.CheckpointManager(root) as manager:
+        state: dict[str, Any] = {}
+        assert manager.restore(state, keys="config") == 1
+        assert state == {"config": {"width": WIDTH, "name": "tiny"}}
+        assert manager.last_restore.keys == ("config",)
+
+
 def test_an_object_the_live_state_lacks_is_named_not_nonetype(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     _save(root, [1])

@@ -190,7 +190,8 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
     """Load the newest step intact on every rank (or ``step``) into ``state``; see the module docstring.
 
     ``listings`` shares one listing of the tiers with what ran before the restore (a read-ahead).
-    ``keys`` loads only those top-level keys (a partial restore)."""
+    ``keys`` loads only those top-level keys (a partial restore); one string is one key."""
+    keys = [keys] if isinstance(keys, str) else keys
     coordinator = coordinator or SingleProcessCoordinator()
     listings = listings if listings is not None else TierListings(tiers)
     metadata = _Metadata(listings)
