@@ -14,7 +14,9 @@ that has started should ride out a slow or flaky store, but a dead endpoint is k
 metadata client (listings, HEAD, deletes) gets the short ``s3_metadata_connect_timeout_s`` and
 ``s3_metadata_read_timeout_s`` and few ``s3_metadata_retries``, so that a store that cannot be reached or
 does not answer is known within seconds and a restore moves on to the tiers that answer. Timeouts or
-retries the caller puts in ``config_kwargs`` win over both. Retries are botocore's (``standard`` mode:
+retries the caller puts in ``config_kwargs`` win over both. Data clients do not check the CRC32 a store
+returns with a GET (``response_checksum_validation="when_required"``): ckptd verifies every chunk's
+xxh3-128 after reading it, and botocore's check costs restore CPU on every byte. Retries are botocore's (``standard`` mode:
 jittered exponential back-off); :func:`retry_budget` bounds them per operation
 (:mod:`ckptd.tiers.s3_budget`), and s3fs adds none of its own.
 """
@@ -62,6 +64,8 @@ def s3fs_options(options: dict[str, Any] | None, *, metadata: bool = False) -> d
     config_kwargs.setdefault("read_timeout", read)
     config_kwargs.setdefault("retries", {"max_attempts": max(1, attempts), "mode": "standard"})
     config_kwargs.setdefault("max_pool_connections", max(10, 2 * tunables.s3_concurrency))
+    if not metadata:  # ckptd verifies every chunk's xxh3-128; botocore's CRC32 of each GET, in Python, is waste
+        config_kwargs.setdefault("response_checksum_validation", "when_required")
     if not tunables.s3_upload_checksum.strip():  # a store that refuses checksum headers: send none
         config_kwargs.setdefault("request_checksum_calculation", "when_required")
     merged.setdefault("max_concurrency", max(1, tunables.s3_concurrency))
