@@ -38,8 +38,8 @@ from ckptd.tiers.base import StorageTier, StoredObject, TierCapabilities
 from ckptd.tiers.s3_lanes import IoLanes
 from ckptd.tiers.s3_budget import budgeted_filesystem_class
 from ckptd.tiers.s3_options import endpoint_of, region_of, retry_budget, s3fs_options, s3fs_retries, split_url
-from ckptd.tiers.s3_transfers import (MIN_PART_BYTES, ReadAhead, checksum_enabled, get_object, multipart_upload,
-                                     part_bytes, put_arguments)
+from ckptd.tiers.s3_transfers import (MIN_PART_BYTES, ReadAhead, checksum_enabled, data_filesystem_class, get_object,
+                                     multipart_upload, part_bytes, put_arguments)
 from ckptd.tiers.upload_owners import OWNERS_PREFIX, UploadOwner, key_directory, new_record_path
 
 _log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class ObjectTier(StorageTier):
         data_retries, metadata_retries = s3fs_retries(), s3fs_retries(metadata=True)
 
         def make_client(loop: asyncio.AbstractEventLoop, metadata: bool) -> Any:
-            filesystem = budgeted_filesystem_class()
+            filesystem = budgeted_filesystem_class() if metadata else data_filesystem_class()
             client = filesystem(loop=loop, **(metadata_options if metadata else data_options))
             client.retries = metadata_retries if metadata else data_retries
             client.ckptd_budget = functools.partial(retry_budget, metadata=metadata)
@@ -254,7 +254,7 @@ class ObjectTier(StorageTier):
         client = self._lanes.next_data_client()
         with self._errors("uploading", path):
             if len(view) <= part:
-                body = data if isinstance(data, bytes) else bytes(view)  # no copy of bytes already whole
+                body = data if isinstance(data, (bytes, bytearray)) else bytes(view)  # sent as it is, no copy
                 sums = put_arguments(view) if self._checksums else {}
                 self._call(client, "put_object", Bucket=self.bucket, Key=self.key(path), Body=body, **condition,
                            **sums)

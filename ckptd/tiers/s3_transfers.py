@@ -23,7 +23,7 @@ from typing import Any
 from ckptd._types import Buffer
 from ckptd.config import settings
 from ckptd.errors import ConfigError
-from ckptd.tiers.s3_budget import OperationBudget, backoff_s, current_budget, within_budget
+from ckptd.tiers.s3_budget import OperationBudget, backoff_s, budgeted_filesystem_class, current_budget, within_budget
 from ckptd.tiers.s3_errors import is_past_the_end
 from ckptd.tiers.upload_owners import UploadOwner
 
@@ -88,6 +88,75 @@ async def get_range(client: Any, bucket: str, key: str, start: int, length: int)
             attempt += 1
         finally:
             body.close()
+
+
+def send_bodies_whole(client: Any) -> None:
+    """Make a botocore client send a ``bytes`` body of PutObject and UploadPart as it is (idempotent).
+
+    botocore wraps such a body in a ``BytesIO``, from which aiohttp takes a buffer (which unshares, i.e.
+    copies, the whole body) and then reads it again in 64 KiB copies on the event loop. Without the
+    wrapper the bytes go to the socket in one write; signing, checksums and retries handle bytes alike."""
+    if getattr(client, "_ckptd_bodies_whole", False):
+        return
+    from botocore.handlers import convert_body_to_file_like_object
+
+    for operation in ("PutObject", "UploadPart"):
+        client.meta.events.unregister(f"before-parameter-build.s3.{operation}", convert_body_to_file_like_object)
+        client.meta.events.register(f"before-send.s3.{operation}", _body_as_payload,
+                                    unique_id=f"ckptd-whole-body-{operation}")
+    client._ckptd_bodies_whole = True
+
+
+def _body_as_payload(request: Any, **_: Any) -> None:
+    """Hand aiohttp a signed bytes body as a payload of its own (aiohttp's payload for bytes warns of
+    bodies over 1 MiB; the lanes' loops do nothing but I/O and can write them)."""
+    if isinstance(request.body, (bytes, bytearray)):
+        request.body = _whole_body_class()(request.body)
+
+
+@functools.lru_cache(maxsize=1)
+def _whole_body_class() -> type:
+    from aiohttp.payload import Payload
+
+    class WholeBody(Payload):  # type: ignore[misc]
+        """Bytes written to the connection in one piece; reusable when botocore retries the request."""
+
+        def __init__(self, value: bytes | bytearray) -> None:
+            super().__init__(value, content_type="application/octet-stream")
+            self._size = len(value)
+
+        def seek(self, offset: int, whence: int = 0) -> int:
+            """Rewinding (botocore does before a retry, which re-sends the whole body) is a no-op."""
+            return 0
+
+        def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+            return bytes(self._value).decode(encoding, errors)
+
+        async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+            return bytes(self._value)
+
+        async def write(self, writer: Any) -> None:
+            await writer.write(self._value)
+
+        async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+            await writer.write(self._value if content_length is None else memoryview(self._value)[:content_length])
+
+    return WholeBody
+
+
+@functools.lru_cache(maxsize=1)
+def data_filesystem_class() -> type:
+    """The s3fs class of data clients: budgeted (:mod:`ckptd.tiers.s3_budget`), bodies sent whole."""
+
+    class DataS3FileSystem(budgeted_filesystem_class()):  # type: ignore[misc]
+        """s3fs for uploads and chunk reads."""
+
+        async def set_session(self, *args: Any, **kwargs: Any) -> Any:
+            client = await super().set_session(*args, **kwargs)
+            send_bodies_whole(client)
+            return client
+
+    return DataS3FileSystem
 
 
 def checksum_enabled() -> bool:
@@ -223,5 +292,5 @@ class ReadAhead:
 
 
 
-__all__ = ["MIN_PART_BYTES", "ReadAhead", "checksum_enabled", "crc32_checksum", "get_object", "get_range",
-           "multipart_upload", "part_bytes", "put_arguments"]
+__all__ = ["MIN_PART_BYTES", "ReadAhead", "checksum_enabled", "crc32_checksum", "data_filesystem_class", "get_object",
+           "get_range", "multipart_upload", "part_bytes", "put_arguments", "send_bodies_whole"]
