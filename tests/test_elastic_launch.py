@@ -221,3 +221,14 @@ def test_a_crash_loop_stops_the_job_with_its_own_exit_code_after_backing_off(tmp
     survivor = _generations(tmp_path / "out", 0)
     assert sorted(survivor) == [0, 1, 2] and len({record["pid"] for record in survivor.values()}) == 1
     assert not list((tmp_path / "out").glob("rank*-final.json"))
+
+
+def test_checkpoint_manager_refuses_the_options_the_launcher_sets(tmp_path: Path) -> None:
+    from ckptd.elastic.worker import WorkerContext
+    from ckptd.errors import ConfigError
+
+    context = WorkerContext(rank=0, world_size=1, local_rank=0, node_rank=0, generation=0, store=None,  # type: ignore[arg-type]
+                            restart_count=0, rejoined=0, _beat=lambda step: None)
+    with pytest.raises(ConfigError) as caught:
+        context.checkpoint_manager(tmp_path / "ckpt", rank=3, store=object())
+    assert "rank, store" in str(caught.value) and not (tmp_path / "ckpt").exists()

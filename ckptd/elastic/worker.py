@@ -132,6 +132,10 @@ class WorkerContext:
         ``store`` are set here). In a later generation the same call (same directory, same options) in a
         surviving process returns the same manager, moved to the new generation, so that its ``restore``
         can load the staged copy of its last save (the memory tier) instead of reading the disk."""
+        reserved = sorted({"rank", "world_size", "store"} & set(options))
+        if reserved:
+            raise ConfigError(f"checkpoint_manager() sets {', '.join(reserved)} itself from the launcher",
+                              hint="leave them out: ckptd launch gives every rank its rank, world size and store")
         directory, described = str(Path(local).resolve()), repr(sorted(options.items()))
         kept = self._managers.take(directory)
         if kept is not None:
