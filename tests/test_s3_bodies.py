@@ -1,0 +1,69 @@
+"""How the object tier's data clients send and receive bodies (against moto over HTTP): upload bodies go
+to aiohttp whole, not through botocore's BytesIO wrapper, and GETs skip botocore's CRC32 check (ckptd
+verifies chunks itself) while the metadata client's HEAD still returns the stored CRC32."""
+
+from __future__ import annotations
+
+import base64
+import os
+import warnings
+import zlib
+
+from ckptd.config import override
+from ckptd.tiers.s3_transfers import _whole_body_class
+from test_promotion_support import object_tier
+
+_PART = 5 * 1024 * 1024
+
+
+def _crc32(data: bytes) -> str:
+    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode("ascii")
+
+
+def _count_bodies(tier) -> list[str]:
+    """The type name of every PutObject and UploadPart body the data clients hand to aiohttp from now on."""
+    seen: list[str] = []
+
+    def record(request, event_name, **_):
+        if event_name.endswith((".PutObject", ".UploadPart")):
+            seen.append(type(request.body).__name__)
+
+    for client in tier.lanes:
+        tier._lanes.run(client, client.set_session)
+        client._s3.meta.events.register_last("before-send.s3", record)
+    return seen
+
+
+def test_upload_bodies_go_whole_and_arrive_intact(s3_bucket, s3_options):
+    tier = object_tier(s3_bucket, s3_options)
+    try:
+        bodies = _count_bodies(tier)
+        single, parts = os.urandom(3 * 1024 * 1024), os.urandom(3 * _PART + 7)
+        with override(s3_part_bytes=_PART, s3_concurrency=2), warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)  # aiohttp's warning for large raw bytes
+            tier.write_bytes("chunks/aa/single.raw", single)
+            tier.write_bytes("chunks/aa/parts.raw", bytearray(parts))
+        assert len(bodies) >= 1 + 4, bodies  # the single PUT and four parts (and the upload's owner record)
+        assert set(bodies) == {_whole_body_class().__name__}, bodies
+        assert tier.read_bytes("chunks/aa/single.raw") == single
+        assert tier.read_bytes("chunks/aa/parts.raw") == parts
+        assert tier.stored_checksum("chunks/aa/single.raw")[2] == _crc32(single)
+        assert tier.stored_checksum("chunks/aa/parts.raw")[2] == _crc32(parts)
+    finally:
+        tier.close()
+
+
+def test_gets_skip_botocore_crc_but_the_dedup_head_keeps_it(s3_bucket, s3_options):
+    tier = object_tier(s3_bucket, s3_options)
+    try:
+        tier.connect()
+        assert {client._s3._client_config.response_checksum_validation for client in tier.lanes} \
+            == {"when_required"}
+        assert tier.fs._s3._client_config.response_checksum_validation == "when_supported"
+        data = os.urandom(1024 * 1024)
+        tier.write_bytes("chunks/bb/one.raw", data)
+        assert tier.read_bytes("chunks/bb/one.raw") == data
+        assert tier.stored_checksum("chunks/bb/one.raw") == (len(data), tier.stored_checksum("chunks/bb/one.raw")[1],
+                                                            _crc32(data))
+    finally:
+        tier.close()
