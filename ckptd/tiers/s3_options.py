@@ -16,8 +16,8 @@ metadata client (listings, HEAD, deletes) gets the short ``s3_metadata_connect_t
 does not answer is known within seconds and a restore moves on to the tiers that answer. Timeouts or
 retries the caller puts in ``config_kwargs`` win over both. Data clients do not check the CRC32 a store
 returns with a GET (``response_checksum_validation="when_required"``): ckptd verifies every chunk's
-xxh3-128 after reading it, and botocore's check costs restore CPU on every byte. Retries are botocore's (``standard`` mode:
-jittered exponential back-off); :func:`retry_budget` bounds them per operation
+xxh3-128 after reading it, and botocore's check costs restore CPU on every byte. Retries are botocore's
+(``standard`` mode: jittered exponential back-off); :func:`retry_budget` bounds them per operation
 (:mod:`ckptd.tiers.s3_budget`), and s3fs adds none of its own.
 """
 
