@@ -148,3 +148,16 @@ def test_pin_memory_pins_tensor_batches(token_manifest, tmp_path: Path) -> None:
     for workers in (0, 2):
         inputs, targets = next(iter(ShardLoader(dataset, num_workers=workers, pin_memory=True)))
         assert inputs.is_pinned() and targets.is_pinned()
+
+
+def test_list_batches_hold_copies_and_tensor_batches_match_them(token_manifest, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Token windows are read as views into their shard; a list batch copies them (a kept sample must not
+    keep its shard in memory), and the tensor batches hold the same tokens."""
+    as_lists = list(ShardLoader(ShardDataset(token_manifest, global_batch_size=BATCH, seed=1,
+                                             cache_dir=tmp_path / "c", collate_fn=list_batch)))
+    as_tensors = list(ShardLoader(ShardDataset(token_manifest, global_batch_size=BATCH, seed=1,
+                                               cache_dir=tmp_path / "c")))
+    assert len(as_lists) == len(as_tensors) == 24 // BATCH
+    for samples, batch in zip(as_lists, as_tensors):
+        assert all(sample.base is None and sample.flags.writeable for sample in samples)
+        assert torch.equal(torch.from_numpy(np.stack(samples).astype(np.int64)), batch)

@@ -61,8 +61,11 @@ def as_tensors(batch: Any) -> Any:
 
 
 def list_batch(samples: list[Any]) -> list[Any]:
-    """The samples as the reader produced them, in order (numpy arrays for tokens, dicts for JSON lines)."""
-    return samples
+    """The samples as the reader produced them, in order (numpy arrays for tokens, dicts for JSON lines);
+    arrays that are views into a shard (token windows) are copied, so a kept sample does not keep its
+    whole shard in memory."""
+    return [sample.copy() if isinstance(sample, np.ndarray) and sample.base is not None else sample
+            for sample in samples]
 
 
 def tensor_batch(samples: list[Any]) -> Any:

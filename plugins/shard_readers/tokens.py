@@ -48,8 +48,10 @@ class _OpenTokens:
         return len(self._tokens) // self._seq_len
 
     def __getitem__(self, index: int) -> np.ndarray:
+        """A read-only view into the shard's bytes: the tensor collation stacks samples into a new array
+        anyway, and :func:`ckptd.data.collate.list_batch` copies views, so no sample keeps a shard alive."""
         start = index * self._seq_len
-        return self._tokens[start:start + self._seq_len].copy()
+        return self._tokens[start:start + self._seq_len]
 
 
 class TokenArrayReader(ShardReader):
