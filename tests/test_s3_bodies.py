@@ -67,3 +67,33 @@ def test_gets_skip_botocore_crc_but_the_dedup_head_keeps_it(s3_bucket, s3_option
                                                             _crc32(data))
     finally:
         tier.close()
+
+
+def test_a_retried_upload_resends_its_whole_body(s3_server, s3_bucket, s3_options):
+    """Requests reset after the store took them, or refused before, are sent again by botocore with a fresh
+    signature: each retry must carry the whole body once (the payload's rewind is a no-op), not an empty,
+    partial or doubled one. The stored bytes and the store's CRC32 prove it."""
+    from ckptd.testing.fault_proxy import FaultProxy
+
+    single, parts = os.urandom(2 * 1024 * 1024 + 3), os.urandom(3 * _PART + 11)
+    with override(s3_part_bytes=_PART, s3_concurrency=2, s3_retries=12, s3_backoff_base_s=0.01,
+                  s3_backoff_max_s=0.05), \
+            FaultProxy(s3_server.endpoint_url, fraction=0.3, kinds=("500", "reset"), seed=7) as proxy:
+        tier = object_tier(s3_bucket, proxy.storage_options(s3_options))
+        try:
+            bodies = _count_bodies(tier)
+            for attempt in range(3):
+                tier.write_bytes(f"chunks/cc/single{attempt}.raw", single)
+                tier.write_bytes(f"chunks/cc/parts{attempt}.raw", bytearray(parts))
+            assert proxy.faults_injected > 0, "the proxy injected faults, so some bodies were sent again"
+            assert set(bodies) == {_whole_body_class().__name__}, bodies
+        finally:
+            tier.close()
+    tier = object_tier(s3_bucket, s3_options)
+    try:
+        for attempt in range(3):
+            assert tier.read_bytes(f"chunks/cc/single{attempt}.raw") == single
+            assert tier.read_bytes(f"chunks/cc/parts{attempt}.raw") == parts
+            assert tier.stored_checksum(f"chunks/cc/parts{attempt}.raw")[2] == _crc32(parts)
+    finally:
+        tier.close()
