@@ -97,3 +97,21 @@ def test_a_retried_upload_resends_its_whole_body(s3_server, s3_bucket, s3_option
             assert tier.stored_checksum(f"chunks/cc/parts{attempt}.raw")[2] == _crc32(parts)
     finally:
         tier.close()
+
+
+def test_a_botocore_without_the_body_wrapper_handler_still_uploads(s3_bucket, s3_options, monkeypatch, caplog):
+    """A botocore that moved or renamed convert_body_to_file_like_object must not stop every upload: the
+    data clients then keep botocore's own way of sending bodies, and say so."""
+    import botocore.handlers
+
+    monkeypatch.delattr(botocore.handlers, "convert_body_to_file_like_object")
+    tier = object_tier(s3_bucket, s3_options)
+    try:
+        bodies = _count_bodies(tier)
+        data = os.urandom(1024 * 1024 + 5)
+        tier.write_bytes("chunks/dd/one.raw", data)
+        assert bodies and _whole_body_class().__name__ not in bodies, bodies
+        assert tier.read_bytes("chunks/dd/one.raw") == data
+        assert "botocore's own wrapper" in caplog.text
+    finally:
+        tier.close()

@@ -14,6 +14,7 @@ import asyncio
 import base64
 import contextlib
 import functools
+import logging
 import threading
 import zlib
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from ckptd.errors import ConfigError
 from ckptd.tiers.s3_budget import OperationBudget, backoff_s, budgeted_filesystem_class, current_budget, within_budget
 from ckptd.tiers.s3_errors import is_past_the_end
 from ckptd.tiers.upload_owners import UploadOwner
+
+_log = logging.getLogger("ckptd.tiers")
 
 #: Smallest part S3 accepts in a multipart upload (except the last one).
 MIN_PART_BYTES = 5 * 1024 * 1024
@@ -98,8 +101,13 @@ def send_bodies_whole(client: Any) -> None:
     wrapper the bytes go to the socket in one write; signing, checksums and retries handle bytes alike."""
     if getattr(client, "_ckptd_bodies_whole", False):
         return
-    from botocore.handlers import convert_body_to_file_like_object
-
+    try:  # a botocore without this handler sends bodies its own way: slower, still whole
+        from botocore.handlers import convert_body_to_file_like_object
+        _whole_body_class()(b"")  # an aiohttp whose Payload wants more methods refuses here
+    except (ImportError, TypeError) as exc:
+        _log.warning("upload bodies go through botocore's own wrapper (this botocore/aiohttp: %r)", exc)
+        client._ckptd_bodies_whole = True
+        return
     for operation in ("PutObject", "UploadPart"):
         client.meta.events.unregister(f"before-parameter-build.s3.{operation}", convert_body_to_file_like_object)
         client.meta.events.register(f"before-send.s3.{operation}", _body_as_payload,
