@@ -16,7 +16,7 @@ import torch
 import ckptd
 from ckptd.config import override
 from ckptd.errors import CkptdError, ConfigError, StillRunningError, UnpromotedError
-from ckptd.policy import Policy
+from ckptd.policy import KeepEvery, Policy
 from ckptd.promotion.pinning import PIN_DIRECTORY, PinCap, pins_over_cap
 from ckptd.testing.fault_proxy import FaultProxy
 from ckptd.tiers.local import LocalTier
@@ -51,6 +51,10 @@ def test_pins_over_cap_releases_the_oldest_and_keeps_the_newest_and_the_one_in_f
     assert pins_over_cap({1: 50, 2: 10, 3: 500}, PinCap(10, max_bytes=60)) == [1, 2], "the newest stays"
     assert pins_over_cap({1: 50, 2: 50}, PinCap(10, max_bytes=0)) == [], "0 bytes: no byte limit"
     assert pins_over_cap({}, PinCap(1)) == []
+    assert pins_over_cap({1: 0, 2: 0, 3: 0, 4: 0, 5: 0}, PinCap(3), keep_if_possible=[2]) == [1, 3], \
+        "a step keep_remote keeps for good goes after the others"
+    assert pins_over_cap({1: 0, 2: 0, 3: 0, 4: 0}, PinCap(2), keep=[3], keep_if_possible=[1, 2]) == [1, 2], \
+        "and only when the cap cannot be met otherwise"
     with pytest.raises(ConfigError, match="CKPTD_PIN_MAX_STEPS"):
         PinCap(0)
     with override(pin_max_steps=7, pin_max_bytes=123):
@@ -152,3 +156,22 @@ def test_a_restart_with_more_pins_than_the_cap_resumes_the_newest(tmp_path: Path
                                  storage_options=s3_server.storage_options) as reader:
         assert reader.restore(restored) == 5
     assert same_bytes(restored, _state(5))
+
+
+def test_the_pin_cap_releases_steps_keep_remote_keeps_for_good_last(tmp_path: Path, s3_server, s3_bucket) -> None:
+    url, root = f"s3://{s3_bucket}/run", tmp_path / "local"
+    policy = Policy(keep_local=1, keep_remote=KeepEvery(3, latest=1))
+    with override(pin_max_steps=3, **FAIL_FAST), \
+            FaultProxy(s3_server.endpoint_url, fraction=1.0, kinds=("500",)) as proxy:
+        manager = ckptd.CheckpointManager(root, remote=url, capture_rng=False, policy=policy,
+                                          storage_options=proxy.storage_options(s3_server.storage_options))
+        for step in range(1, 8):
+            manager.save(step, _state(step))
+            with pytest.raises(CkptdError):
+                manager.wait_uploads()
+        pinned = LocalTier(root / PIN_DIRECTORY).committed_steps()
+        assert pinned == [3, 6, 7], f"the milestones 3 and 6 outlive the other unpromoted pins: {pinned}"
+        assert list(manager.uploader.released) == [1, 2, 4, 5]
+        with pytest.raises(UnpromotedError) as caught:
+            manager.close(timeout_s=30)
+    assert caught.value.steps == (3, 6, 7)

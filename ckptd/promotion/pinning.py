@@ -148,11 +148,19 @@ class PinCap:
         return cls(options.pin_max_steps, options.pin_max_bytes)
 
 
-def pins_over_cap(pinned: Mapping[int, int], cap: PinCap, *, keep: Collection[int] = ()) -> list[int]:
+def pins_over_cap(pinned: Mapping[int, int], cap: PinCap, *, keep: Collection[int] = (),
+                  keep_if_possible: Collection[int] = ()) -> list[int]:
     """The pins to release, oldest first, so that ``pinned`` (step -> bytes held only by its pin) fits ``cap``.
 
     The newest pin and the steps in ``keep`` (the one being uploaded) are never released; when they alone
-    exceed the cap, everything else goes and the rest stays."""
+    exceed the cap, everything else goes and the rest stays. The steps in ``keep_if_possible`` (those
+    ``keep_remote`` keeps for good) go only when releasing every other pin does not fit the cap."""
+    first = _over_cap(pinned, cap, set(keep) | set(keep_if_possible))
+    rest = {step: held for step, held in pinned.items() if step not in first}
+    return sorted(first + _over_cap(rest, cap, set(keep)))
+
+
+def _over_cap(pinned: Mapping[int, int], cap: PinCap, keep: Collection[int]) -> list[int]:
     steps = sorted(pinned)
     if not steps:
         return []

@@ -362,7 +362,8 @@ class BackgroundUploader:
         self.pins.unpin(step, None if self.world_size == 1 else self._own_files(self.pins.tier, step))
 
     def _apply_pin_cap(self) -> None:
-        """Release the oldest unpromoted pins past :attr:`pin_cap` (never the newest, nor the one in flight)."""
+        """Release the oldest unpromoted pins past :attr:`pin_cap` (never the newest, nor the one in flight;
+        the steps ``keep_remote`` keeps for good only when the cap cannot be met otherwise)."""
         with self._lock:
             pinned = sorted(self._unpromoted)
             current = self._current
@@ -371,7 +372,8 @@ class BackgroundUploader:
         held = {step: self.pins.held_bytes(step) if self.pin_cap.max_bytes else 0 for step in pinned}
         with self._lock:
             keep = self._announced_pending() | ({current} if current is not None else set())
-        over = pins_over_cap(held, self.pin_cap, keep=keep)
+        lasting = [step for step in pinned if not self.policy.may_supersede(step)]
+        over = pins_over_cap(held, self.pin_cap, keep=keep, keep_if_possible=lasting)
         if over and self.follows:
             try:  # learn the steps rank 0 announced meanwhile: they are kept
                 self._read_decisions(0.0, blocking=False)
