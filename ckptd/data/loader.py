@@ -27,7 +27,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from ckptd.data.dataset import RankBatch, ShardDataset
-from ckptd.data.position import BatchLedger, Position, StepConvention
+from ckptd.data.position import BatchLedger, Position, StepConvention, held_changed
 from ckptd.errors import ConfigError, ResumeMismatchError
 
 log = logging.getLogger("ckptd.data")
@@ -42,7 +42,8 @@ class LoaderState:
     """Where a ShardLoader stands; its JSON form is what the checkpoint holds.
 
     ``step``: the training step the state was saved for (None when saved by plain ``state_dict()``,
-    which records the position after the last batch handed out).
+    which records the position after the last batch handed out). ``held``: batches the loop had taken
+    but not trained on at that save (None without a step).
     """
 
     epoch: int
@@ -51,11 +52,12 @@ class LoaderState:
     manifest_digest: str
     skipped_shards: tuple[str, ...] = ()
     step: int | None = None
+    held: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "epoch": self.epoch, "samples_consumed": self.samples_consumed,
                 "seed": self.seed, "manifest_digest": self.manifest_digest,
-                "skipped_shards": list(self.skipped_shards), "step": self.step}
+                "skipped_shards": list(self.skipped_shards), "step": self.step, "held": self.held}
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> LoaderState:
@@ -64,11 +66,11 @@ class LoaderState:
                                       f"(expected one of {_READABLE_VERSIONS})",
                                       hint="resume with the ckptd that saved it")
         try:
-            step = raw.get("step")
+            step, held = raw.get("step"), raw.get("held")
             state = cls(epoch=int(raw["epoch"]), samples_consumed=int(raw["samples_consumed"]),
                         seed=int(raw["seed"]), manifest_digest=str(raw["manifest_digest"]),
                         skipped_shards=tuple(str(path) for path in raw.get("skipped_shards") or ()),
-                        step=None if step is None else int(step))
+                        step=None if step is None else int(step), held=None if held is None else int(held))
         except (KeyError, TypeError, ValueError) as exc:
             raise ResumeMismatchError(f"the data loader state is malformed: {exc!r}",
                                       hint="was it saved by a ShardLoader?") from exc
@@ -85,10 +87,12 @@ class ShardLoader:
     """Iterates a :class:`ShardDataset` through a torch DataLoader and tracks the resumable state.
 
     ``num_workers``, ``pin_memory``, ``prefetch_factor``, ``multiprocessing_context`` and
-    ``worker_init_fn`` go to the DataLoader (workers are started for each epoch). ``batches_per_step`` (micro-batches per training
-    step, for gradient accumulation), ``start_step`` (the step number a save before any training would
-    carry; 0 when the step you save counts the steps done) and ``max_ahead`` (batches a loop may hold
-    untrained at a save) map saved steps to batches, see :mod:`ckptd.data.position`. ``steps=N`` runs one
+    ``worker_init_fn`` go to the DataLoader (workers are started for each epoch). ``batches_per_step``
+    (micro-batches per training step, for gradient accumulation), ``start_step`` (the step number a save
+    before any training would carry; 0 when the step you save counts the steps done) and ``max_ahead``
+    (batches a loop may hold untrained at a save) map saved steps to batches, see
+    :mod:`ckptd.data.position`; the first save after a resume warns when the loop holds another number of
+    untrained batches than at the save it resumed from (a numbering that needs ``start_step``). ``steps=N`` runs one
     iteration across epochs for N training steps in all (the epoch is in the state).
     ``with_sample_ids=True`` yields ``(batch, ids)`` with the ``"<shard path>#<index>"`` of each sample.
     ``allow_manifest_change=True`` lets :meth:`load_state_dict` accept a state saved with another
@@ -97,7 +101,8 @@ class ShardLoader:
 
     def __init__(self, dataset: ShardDataset, *, num_workers: int = 0, pin_memory: bool = False,
                  prefetch_factor: int | None = None, multiprocessing_context: Any = None,
-                 worker_init_fn: Callable[[int], None] | None = None, batches_per_step: int = 1, start_step: int = 0, max_ahead: int | None = None,
+                 worker_init_fn: Callable[[int], None] | None = None, batches_per_step: int = 1,
+                 start_step: int = 0, max_ahead: int | None = None,
                  steps: int | None = None, with_sample_ids: bool = False,
                  allow_manifest_change: bool = False) -> None:
         if num_workers < 0:
@@ -118,6 +123,7 @@ class ShardLoader:
         self._consumed = 0
         self._skipped: set[str] = set()
         self._ledger = BatchLedger(self.convention, start_step, Position(0, 0))
+        self._held_at_restore: int | None = None
 
     # --- position ------------------------------------------------------------------------------
     @property
@@ -202,12 +208,19 @@ class ShardLoader:
         """The state to save: for ``step``, the position the steps after it start from (raises
         LoaderPositionError when ``step`` does not fit the batches handed out); without a step, the
         position after the last batch handed out."""
-        position = Position(self._epoch, self._consumed)
+        position, held = Position(self._epoch, self._consumed), None
         if step is not None:
             position = self._ledger.position_for(step, position, what=self._describe())
+            held = self._ledger.held(step)
+            if self._held_at_restore is not None and step > self._ledger.origin_step:
+                warning = held_changed(self.convention, self._ledger.origin_step, self._held_at_restore, step,
+                                       held, self._describe())
+                self._held_at_restore = None
+                if warning is not None:
+                    log.warning("%s", warning)
         return LoaderState(epoch=position.epoch, samples_consumed=position.samples_consumed,
                            seed=self.dataset.seed, manifest_digest=self.dataset.manifest.digest,
-                           skipped_shards=tuple(sorted(self._skipped)), step=step)
+                           skipped_shards=tuple(sorted(self._skipped)), step=step, held=held)
 
     def _describe(self) -> str:
         return f"the data loader of rank {self.dataset.schedule.rank}"
@@ -245,3 +258,4 @@ class ShardLoader:
         if step is None:  # saved without a step: the batches taken then count the steps done
             step = self.convention.start_step + self._global_batch(position) // self.convention.batches_per_step
         self._ledger = BatchLedger(self.convention, step, position)
+        self._held_at_restore = loaded.held

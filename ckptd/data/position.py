@@ -22,8 +22,9 @@ taken batches unaccounted for would repeat them. Both raise :class:`~ckptd.error
 naming the step, the counts and the argument that would fit.
 
 Counting cannot tell a loop that is off by one step number from a loop that holds one batch more, so
-a shifted loop that forgets ``start_step`` may pass these checks; the README lists the common loops
-with their arguments.
+a shifted loop that forgets ``start_step`` passes these checks at the save; the README lists the common
+loops with their arguments. A resume shows it: the loop then holds another number of batches at its
+first save than at the save it resumed from, and :func:`held_changed` words the warning.
 """
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ class BatchLedger:
             f"prefetching loop may hold (max_ahead)", step=step,
             hint=self._fits(step) or "a loop that holds more batches at a save passes max_ahead")
 
+    def held(self, step: int) -> int:
+        """Batches taken but not consumed by the steps up to ``step`` (what the loop holds at its save)."""
+        return self.handed_out - (step - self.origin_step) * self.convention.batches_per_step
+
     def _fits(self, step: int) -> str:
         """The argument of ShardLoader that would make this save fit with nothing held, if one would."""
         convention, steps = self.convention, step - self.origin_step
@@ -118,3 +123,23 @@ class BatchLedger:
             if start != convention.start_step:
                 hints.append(f"start_step={start} (the step number saved before any training)")
         return ("pass ShardLoader(" + " or ".join(hints) + ") if that is how your loop counts") if hints else ""
+
+
+def held_changed(convention: StepConvention, restored_step: int, held_then: int, step: int, held_now: int,
+                 what: str) -> str | None:
+    """The warning for a loop that held ``held_then`` batches when it saved ``restored_step`` and holds
+    ``held_now`` at its first save (``step``) after resuming from it; None when the counts agree."""
+    if held_now == held_then:
+        return None
+    shift, per_step = held_then - held_now, convention.batches_per_step
+    fit = f"; pass ShardLoader(start_step={convention.start_step - shift // per_step}) if that is how your " \
+          "loop counts" if shift % per_step == 0 else ""
+    if shift > 0:
+        return (f"{what} held {held_then} untrained batch(es) when step {restored_step} was saved but holds "
+                f"{held_now} at step {step}, after resuming from it: if the loop numbers its steps lower than "
+                f"the steps done (for step in range(N): train(); save(step)), the resume trained {shift} "
+                f"batch(es) again{fit}")
+    return (f"{what} held {held_then} untrained batch(es) when step {restored_step} was saved but holds "
+            f"{held_now} at step {step}, after resuming from it: if the loop numbers its steps higher than the "
+            f"steps done (saves step n before training it, from 1), the resume skipped {-shift} batch(es)"
+            f"{fit} (no batch was lost if the earlier run had run out of batches or ended an epoch there)")
