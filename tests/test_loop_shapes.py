@@ -385,3 +385,13 @@ def test_a_loop_numbered_from_zero_with_start_step_resumes_silently_and_exactly(
         first = _run_from_zero(tmp_path, token_data, range(0, 3), start_step=-1)
         again = _run_from_zero(tmp_path, token_data, range(3, 5), start_step=-1)
     assert again[0] not in first and "held" not in caplog.text
+
+
+def test_the_fix_the_warning_asks_for_is_not_warned_about_again(tmp_path: Path, token_data: Any,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="ckptd.data"):
+        _run_from_zero(tmp_path, token_data, range(0, 3))
+        _run_from_zero(tmp_path, token_data, range(3, 5), start_step=-1)  # resumed with the argument added
+        assert "held" not in caplog.text  # the saved counts were made under start_step=0: not compared
+        _run_from_zero(tmp_path, token_data, range(5, 7), start_step=-1)
+    assert "held" not in caplog.text

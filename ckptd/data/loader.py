@@ -43,7 +43,7 @@ class LoaderState:
 
     ``step``: the training step the state was saved for (None when saved by plain ``state_dict()``,
     which records the position after the last batch handed out). ``held``: batches the loop had taken
-    but not trained on at that save (None without a step).
+    but not trained on at that save and ``start_step`` the loader's argument then (None without a step).
     """
 
     epoch: int
@@ -53,11 +53,13 @@ class LoaderState:
     skipped_shards: tuple[str, ...] = ()
     step: int | None = None
     held: int | None = None
+    start_step: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "epoch": self.epoch, "samples_consumed": self.samples_consumed,
                 "seed": self.seed, "manifest_digest": self.manifest_digest,
-                "skipped_shards": list(self.skipped_shards), "step": self.step, "held": self.held}
+                "skipped_shards": list(self.skipped_shards), "step": self.step, "held": self.held,
+                "start_step": self.start_step}
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> LoaderState:
@@ -66,11 +68,12 @@ class LoaderState:
                                       f"(expected one of {_READABLE_VERSIONS})",
                                       hint="resume with the ckptd that saved it")
         try:
-            step, held = raw.get("step"), raw.get("held")
+            step, held, start_step = raw.get("step"), raw.get("held"), raw.get("start_step")
             state = cls(epoch=int(raw["epoch"]), samples_consumed=int(raw["samples_consumed"]),
                         seed=int(raw["seed"]), manifest_digest=str(raw["manifest_digest"]),
                         skipped_shards=tuple(str(path) for path in raw.get("skipped_shards") or ()),
-                        step=None if step is None else int(step), held=None if held is None else int(held))
+                        step=None if step is None else int(step), held=None if held is None else int(held),
+                        start_step=None if start_step is None else int(start_step))
         except (KeyError, TypeError, ValueError) as exc:
             raise ResumeMismatchError(f"the data loader state is malformed: {exc!r}",
                                       hint="was it saved by a ShardLoader?") from exc
@@ -220,7 +223,8 @@ class ShardLoader:
                     log.warning("%s", warning)
         return LoaderState(epoch=position.epoch, samples_consumed=position.samples_consumed,
                            seed=self.dataset.seed, manifest_digest=self.dataset.manifest.digest,
-                           skipped_shards=tuple(sorted(self._skipped)), step=step, held=held)
+                           skipped_shards=tuple(sorted(self._skipped)), step=step, held=held,
+                           start_step=None if step is None else self.convention.start_step)
 
     def _describe(self) -> str:
         return f"the data loader of rank {self.dataset.schedule.rank}"
@@ -258,4 +262,5 @@ class ShardLoader:
         if step is None:  # saved without a step: the batches taken then count the steps done
             step = self.convention.start_step + self._global_batch(position) // self.convention.batches_per_step
         self._ledger = BatchLedger(self.convention, step, position)
-        self._held_at_restore = loaded.held
+        # A start_step changed since that save (the fix the warning asks for) makes the counts incomparable.
+        self._held_at_restore = loaded.held if loaded.start_step == self.convention.start_step else None
