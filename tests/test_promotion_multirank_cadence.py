@@ -8,6 +8,7 @@ their deadline, and a restore from the object tier alone gives back the saved by
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -216,3 +217,50 @@ def test_following_rank_promotes_only_announced_steps(tmp_path: Path, store_port
         uploader.close(timeout_s=3.0)
     assert raised.value.steps == (6,) and time.monotonic() - started <= 3.0 + 2.0
     assert not uploader.running and pins.list_step_numbers() == [6], "the undecided step stays pinned"
+
+
+class _HeldRead:
+    """Rank 1's store schedule, holding the read of ``step``'s decision after the store gave it (the moment
+    the uploader thread has fetched a decision and not yet recorded it)."""
+
+    def __init__(self, inner: StorePromotionSchedule, step: int) -> None:
+        self.inner, self.step = inner, step
+        self.fetched, self.gate = threading.Event(), threading.Event()
+
+    def announce(self, step: int) -> int:
+        return self.inner.announce(step)
+
+    def announce_closing(self) -> None:
+        self.inner.announce_closing()
+
+    def next_decision(self, after_index: int, timeout_s: float) -> Decision | None:
+        decision = self.inner.next_decision(after_index, timeout_s)
+        if decision is not None and decision.step == self.step and not self.gate.is_set():
+            self.fetched.set()
+            self.gate.wait(30)
+        return decision
+
+
+def test_the_pin_cap_waits_for_a_decision_being_read(tmp_path: Path, store_port: int, s3_bucket: str,
+                                                     s3_options: dict[str, Any]) -> None:
+    run_multirank(_save_local_steps, 2, str(tmp_path), timeout_s=120)
+    leader, inner = (StorePromotionSchedule(c) for c in _coordinators(store_port))
+    held = _HeldRead(inner, 2)
+    remote = object_tier(s3_bucket, s3_options, prefix="held")
+    uploader = BackgroundUploader(LocalTier(tmp_path / "node1"), remote, policy=POLICY, rank=1, world_size=2,
+                                  schedule=held)
+    for step in (1, 2, 3):
+        uploader.on_commit(step)
+    assert leader.announce(2) == 1  # rank 0 supersedes step 1 and promotes step 2
+    assert held.fetched.wait(30), "rank 1's uploader thread reads the decision"
+    uploader.pin_cap = PinCap(max_steps=1)
+    uploader.on_commit(4)  # over the cap while the announced step 2 is being read: 2 must stay
+    held.gate.set()
+    marker, deadline = step_file(2, "rank-00001.promoted"), time.monotonic() + 30
+    while not remote.exists(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert remote.exists(marker) and 2 not in uploader.released, list(uploader.released)
+    assert set(uploader.released) | set(uploader.superseded) >= {1, 3}, "the cap still applies"
+    with pytest.raises(UnpromotedError) as raised:
+        uploader.close(timeout_s=3.0)
+    assert raised.value.steps == (4,)

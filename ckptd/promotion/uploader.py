@@ -125,6 +125,9 @@ class BackgroundUploader:
         self._decision_index = 0
         self._fetch_lock = threading.Lock()
         self._close_deadline: float | None = None
+        #: A rank following rank 0: the save path found the pins over the cap while the uploader thread read
+        #: decisions; the uploader thread applies the cap after its read.
+        self._cap_due = False
         self._worker: BackgroundWorker[int] = BackgroundWorker(
             "ckptd-uploader", self._promote, describe=self._describe, failures=self._failed,
             step_of=lambda step: step, on_start=self._start, on_idle=self._collect_if_due)
@@ -376,7 +379,11 @@ class BackgroundUploader:
         over = pins_over_cap(held, self.pin_cap, keep=keep, keep_if_possible=lasting)
         if over and self.follows:
             try:  # learn the steps rank 0 announced meanwhile: they are kept
-                self._read_decisions(0.0, blocking=False)
+                if not self._read_decisions(0.0, blocking=False):
+                    # The uploader thread is reading a decision right now (maybe of one of these steps): it
+                    # applies the cap once it has read it.
+                    self._cap_due = True
+                    return
             except CkptdError as error:
                 log.debug("could not read rank 0's promotion decisions: %s", error)
         with self._lock:
@@ -530,25 +537,28 @@ class BackgroundUploader:
                 log.info("rank %d waits for rank 0's promotion decision about step %d (%.0f s so far)", self.rank,
                          step, now - started)
             self._read_decisions(min(_DECISION_POLL_S, max(0.0, started + limit - now)))
+            if self._cap_due:
+                self._cap_due = False
+                self._apply_pin_cap()
 
-    def _read_decisions(self, timeout_s: float, *, blocking: bool = True) -> None:
+    def _read_decisions(self, timeout_s: float, *, blocking: bool = True) -> bool:
         """A rank following rank 0: read the decisions announced since the last read, waiting at most
         ``timeout_s`` seconds for the first of them. ``blocking=False`` (the save path): nothing when the
-        uploader thread is reading them right now."""
+        uploader thread is reading them right now (then False)."""
         assert self.schedule is not None
         if not self._fetch_lock.acquire(blocking=blocking):
-            return
+            return False
         try:
             wait = timeout_s
             while True:
                 decision = self.schedule.next_decision(self._decision_index, wait)
                 if decision is None:
-                    return
+                    return True
                 with self._lock:
                     self._decisions.append(decision)
                     self._decision_index = decision.index
                 if decision.closing:
-                    return
+                    return True
                 wait = 0.0
         finally:
             self._fetch_lock.release()
