@@ -175,3 +175,32 @@ def test_the_pin_cap_releases_steps_keep_remote_keeps_for_good_last(tmp_path: Pa
         with pytest.raises(UnpromotedError) as caught:
             manager.close(timeout_s=30)
     assert caught.value.steps == (3, 6, 7)
+
+
+def test_close_bounds_writes_and_uploads_together(tmp_path: Path, s3_server, s3_bucket) -> None:
+    """A save still being written and an upload that hangs share one close() deadline: the uploads get
+    what the write left, not a deadline of their own."""
+    import threading
+
+    from ckptd.testing.write_faults import WriteFaults
+
+    url, timeout_s, write_held_s = f"s3://{s3_bucket}/run", 6.0, 4.0
+    with override(**dict(FAIL_FAST, s3_read_timeout_s=60.0)), \
+            FaultProxy(s3_server.endpoint_url, fraction=1.0, kinds=("stall",), stall_s=60.0) as proxy:
+        manager = ckptd.CheckpointManager(tmp_path / "local", remote=url, capture_rng=False,
+                                          storage_options=proxy.storage_options(s3_server.storage_options))
+        manager.save(1, _state(1))
+        manager.wait()  # step 1's upload now hangs on the object tier
+        with WriteFaults(hang_steps={2}) as faults:
+            manager.save(2, _state(2))
+            assert faults.entered.wait(30), "the write of step 2 was held"
+            threading.Timer(write_held_s, faults.release).start()
+            started = time.monotonic()
+            with pytest.raises(UnpromotedError):
+                manager.close(timeout_s=timeout_s)
+            elapsed = time.monotonic() - started
+        assert manager.local.committed_steps() == [1, 2], "the held write finished and committed within close()"
+        assert elapsed < timeout_s + 2.5, f"close took {elapsed:.1f} s for a {timeout_s} s deadline"
+        proxy.stop()
+        with pytest.raises(UnpromotedError):
+            manager.close(timeout_s=60)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -303,7 +304,8 @@ class CheckpointManager:
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for pending writes and uploads, then release the tiers. Safe to call twice.
 
-        Each wait lasts at most ``timeout_s`` seconds (default ``CKPTD_CLOSE_TIMEOUT_S``). A save still being
+        Writes and uploads together get at most ``timeout_s`` seconds (default ``CKPTD_CLOSE_TIMEOUT_S``):
+        uploads get what the writes left. A save still being
         written then raises StillRunningError naming it, and the manager keeps its directory lock (and its
         object tier), so that no other manager enters while the old writer may still write: call ``close``
         again later. Uploads that did not finish raise UnpromotedError listing the steps left pinned locally
@@ -313,11 +315,13 @@ class CheckpointManager:
             return
         self._closed = True
         self._saver.stager.stop_preparing()
+        budget = settings().close_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + budget
         try:
-            self._saver.close(timeout_s)
+            self._saver.close(budget)
         finally:
             if not self._saver.running:  # a save still being written (StillRunningError) keeps the lock
-                self._release(timeout_s)
+                self._release(max(0.0, deadline - time.monotonic()))
 
     def _release(self, timeout_s: float | None) -> None:
         try:
