@@ -91,7 +91,7 @@ def test_hanging_upload_close_gives_up_in_time_keeps_the_lock_and_a_later_close_
         manager.wait()
         with pytest.raises(UnpromotedError) as caught:
             manager.close(timeout_s=1.0)
-        assert caught.value.steps == (1,) and "did not finish within 1 s" in str(caught.value)
+        assert caught.value.steps == (1,) and "did not finish within" in str(caught.value)
         assert "step 1 is still being promoted" in str(caught.value)
         assert isinstance(caught.value.__cause__, StillRunningError)
         with pytest.raises(LockedError):  # the upload may still touch the pins: nobody else enters

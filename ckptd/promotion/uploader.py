@@ -293,7 +293,7 @@ class BackgroundUploader:
             for step in self._worker.drop_queued():
                 self._forget_queued(step)
             steps = self.unpromoted
-            raise UnpromotedError(f"uploads to the object tier did not finish within {timeout_s:g} s: "
+            raise UnpromotedError(f"uploads to the object tier did not finish within {timeout_s:.3g} s: "
                                   f"step(s) {', '.join(map(str, steps))} stay unpromoted and pinned locally "
                                   f"({error.running}){self._failures_in_words()}", steps, tier=self.remote.label,
                                   hint=_RESUME_HINT) from error
