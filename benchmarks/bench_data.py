@@ -99,14 +99,19 @@ def _ratio(baseline: _Timing, measured: _Timing) -> float:
     return round(baseline.wall_s / measured.wall_s, 3)
 
 
-def _warm_cases(root: Path, quick: bool, repeats: int) -> list[dict[str, Any]]:
-    rows = []
+def _token_shards(token_dir: Path, quick: bool, seed: int) -> tuple[Path, int]:
+    """Writes random uint16 token shards into ``token_dir``; returns it and the ``seq_len`` to read them."""
     shards, tokens_per_shard, seq_len = (8, 2 * MB, 512) if quick else (16, 4 * MB, 1024)
-    token_dir = root / "tokens"
     token_dir.mkdir()
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     for shard in range(shards):
         rng.integers(0, 50_000, tokens_per_shard, dtype=np.uint16).tofile(token_dir / f"part-{shard:03d}.bin")
+    return token_dir, seq_len
+
+
+def _warm_cases(root: Path, quick: bool, repeats: int) -> list[dict[str, Any]]:
+    rows = []
+    token_dir, seq_len = _token_shards(root / "tokens", quick, seed=0)
     jsonl_dir = root / "jsonl"
     write_jsonl_shards(jsonl_dir, [2_000 if quick else 5_000] * 8, payload_bytes=400)
     for name, directory, fmt, options, plain in (
@@ -191,12 +196,7 @@ def _training_tensors(manifest: DatasetManifest, cache: Path, batch: int, worker
 
 def _batch_type_cases(root: Path, quick: bool, repeats: int) -> list[dict[str, Any]]:
     rows = []
-    shards, tokens_per_shard, seq_len = (8, 2 * MB, 512) if quick else (16, 4 * MB, 1024)
-    token_dir = root / "batch-tokens"
-    token_dir.mkdir()
-    rng = np.random.default_rng(2)
-    for shard in range(shards):
-        rng.integers(0, 50_000, tokens_per_shard, dtype=np.uint16).tofile(token_dir / f"part-{shard:03d}.bin")
+    token_dir, seq_len = _token_shards(root / "batch-tokens", quick, seed=2)
     manifest = index_dataset(str(token_dir), "tokens", reader_options={"seq_len": seq_len}).manifest
     cache = root / "cache-batch-tokens"
     _training_tensors(manifest, cache, 64, 0, False)  # fill the cache
