@@ -294,29 +294,33 @@ def _selected(skeleton: Any, state: MutableMapping[str, Any], keys: Sequence[str
     saved = [key for key in saved_keys(skeleton) if key != rng.RNG_KEY]
     loaded = saved if keys is None else [key for key in keys if key in saved]
     objects = stateful_keys(skeleton)
+    held = f"(it holds {_listed(saved) or 'nothing'})"
+
+    def mismatch(message: str, hint: str) -> ResumeMismatchError:
+        return ResumeMismatchError(message, step=step, tier=tier, hint=hint)
+
     absent = [key for key in loaded if key in objects and state.get(key) is None]
     if absent:
-        raise ResumeMismatchError(
-            f"the checkpoint holds the state of an object (saved through state_dict()) under key(s) "
-            f"{', '.join(map(repr, absent))}, but the live state has no value there", step=step, tier=tier,
-            hint="build the object and put it under that key before restoring, or load the other keys with "
-                 "restore(state, keys=[...])")
+        raise mismatch(f"the checkpoint holds the state of an object (saved through state_dict()) under key(s) "
+                       f"{_listed(absent)}, but the live state has no value there",
+                       "build the object and put it under that key before restoring, or load the other keys "
+                       "with restore(state, keys=[...])")
     if keys is None:
         unsaved = [key for key in state if key not in saved and key != rng.RNG_KEY]
         if unsaved:
-            raise ResumeMismatchError(
-                f"the live state has key(s) {', '.join(map(repr, unsaved))} that the checkpoint does not hold "
-                f"(it holds {', '.join(map(repr, saved)) or 'nothing'})", step=step, tier=tier,
-                hint="remove them from the state before restoring, or load the saved keys alone with "
-                     "restore(state, keys=[...])")
+            raise mismatch(f"the live state has key(s) {_listed(unsaved)} that the checkpoint does not hold {held}",
+                           "remove them from the state before restoring, or load the saved keys alone with "
+                           "restore(state, keys=[...])")
         return skeleton
     subset, missing = select_keys(skeleton, [key for key in keys if key != rng.RNG_KEY])
     if missing:
-        raise ResumeMismatchError(
-            f"key(s) {', '.join(map(repr, missing))} asked for are not in the checkpoint (it holds "
-            f"{', '.join(map(repr, saved)) or 'nothing'})", step=step, tier=tier,
-            hint="ask for keys the checkpoint holds (`ckptd inspect PATH` lists them)")
+        raise mismatch(f"key(s) {_listed(missing)} asked for are not in the checkpoint {held}",
+                       "ask for keys the checkpoint holds (`ckptd inspect PATH` lists them)")
     return subset
+
+
+def _listed(keys: Sequence[str]) -> str:
+    return ", ".join(map(repr, keys))
 
 
 def _source(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
