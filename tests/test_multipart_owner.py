@@ -6,17 +6,20 @@ open while the collector runs. ``CKPTD_HOST_ID`` gives that process another host
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from ckptd.config import override
 from ckptd.promotion.gc import collect_garbage
+from ckptd.tiers.object import ObjectTier
 from ckptd.tiers.upload_owners import OWNERS_PREFIX
 from test_promotion_support import object_tier, s3_client
 
@@ -76,13 +79,24 @@ def _kill(child: subprocess.Popen) -> None:
     child.wait()
 
 
-def test_a_live_promoter_on_another_host_keeps_its_upload_until_its_lease_expires(s3_server, s3_bucket,
-                                                                                  s3_options):
+@contextlib.contextmanager
+def _promoter_uploading(s3_server, s3_bucket: str, s3_options: dict,
+                        host_id: str | None) -> Iterator[tuple[object, ObjectTier, subprocess.Popen]]:
+    """A child promoter (as ``host_id``) with its upload open in the store; killed and closed after."""
     boto = s3_client(s3_server)
     remote = object_tier(s3_bucket, s3_options)
-    child = _start_promoter(s3_bucket, s3_options, host_id="another-host")
+    child = _start_promoter(s3_bucket, s3_options, host_id=host_id)
     try:
         _wait_for_upload(boto, s3_bucket)
+        yield boto, remote, child
+    finally:
+        _kill(child)
+        remote.close()
+
+
+def test_a_live_promoter_on_another_host_keeps_its_upload_until_its_lease_expires(s3_server, s3_bucket,
+                                                                                  s3_options):
+    with _promoter_uploading(s3_server, s3_bucket, s3_options, "another-host") as (boto, remote, child):
         time.sleep(7.0)  # past the 6 s lease: only the owner's refreshes (every 2 s) keep the record alive
         with override(gc_abandoned_s=0.0):
             report = collect_garbage(remote)
@@ -94,25 +108,15 @@ def test_a_live_promoter_on_another_host_keeps_its_upload_until_its_lease_expire
             report = collect_garbage(remote)
         assert report.aborted_uploads == 1 and _open_uploads(boto, s3_bucket) == []
         assert not remote.list_objects(OWNERS_PREFIX), "the expired owner record is removed too"
-    finally:
-        _kill(child)
-        remote.close()
 
 
 def test_an_upload_whose_owner_on_this_host_died_is_aborted_at_once(s3_server, s3_bucket, s3_options):
-    boto = s3_client(s3_server)
-    remote = object_tier(s3_bucket, s3_options)
-    child = _start_promoter(s3_bucket, s3_options, host_id=None)
-    try:
-        _wait_for_upload(boto, s3_bucket)
+    with _promoter_uploading(s3_server, s3_bucket, s3_options, None) as (boto, remote, child):
         assert collect_garbage(remote, abandoned_after_s=3600.0).aborted_uploads == 0, "its owner is alive"
         _kill(child)
         report = collect_garbage(remote, abandoned_after_s=3600.0)
         assert report.aborted_uploads == 1, "a dead pid on this host owns it: aborted though its record is fresh"
         assert _open_uploads(boto, s3_bucket) == [] and not remote.list_objects(OWNERS_PREFIX)
-    finally:
-        _kill(child)
-        remote.close()
 
 
 def test_an_upload_without_an_owner_record_falls_back_to_its_age(s3_server, s3_bucket, s3_options):
