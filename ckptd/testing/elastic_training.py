@@ -66,6 +66,10 @@ def _hex(tensor: torch.Tensor) -> str:
     return tensor.detach().contiguous().numpy().tobytes().hex()
 
 
+def _signal_self(name: str) -> None:
+    os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
+
+
 def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     features = torch.randn(SAMPLES, 16, generator=torch.Generator().manual_seed(args.seed))
@@ -92,7 +96,7 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
         if victim:
             (out / f"rank{ctx.rank}-killed.json").write_text(json.dumps({"step": step, "at": time.time()}))
         if victim and args.kill_phase == "before-step":
-            os.kill(os.getpid(), getattr(signal, f"SIG{args.kill_signal}"))
+            _signal_self(args.kill_signal)
         if step == (start or 0) + 2:  # the first step of this generation completed
             record_path.write_text(json.dumps(record | {"first_step_at": time.time()}))
         elastic.heartbeat()
@@ -106,12 +110,12 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
             parameter.grad /= ctx.world_size
         optim.step()
         if victim and args.kill_phase == "before-save":
-            os.kill(os.getpid(), getattr(signal, f"SIG{args.kill_signal}"))
+            _signal_self(args.kill_signal)
         manager.save(step, state)
         if victim and args.kill_phase == "after-commit":
             manager.wait()
         if victim and args.kill_phase in ("after-save", "after-commit"):
-            os.kill(os.getpid(), getattr(signal, f"SIG{args.kill_signal}"))
+            _signal_self(args.kill_signal)
     manager.close()
     optimizer_state = {f"{index}.{name}": _hex(value) if isinstance(value, torch.Tensor) else repr(value)
                        for index, entry in optim.state_dict()["state"].items() for name, value in entry.items()}
