@@ -34,14 +34,6 @@ from ckptd.tiers.object import ObjectTier  # noqa: E402
 from test_promotion_support import save_local  # noqa: E402
 
 
-def _count(tier: ObjectTier) -> list[str]:
-    sent: list[str] = []
-    for client in [*tier.lanes, tier.fs]:
-        tier._lanes.run(client, client.set_session)
-        client._s3.meta.events.register("before-send.s3", lambda request, **_: sent.append(request.method))
-    return sent
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--chunks", type=int, default=64)
@@ -59,7 +51,8 @@ def main() -> None:
         remote = ObjectTier(f"s3://{bucket}/run", storage_options=server.storage_options)
         promote_step(local, remote, 1)
         needed = read_step_contents(local, 2).unique_chunks()
-        sent = _count(remote)
+        sent: list[str] = []
+        remote.on_request(lambda request, **_: sent.append(request.method))
 
         def timed(name: str, call) -> None:
             sent.clear()

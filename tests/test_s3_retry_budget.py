@@ -25,9 +25,7 @@ _FAST = {"s3_backoff_base_s": 0.01, "s3_backoff_max_s": 0.05, "s3_part_bytes": _
 def _count_sends(tier: ObjectTier) -> list[str]:
     """Every HTTP request any of the tier's clients sends from now on (operation names)."""
     sent: list[str] = []
-    for client in [*tier.lanes, tier.fs]:
-        tier._lanes.run(client, client.set_session)
-        client._s3.meta.events.register("before-send.s3", lambda request, **_: sent.append(request.method))
+    tier.on_request(lambda request, **_: sent.append(request.method))
     return sent
 
 

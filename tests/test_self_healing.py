@@ -69,11 +69,8 @@ def _frozen_keys(contents) -> list[str]:
 def _count_requests(tier) -> Counter:
     """Requests every client of ``tier`` sends from now on, by operation."""
     sent: Counter = Counter()
-    for client in [*tier.lanes, tier.fs]:
-        tier._lanes.run(client, client.set_session)
-        client._s3.meta.events.register(
-            "before-send.s3", lambda request, **_: sent.update([request.url.split("?")[0].rsplit("/", 1)[-1]
-                                                                if request.method == "GET" else request.method]))
+    tier.on_request(lambda request, **_: sent.update([request.url.split("?")[0].rsplit("/", 1)[-1]
+                                                      if request.method == "GET" else request.method]))
     return sent
 
 

@@ -25,7 +25,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -127,6 +127,13 @@ class ObjectTier(StorageTier):
         for client in [*self.lanes, self.fs]:
             with self._errors("connecting", "/"):
                 self._lanes.run(client, client.set_session)
+
+    def on_request(self, handler: Callable[..., Any]) -> None:
+        """Call ``handler(request=..., event_name=..., **_)`` (botocore's ``before-send``) before every HTTP
+        request any client of this tier sends from now on: how tests and benchmarks count requests."""
+        self.connect()
+        for client in [*self.lanes, self.fs]:
+            client._s3.meta.events.register("before-send.s3", handler)
 
     # --- reading -------------------------------------------------------------------------------
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
