@@ -193,11 +193,8 @@ class BackgroundUploader:
         remote step is what this uploader promoted, or learned by :meth:`promotion_lag`)."""
         with self._lock:
             local, remote = self._local_newest, self._remote_newest
-        if local is None:
-            return lag_between(None, None if remote is None else remote[0])
-        if remote is None:
-            return lag_between(local[0], None)
-        return lag_between(local[0], remote[0], local_created=local[1], remote_created=remote[1])
+        (local_step, local_created), (remote_step, remote_created) = local or (None, None), remote or (None, None)
+        return lag_between(local_step, remote_step, local_created=local_created, remote_created=remote_created)
 
     def promotion_lag(self) -> PromotionLag:
         """:attr:`lag`; the first time it lacks a tier's newest step, both tiers are listed once to learn it
