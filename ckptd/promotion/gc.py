@@ -152,9 +152,7 @@ def _sweep(tier: StorageTier, report: GcReport, kept: list[int], in_flight: list
     if not tier.capabilities.multipart_uploads:
         uploads_aborted = 0
     elif dry_run:
-        abandoned = getattr(tier, "abandoned_uploads", None)
-        uploads_aborted = len(abandoned(threshold)) if abandoned is not None else \
-            sum(1 for _, _, started in tier.incomplete_uploads() if time.time() - started >= threshold)
+        uploads_aborted = len(tier.abandoned_uploads(threshold))
     else:
         uploads_aborted = tier.abort_incomplete_uploads(threshold)
     return replace(report, deleted_chunks=len(garbage), deleted_chunk_bytes=sum(garbage.values()),

@@ -18,6 +18,7 @@ Thread safety: reads may run from several threads at once; a file is written by 
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -174,6 +175,13 @@ class StorageTier(abc.ABC):
         """Uploads in parts that were started and never completed nor aborted: (path, upload id, start
         time). Empty on tiers without :attr:`TierCapabilities.multipart_uploads`."""
         return []
+
+    def abandoned_uploads(self, older_than_s: float = 0.0) -> list[tuple[str, str, str]]:
+        """The incomplete uploads :meth:`abort_incomplete_uploads` would abort: (path, upload id, why).
+        Here those started more than ``older_than_s`` ago; a tier that knows uploads' owners overrides it."""
+        now = time.time()
+        return [(path, upload_id, f"started over {older_than_s:.0f}s ago")
+                for path, upload_id, started in self.incomplete_uploads() if now - started >= older_than_s]
 
     def abort_incomplete_uploads(self, older_than_s: float = 0.0) -> int:
         """Abort the incomplete uploads started more than ``older_than_s`` ago; returns how many."""
