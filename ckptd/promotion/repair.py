@@ -85,6 +85,11 @@ def _index_copies(sources: Sequence[StorageTier]) -> _Copies:
     return copies
 
 
+def _is_the_object(remote: StorageTier, path: str, source: StorageTier, share: RankShare, chunk: ChunkRecord) -> bool:
+    """Whether this candidate is the object at ``path`` on ``remote`` itself (not another copy)."""
+    return source is remote and stored_chunk_path(source, share, chunk) == path
+
+
 def _intact(remote: StorageTier, path: str, step: int | None, copies: _Copies) -> bool:
     """Whether the recorded object at ``path`` now passes the check of a step on ``remote`` that holds
     it: the record came from a read that went bad on its way (or from a promotion that stored the
@@ -92,7 +97,7 @@ def _intact(remote: StorageTier, path: str, step: int | None, copies: _Copies) -
     try:
         if path.startswith(remote.chunk_path("")):
             for source, share, chunk in copies.chunks.get(path[len(remote.chunk_path("")):], []):
-                if source is remote and stored_chunk_path(source, share, chunk) == path:
+                if _is_the_object(remote, path, source, share, chunk):
                     read_stored_chunk(remote, share, chunk)
                     return True
         elif step is not None:
@@ -111,10 +116,10 @@ def _mend_chunk(remote: StorageTier, path: str, copies: _Copies) -> str | None:
     candidates = copies.chunks.get(key, [])
     # the stored lengths the steps on the object tier read it with (a copy in another encoding breaks them)
     lengths = {chunk.length for source, share, chunk in candidates
-               if source is remote and stored_chunk_path(source, share, chunk) == path}
+               if _is_the_object(remote, path, source, share, chunk)}
     tried = []
     for source, share, chunk in candidates:
-        if source is remote and stored_chunk_path(source, share, chunk) == path:
+        if _is_the_object(remote, path, source, share, chunk):
             continue  # the bad object itself
         if lengths and chunk.length not in lengths:
             tried.append(f"{source.label} step {share.index.step}: another encoding ({chunk.length} bytes)")
