@@ -142,8 +142,7 @@ def read_chunk(source: ChunkSource, chunk: ChunkRecord, out: memoryview, *, tens
             out[:] = memoryview(decode_verified(chunk, stored, path=path, step=index.step, tier=tier.label,
                                                 tensor=tensor)).cast("B")
     except IntegrityError as error:
-        if tier.capabilities.chunks_by_digest:  # so that promotion uploads the object again
-            report_bad_chunk(tier, path, step=index.step, reason=str(error))
+        report_bad_chunk(tier, path, step=index.step, reason=str(error))  # promotion uploads it again
         raise
 
 
