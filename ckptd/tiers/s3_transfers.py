@@ -182,7 +182,7 @@ def crc32_checksum(data: Buffer) -> str:
 
 
 def put_arguments(data: Buffer) -> dict[str, str]:
-    """Checksum arguments of a single PUT of ``data``."""
+    """Checksum arguments of a single PUT (or one part's upload) of ``data``."""
     return {"ChecksumAlgorithm": "CRC32", "ChecksumCRC32": crc32_checksum(data)}
 
 
@@ -234,7 +234,7 @@ async def _upload_in_parts(client: Any, bucket: str, key: str, data: memoryview,
     async def upload_part(number: int, start: int) -> dict[str, Any]:
         async with gate:
             body = bytes(data[start:start + part])
-            sums = {"ChecksumAlgorithm": "CRC32", "ChecksumCRC32": crc32_checksum(body)} if checksum else {}
+            sums = put_arguments(body) if checksum else {}
             answer = await client._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id,
                                            PartNumber=number, Body=body, **sums)
             done = {"PartNumber": number, "ETag": answer["ETag"]}
