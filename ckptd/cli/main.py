@@ -39,6 +39,9 @@ _SUBCOMMANDS: tuple[tuple[str, ...], ...] = (
                          "uninterrupted one."),
     ("launch_cmd", "launch", "Start a training script on every rank of this node and restart only the rank "
                              "that fails."),
+    ("status_cmd", "status", "Show the status document of this node's ckptd daemon (exit 3 when no daemon answers)."),
+    ("daemon_cmd", "daemon", "Run the node daemon: promote, replicate, scrub and serve the committed steps of "
+                             "local roots."),
 )
 
 

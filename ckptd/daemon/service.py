@@ -1,0 +1,575 @@
+"""The node daemon: watches local roots, journals promotion and replication of each committed step, runs it.
+
+Threads (all named): the :class:`~ckptd.daemon.watcher.CommitWatcher`'s, one worker per kind of task
+(``ckptd-daemon-promote``, ``ckptd-daemon-replicate``), ``ckptd-daemon-maintain`` (scrub, retention and the
+tier listings of the status document), plus the HTTP server's and the control socket's.
+
+Life of a step (see ``docs``: the Sidecar daemon section of the design):
+
+1. the watcher (or a trainer through the control socket, :meth:`Daemon.notice_commit`) reports a committed
+   step; when its root's cadence wants it on the object tier and/or the buddy, the daemon pins it
+   (:class:`~ckptd.promotion.pinning.PinnedSteps`, durable) and journals one task per tier;
+2. the promote worker copies it with :class:`~ckptd.promotion.promoter.Promoter` (the library's code) from
+   the pinned copy; the replicate worker with ``replicate_step`` to ``<buddy>/replicas/<node_id>/<root>``;
+3. a task that fails is retried with exponential back-off (``retry_backoff_s``, doubling, at most
+   :data:`MAX_BACKOFF_S`), its error kept in the journal and the status document; a tier that fails never
+   holds the other one's worker;
+4. when every task of the step is done (or skipped), the pin is dropped.
+
+A restarted daemon puts the tasks that were running back to pending (both copies are idempotent), journals
+what was committed while it was down (the start rescan) and drops pins whose tasks are all finished.
+:meth:`Daemon.stop` stops claiming, lets running tasks finish until the drain deadline and leaves the rest
+journaled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptd.daemon.config import DaemonConfig, RootConfig
+from ckptd.daemon.journal import Journal, Task
+from ckptd.daemon.watcher import CommitWatcher
+from ckptd.errors import CkptdError, NotFoundError
+from ckptd.promotion.lag import PromotionLag, promotion_lag
+from ckptd.promotion.pinning import PinnedSteps
+from ckptd.stepio.step_reader import load_step_manifest
+from ckptd.tiers.atomicity import ranks_held
+from ckptd.tiers.base import StorageTier
+from ckptd.tiers.local import LocalTier
+from ckptd.tiers.registry import open_tier
+
+log = logging.getLogger("ckptd.daemon")
+
+#: Longest wait between two attempts of a failing task.
+MAX_BACKOFF_S = 300.0
+#: The file the daemon writes in its state_dir, and in every watched root.
+STATE_FILE = "daemon.json"
+ROOT_FILE = ".ckptd-daemon.json"
+#: How often the maintenance thread refreshes the tier listings of the status document.
+_REFRESH_S = 10.0
+_IDLE_WAIT_S = 0.5
+_KEPT_ERRORS = 20
+
+#: Called with (event, fields) at each step of a task (tests and debug logs).
+EventHook = Callable[[str, dict[str, Any]], None]
+
+
+class _NoMetrics:
+    """Stands in for :class:`~ckptd.daemon.metrics.DaemonMetrics` when prometheus-client is missing."""
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name == "render":
+            return lambda: (b"# prometheus-client is not installed\n", "text/plain")
+        return lambda *args, **kwargs: None
+
+
+def _metrics() -> Any:
+    try:
+        from ckptd.daemon.metrics import DaemonMetrics
+    except ImportError:  # prometheus-client absent
+        log.warning("prometheus-client is not installed: /metrics is empty (pip install 'ckptd[daemon]')")
+        return _NoMetrics()
+    return DaemonMetrics()
+
+
+@dataclass
+class _Root:
+    """One watched root at run time: its config and the tiers the daemon reads and writes."""
+
+    config: RootConfig
+    local: LocalTier
+    pins: PinnedSteps
+    remote: StorageTier | None = None
+    peer: StorageTier | None = None
+    peer_url: str | None = None
+    #: Steps whose tasks are journaled (or that need none), so repeated reports cost nothing.
+    seen: set[int] = field(default_factory=set)
+    #: tier kind ("object", "peer") -> (committed steps, lag) as last listed.
+    listings: dict[str, tuple[list[int], PromotionLag | None]] = field(default_factory=dict)
+    trainer_report: dict[str, Any] | None = None
+
+
+class Daemon:
+    """One node's daemon over ``config`` (see the module docstring). Call order: :meth:`start` once, then
+    :meth:`run_forever` (or your own wait), then :meth:`stop` once (any thread)."""
+
+    def __init__(self, config: DaemonConfig, *, on_event: EventHook | None = None) -> None:
+        self.config = config
+        self.metrics: Any = _metrics()
+        self.journal: Journal | None = None
+        self.watcher: CommitWatcher | None = None
+        self.http: Any = None
+        self.control: Any = None
+        self.http_port: int | None = None
+        self.on_event = on_event or (lambda event, fields: None)
+        self._roots: dict[str, _Root] = {}
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._wake = {kind: threading.Event() for kind in ("promote", "replicate")}
+        self._workers: list[threading.Thread] = []
+        self._running: dict[str, Task] = {}
+        self._commit_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._errors: list[dict[str, Any]] = []
+        self._started_at: float | None = None
+        self._ready = False
+        self._last_scrub = 0.0
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Open the journal and the tiers, resume journaled work, start the watcher, the workers, the HTTP
+        server and the control socket, and write ``daemon.json``. Raises ConfigError / StorageError."""
+        config = self.config
+        self._started_at = time.time()
+        self.journal = Journal(config.journal_path)
+        requeued = self.journal.requeue_running()
+        if requeued:
+            log.info("%d task(s) were running when the daemon last stopped: they run again", requeued)
+        for root in config.roots:
+            self._roots[root.name] = self._open_root(root)
+        self._resume_pins()
+        self._start_servers()
+        self._write_state_files()
+        self.watcher = CommitWatcher({name: runtime.local.root for name, runtime in self._roots.items()},
+                                     self._on_commit, mode=config.watch, poll_interval_s=config.poll_interval_s)
+        self.watcher.start()
+        for kind in ("promote", "replicate"):
+            self._spawn(f"ckptd-daemon-{kind}", self._work, kind)
+        self._spawn("ckptd-daemon-maintain", self._maintain)
+        self._ready = True
+        log.info("daemon %s started (pid %d): %s", config.node_id, os.getpid(), config.describe())
+
+    def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
+        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+        thread.start()
+        self._workers.append(thread)
+
+    def _open_root(self, root: RootConfig) -> _Root:
+        local = LocalTier(root.local, create=True)  # never takes the trainer's writer lock
+        runtime = _Root(config=root, local=local, pins=PinnedSteps(local))
+        if root.remote is not None:
+            runtime.remote = open_tier(root.remote, storage_options=dict(root.storage_options) or None)
+        runtime.peer_url = self.config.peer_url(root)
+        if runtime.peer_url is not None:
+            try:
+                runtime.peer = open_tier(runtime.peer_url, storage_options={"token": self.config.peer_token})
+            except CkptdError as error:  # replication stays journaled and retried; promotion goes on
+                self._record_error("replicate", root.name, None, f"cannot open the peer tier: {error}")
+        return runtime
+
+    def _resume_pins(self) -> None:
+        """Pins left by an earlier run: journal the tasks of those whose step has none, drop those whose
+        tasks all finished."""
+        assert self.journal is not None
+        for name, runtime in self._roots.items():
+            for step in runtime.pins.pinned():
+                if not self.journal.tasks(root=name, step=step):
+                    self._on_commit(name, step)
+                elif not self.journal.open_tasks(name, step):
+                    self._unpin(runtime, step)
+
+    def _start_servers(self) -> None:
+        config = self.config
+        try:
+            from ckptd.daemon.http_server import HttpServer
+        except ImportError as error:  # aiohttp missing
+            log.warning("no HTTP API: %s (pip install 'ckptd[daemon]')", error)
+        else:
+            self.http = HttpServer(self, config.listen_host, config.listen_port, peer_routes=self._peer_routes())
+            self.http_port = self.http.start()
+        try:
+            from ckptd.daemon.control_socket import ControlSocket
+        except ImportError as error:
+            log.warning("no control socket: %s", error)
+        else:
+            self.control = ControlSocket(self, config.socket_path, allowed_uids=config.control_allowed_uids)
+            self.control.start()
+
+    def _peer_routes(self) -> Callable[[Any], None] | None:
+        try:
+            from ckptd.daemon.peer_api import PeerLimits, PeerNamespaces, add_peer_routes
+        except ImportError as error:
+            log.warning("the peer API is not available in this build: %s", error)
+            return None
+        config = self.config
+        namespaces = PeerNamespaces({name: runtime.local.root for name, runtime in self._roots.items()},
+                                    config.replica_path)
+        limits = PeerLimits(max_concurrency=config.peer_max_concurrency, max_put_bytes=config.peer_max_put_bytes)
+
+        def served(namespace: str, count: int) -> None:
+            self.metrics.peer_served(count)
+
+        return lambda app: add_peer_routes(app, namespaces, token=config.peer_token, limits=limits, on_served=served)
+
+    def run_forever(self) -> None:
+        """Block until :meth:`stop` has finished."""
+        self._stopped.wait()
+
+    def stop(self, drain_timeout_s: float | None = None) -> list[Task]:
+        """Stop claiming tasks, let running ones finish until ``drain_timeout_s`` (default: the config's),
+        stop the servers and remove the state files. Returns the tasks still running at the deadline (they
+        stay journaled and run again at the next start)."""
+        drain = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        self._ready = False
+        self._stopping.set()
+        for event in self._wake.values():
+            event.set()
+        if self.watcher is not None:
+            self.watcher.stop()
+        deadline = time.monotonic() + drain
+        for thread in self._workers:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._state_lock:
+            left = list(self._running.values())
+        if left:
+            log.warning("drain deadline passed with %d task(s) running: %s; they resume at the next start",
+                        len(left), ", ".join(f"{task.kind} step {task.step} of {task.root}" for task in left))
+        for server in (self.control, self.http):
+            if server is not None:
+                try:
+                    server.stop()
+                except Exception:  # noqa: BLE001 - stopping goes on
+                    log.exception("stopping %s failed", type(server).__name__)
+        self._remove_state_files()
+        if not left and self.journal is not None:
+            self.journal.close()
+        self._stopped.set()
+        log.info("daemon %s stopped", self.config.node_id)
+        return left
+
+    # --- state files --------------------------------------------------------------------------------
+    def _state_document(self) -> dict[str, Any]:
+        http = f"{self.config.listen_host}:{self.http_port}" if self.http_port is not None else None
+        return {"pid": os.getpid(), "node_id": self.config.node_id, "http": http,
+                "socket": str(self.config.socket_path) if self.control is not None else None}
+
+    def _write_state_files(self) -> None:
+        document = self._state_document()
+        _write_json(self.config.state_dir / STATE_FILE, document)
+        for name, runtime in self._roots.items():
+            _write_json(runtime.local.root / ROOT_FILE, {**document, "root_name": name})
+
+    def _remove_state_files(self) -> None:
+        paths = [self.config.state_dir / STATE_FILE] + [runtime.local.root / ROOT_FILE
+                                                        for runtime in self._roots.values()]
+        for path in paths:
+            try:
+                if json.loads(path.read_text()).get("pid") == os.getpid():
+                    path.unlink()
+            except (OSError, ValueError):
+                pass
+
+    # --- commits ------------------------------------------------------------------------------------
+    def notice_commit(self, root_name: str, step: int) -> bool:
+        """A trainer says it committed ``step`` in root ``root_name``; returns whether the daemon promotes or
+        replicates it. Raises NotFoundError when the step is not committed there."""
+        runtime = self._roots.get(root_name)
+        if runtime is None:
+            raise NotFoundError(f"this daemon watches no root named {root_name!r}")
+        if not runtime.local.is_committed(step) and step not in runtime.pins.pinned():
+            raise NotFoundError("the step is not committed in the local root", step=step, tier=runtime.local.label)
+        self._on_commit(root_name, step)
+        return bool(self._targets(runtime, step))
+
+    def _targets(self, runtime: _Root, step: int) -> list[tuple[str, str]]:
+        """(kind, target URL) of the tasks a committed step of this root gets."""
+        targets = []
+        if runtime.config.promotes(step) and runtime.remote is not None:
+            targets.append(("promote", runtime.config.remote or ""))
+        if runtime.peer_url is not None and runtime.config.replicates(step):
+            targets.append(("replicate", runtime.peer_url))
+        return targets
+
+    def _on_commit(self, root_name: str, step: int) -> None:
+        """Pin and journal the tasks of a committed step (idempotent)."""
+        runtime = self._roots[root_name]
+        with self._commit_lock:
+            if step in runtime.seen or self._stopping.is_set() or self.journal is None:
+                return
+            targets = self._targets(runtime, step)
+            journaled = {(task.kind, task.target) for task in self.journal.tasks(root=root_name, step=step)}
+            missing = [target for target in targets if target not in journaled]
+            if missing:
+                if step not in runtime.pins.pinned():
+                    if not runtime.local.is_committed(step):
+                        return  # deleted before it could be pinned
+                    runtime.pins.pin(step, runtime.local.list_files(step), durable=True)
+                for kind, target in missing:
+                    if self.journal.enqueue(kind, root_name, step, target):
+                        self.on_event("journaled", {"kind": kind, "root": root_name, "step": step})
+                        self._wake[kind].set()
+                log.info("step %d of root %s committed: %s", step, root_name,
+                         ", ".join(f"{kind} to {target}" for kind, target in missing))
+            runtime.seen.add(step)
+
+    # --- workers ------------------------------------------------------------------------------------
+    def _work(self, kind: str) -> None:
+        assert self.journal is not None
+        wake = self._wake[kind]
+        while not self._stopping.is_set():
+            try:
+                task = self.journal.claim([kind])
+            except Exception:  # noqa: BLE001 - the journal is busy or failing: wait and ask again
+                log.exception("claiming a %s task failed", kind)
+                task = None
+            if task is None:
+                wake.wait(_IDLE_WAIT_S)
+                wake.clear()
+                continue
+            with self._state_lock:
+                self._running[kind] = task
+            try:
+                self._run_task(task)
+            finally:
+                with self._state_lock:
+                    self._running.pop(kind, None)
+
+    def _run_task(self, task: Task) -> None:
+        assert self.journal is not None
+        runtime = self._roots.get(task.root)
+        if runtime is None:
+            self.journal.skip(task.id, f"root {task.root!r} is no longer configured")
+            return
+        self.on_event("task-start", {"kind": task.kind, "root": task.root, "step": task.step,
+                                     "attempt": task.attempts})
+        try:
+            source = self._source(runtime, task.step)
+            if source is None:
+                self.journal.skip(task.id, "the step is gone from the local root and from its pin")
+                log.warning("%s of step %d of root %s skipped: the step is gone locally", task.kind, task.step,
+                            task.root)
+                self._unpin_if_done(runtime, task.step)
+                return
+            if task.kind == "promote":
+                result = self._promote(runtime, source, task.step)
+            else:
+                result = self._replicate(runtime, source, task.step)
+        except Exception as error:  # noqa: BLE001 - every failure is journaled and retried
+            self._failed(task, error)
+            return
+        self.journal.finish(task.id, result)
+        self.on_event("task-done", {"kind": task.kind, "root": task.root, "step": task.step})
+        self._unpin_if_done(runtime, task.step)
+        self._refresh_listing(runtime, "object" if task.kind == "promote" else "peer")
+
+    def _source(self, runtime: _Root, step: int) -> StorageTier | None:
+        """The tier to copy a step from: its pin, or the local root when the pin is gone."""
+        if runtime.pins.tier.is_committed(step):
+            return runtime.pins.tier
+        if runtime.local.is_committed(step):
+            return runtime.local
+        return None
+
+    def _promote(self, runtime: _Root, source: StorageTier, step: int) -> dict[str, Any]:
+        from ckptd.promotion.promoter import Promoter
+
+        assert runtime.remote is not None
+        manifest = load_step_manifest(source, step)
+        held = ranks_held(source, step, manifest)
+        ranks = None if len(held) == manifest.world_size else list(held)
+
+        def phase(name: str) -> None:
+            self.on_event("promote-phase", {"root": runtime.config.name, "step": step, "phase": name})
+
+        report = Promoter(source, runtime.remote, on_phase=phase).promote(step, ranks=ranks)  # type: ignore[arg-type]
+        self.metrics.promoted(runtime.config.name, report.bytes_uploaded, report.seconds)
+        return asdict(report)
+
+    def _replicate(self, runtime: _Root, source: StorageTier, step: int) -> dict[str, Any]:
+        from ckptd.promotion.replicate import replicate_step
+
+        if runtime.peer is None:
+            assert runtime.peer_url is not None
+            runtime.peer = open_tier(runtime.peer_url, storage_options={"token": self.config.peer_token})
+        report = replicate_step(source, runtime.peer, step)
+        self.metrics.replicated(runtime.config.name, report.bytes_sent, report.seconds)
+        return asdict(report)
+
+    def _failed(self, task: Task, error: BaseException) -> None:
+        assert self.journal is not None
+        delay = min(self.config.retry_backoff_s * 2 ** max(task.attempts - 1, 0), MAX_BACKOFF_S)
+        text = str(error) if isinstance(error, CkptdError) else f"{type(error).__name__}: {error}"
+        self.journal.fail(task.id, text, time.time() + delay)
+        tier = "object" if task.kind == "promote" else "peer"
+        self.metrics.retry(tier, task.kind)
+        self.metrics.error(task.kind)
+        self._record_error(task.kind, task.root, task.step, text)
+        self.on_event("task-failed", {"kind": task.kind, "root": task.root, "step": task.step, "error": text})
+        log.warning("%s of step %d of root %s failed (attempt %d, next in %.1fs): %s", task.kind, task.step,
+                    task.root, task.attempts, delay, text, exc_info=not isinstance(error, CkptdError))
+
+    def _unpin_if_done(self, runtime: _Root, step: int) -> None:
+        assert self.journal is not None
+        if not self.journal.open_tasks(runtime.config.name, step):
+            self._unpin(runtime, step)
+
+    def _unpin(self, runtime: _Root, step: int) -> None:
+        try:
+            runtime.pins.unpin(step)
+        except CkptdError as error:
+            log.warning("could not drop the pin of step %d of root %s: %s", step, runtime.config.name, error)
+
+    def _record_error(self, where: str, root: str, step: int | None, text: str) -> None:
+        with self._state_lock:
+            self._errors.append({"where": where, "root": root, "step": step, "error": text, "when": time.time()})
+            del self._errors[:-_KEPT_ERRORS]
+
+    # --- maintenance: listings, retention, scrub ------------------------------------------------------
+    def _maintain(self) -> None:
+        while not self._stopping.wait(min(_REFRESH_S, self.config.poll_interval_s * 10)):
+            for runtime in list(self._roots.values()):
+                for kind in ("object", "peer"):
+                    self._refresh_listing(runtime, kind)
+                self._apply_retention(runtime)
+            self._publish_depth()
+            interval = self.config.scrub_interval_s
+            if interval > 0 and time.monotonic() - self._last_scrub >= interval:
+                self._last_scrub = time.monotonic()
+                self._scrub()
+
+    def _tier(self, runtime: _Root, kind: str) -> StorageTier | None:
+        return runtime.remote if kind == "object" else runtime.peer
+
+    def _refresh_listing(self, runtime: _Root, kind: str) -> None:
+        tier = self._tier(runtime, kind)
+        if tier is None:
+            return
+        try:
+            lag = promotion_lag(runtime.local, tier)
+            steps = tier.committed_steps()
+        except CkptdError as error:
+            log.debug("listing %s for the status failed: %s", tier.label, error)
+            return
+        runtime.listings[kind] = (steps, lag)
+        self.metrics.lag(runtime.config.name, kind, lag.steps_behind, lag.seconds_behind)
+
+    def _publish_depth(self) -> None:
+        if self.journal is None:
+            return
+        for kind, states in self.journal.depth().items():
+            self.metrics.journal_depth(kind, states["pending"] + states["running"] + states["failed"])
+
+    def _protected(self, runtime: _Root) -> set[int]:
+        assert self.journal is not None
+        return set(self.journal.open_steps(runtime.config.name)) | set(runtime.pins.pinned())
+
+    def _apply_retention(self, runtime: _Root) -> None:
+        config = runtime.config
+        wanted = [(runtime.local, config.keep_local), (runtime.remote, config.keep_remote)]
+        if not any(keep is not None and tier is not None for tier, keep in wanted):
+            return
+        try:
+            from ckptd.daemon.retention import apply_retention
+        except ImportError:
+            return
+        for tier, keep in wanted:
+            if tier is None or keep is None:
+                continue
+            try:
+                apply_retention(tier, keep=keep, protect=self._protected(runtime))
+            except CkptdError as error:
+                self._record_error("retention", config.name, None, str(error))
+                log.warning("retention on %s failed: %s", tier.label, error)
+
+    def _scrub(self) -> None:
+        try:
+            from ckptd.daemon.scrub import Scrubber
+        except ImportError:
+            return
+        scrubber = Scrubber(bytes_per_s=self.config.scrub_bytes_per_s)
+        for runtime in list(self._roots.values()):
+            tiers = [tier for tier in (runtime.local, runtime.remote, runtime.peer) if tier is not None]
+            for tier in tiers:
+                if self._stopping.is_set():
+                    return
+                others = [other for other in tiers if other is not tier]
+                try:
+                    report = scrubber.scrub_tier(tier, repair_from=others, should_stop=self._stopping.is_set)
+                except CkptdError as error:
+                    self.metrics.scrub_failure(tier.kind)
+                    self._record_error("scrub", runtime.config.name, None, str(error))
+                    continue
+                self.metrics.scrubbed(tier.kind, report.bytes)
+                for _ in report.bad:
+                    self.metrics.verify_failure(tier.kind)
+                for _ in report.repaired:
+                    self.metrics.repaired(tier.kind)
+
+    # --- for the HTTP server and the control socket ---------------------------------------------------
+    def is_ready(self) -> bool:
+        """Started, not stopping, and the journal open."""
+        return self._ready and not self._stopping.is_set()
+
+    def root_for(self, path: Path) -> RootConfig | None:
+        """The root watching the directory ``path`` (after resolving links), or None."""
+        try:
+            resolved = Path(path).resolve()
+        except OSError:
+            return None
+        for runtime in self._roots.values():
+            if runtime.local.root.resolve() == resolved:
+                return runtime.config
+        return None
+
+    def describe_root(self, root_name: str) -> dict[str, Any]:
+        """What the daemon does with a root (the control socket's hello answer)."""
+        runtime = self._roots.get(root_name)
+        if runtime is None:
+            raise NotFoundError(f"this daemon watches no root named {root_name!r}")
+        config = runtime.config
+        return {"root_name": config.name, "promotes": runtime.remote is not None,
+                "replicates": runtime.peer_url is not None, "remote": config.remote, "peer_url": runtime.peer_url,
+                "remote_every_steps": config.remote_every_steps,
+                "replicate_every_steps": config.replicate_every_steps, "node_id": self.config.node_id}
+
+    def record_trainer_report(self, root_name: str, report: dict[str, Any]) -> None:
+        """Keep a trainer's save-stall and step-time report for the status document and metrics."""
+        runtime = self._roots.get(root_name)
+        if runtime is None:
+            raise NotFoundError(f"this daemon watches no root named {root_name!r}")
+        runtime.trainer_report = {**report, "received": time.time()}
+        self.metrics.trainer_report(root_name, report.get("save_stall_s"), report.get("step_s"))
+
+    def status(self) -> dict[str, Any]:
+        """The status document (JSON-able): node, roots (steps and lag per tier), pending work, errors."""
+        roots: dict[str, Any] = {}
+        for name, runtime in self._roots.items():
+            try:
+                local_steps = runtime.local.committed_steps()
+            except CkptdError:
+                local_steps = []
+            tiers: dict[str, Any] = {"local": {"url": str(runtime.local.root), "steps": local_steps}}
+            for kind, url in (("object", runtime.config.remote), ("peer", runtime.peer_url)):
+                if url is None:
+                    continue
+                steps, lag = runtime.listings.get(kind, (None, None))
+                tiers[kind] = {"url": url, "steps": steps,
+                               "lag_steps": None if lag is None else lag.steps_behind,
+                               "lag_seconds": None if lag is None else lag.seconds_behind}
+            roots[name] = {"local": str(runtime.local.root), "tiers": tiers, "pinned": runtime.pins.pinned(),
+                           "trainer_report": runtime.trainer_report}
+        journal = self.journal
+        depth = journal.depth() if journal is not None else {}
+        errors = [asdict(error) for error in journal.recent_errors(10)] if journal is not None else []
+        with self._state_lock:
+            recent = list(self._errors[-10:])
+            running = [{"kind": task.kind, "root": task.root, "step": task.step} for task in self._running.values()]
+        started = self._started_at or time.time()
+        return {"node_id": self.config.node_id, "pid": os.getpid(), "ready": self.is_ready(),
+                "uptime_s": time.time() - started, "started": started, "roots": roots,
+                "pending": depth, "running": running, "errors": errors, "recent_errors": recent,
+                "watch": self.watcher.mode if self.watcher is not None else None, "http": self._state_document()["http"]}
+
+
+def _write_json(path: Path, document: dict[str, Any]) -> None:
+    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+    os.replace(temporary, path)
