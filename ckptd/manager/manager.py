@@ -21,7 +21,9 @@ from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, rank_file_prefix
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator, StoreCoordinator
 from ckptd.manager.directories import DirectorySharing, directory_identity, set_aside_step
 from ckptd.policy import Policy
-from ckptd.promotion.lag import PromotionLag
+from ckptd.manager.daemon_handoff import DaemonHandoff, open_peer_tier, split_peer_options
+from ckptd.manager.daemon_link import DaemonLink
+from ckptd.promotion.lag import PromotionLag, promotion_lag
 from ckptd.promotion.pinning import PIN_DIRECTORY
 from ckptd.manager.restoring import RestoreResult, TierListings, restore_state
 from ckptd.manager.saving import Saver
@@ -67,6 +69,19 @@ class CheckpointManager:
     background, ``policy.keep_remote`` steps are kept there, and restore falls back to it chunk by chunk.
     ``storage_options`` go to s3fs (endpoint, credentials, region). With ``repopulate_local=True`` a step
     restored from the object tier is copied back to the local tier.
+
+    ``daemon`` (default ``CKPTD_DAEMON``, else ``auto``) decides whether the node's ``ckptd daemon`` takes
+    this manager's steps: ``auto`` uses the daemon that watches ``local`` when one answers, ``off`` never
+    does, ``require`` raises ConfigError when none answers. With a daemon that promotes this root, this
+    process uploads nothing: each committed step is pinned locally and the daemon told; save stalls and step
+    times are reported to it for its metrics (from the writer thread). A daemon that stops answering turns
+    the manager back to in-process promotion (one warning; the pinned steps are resumed). With several ranks
+    the daemon takes the steps only when every rank has one that promotes.
+
+    ``peer`` (``peer://HOST:PORT/NAMESPACE``) adds a buddy node's daemon as a restore tier between the local
+    and the object tier; without it, the peer the daemon names (its buddy's replica of this root) is used.
+    Its token comes from ``storage_options["peer_token"]`` or ``["peer_token_file"]`` (not passed to s3fs),
+    else ``CKPTD_PEER_TOKEN`` / ``CKPTD_PEER_TOKEN_FILE``.
     """
 
     def __init__(
@@ -83,6 +98,8 @@ class CheckpointManager:
         remote: str | None = None,
         storage_options: dict[str, Any] | None = None,
         repopulate_local: bool = False,
+        daemon: str | None = None,
+        peer: str | None = None,
     ) -> None:
         self.policy = policy or Policy()
         self.codec = codecs.chosen_codec(codec)
@@ -109,25 +126,69 @@ class CheckpointManager:
             self._closed = False
             self._released = False  # True once close() released the lock (not while background work runs)
             self.remote: StorageTier | None = None
+            self.peer: StorageTier | None = None
             self._remote_sync: Any = None
+            self._last_save_call: float | None = None
+            storage_options, peer_options = split_peer_options(storage_options)
+            self._handoff = self._find_daemon(daemon, has_remote=remote is not None)
+            self.peer = open_peer_tier(peer, self._handoff.link if self._handoff else None, peer_options)
             if remote is not None:
                 from ckptd.promotion.remote_sync import RemoteSync
 
                 owned = self.sharing.ranks_here if self.sharing.is_owner else ()
                 self._remote_sync = RemoteSync(self.local, remote, storage_options=storage_options,
                                                policy=self.policy, rank=self.rank, world_size=self.world_size,
-                                               repopulate_local=repopulate_local, repopulate_ranks=owned)
+                                               repopulate_local=repopulate_local, repopulate_ranks=owned,
+                                               start_uploads=False)
                 self.remote = self._remote_sync.remote
-                if self.world_size > 1:  # rank 0 decides which steps are promoted, the other ranks follow
-                    from ckptd.manager.promotion_schedule import StorePromotionSchedule
-
-                    schedule = (StorePromotionSchedule(self.coordinator)
-                                if isinstance(self.coordinator, StoreCoordinator) else None)
-                    self._remote_sync.uploader.use_schedule(schedule)
+                if self._handoff is None or not self._handoff.promotes:
+                    self._start_uploads()
                 self._saver.on_commit.append(self._remote_sync.on_commit)
+            if self._handoff is not None:
+                self._saver.on_commit.append(self._handoff.on_commit)
         except BaseException:  # nothing of a manager that failed to start may linger: thread, lock, tiers
             self._abandon_start()
             raise
+
+    def _start_uploads(self) -> None:
+        """Start the in-process uploader (at construction, or on the writer thread when the daemon is lost)."""
+        schedule = None
+        if self.world_size > 1 and isinstance(self.coordinator, StoreCoordinator):
+            from ckptd.manager.promotion_schedule import StorePromotionSchedule  # rank 0 decides, the others follow
+
+            schedule = StorePromotionSchedule(self.coordinator)
+        self._remote_sync.start_uploads(schedule)
+
+    def _find_daemon(self, mode: str | None, *, has_remote: bool) -> DaemonHandoff | None:
+        """The hand-off to the node daemon that watches the local root (None: this process promotes alone).
+        Every rank takes part (training thread): the daemon promotes only when every rank has one that does."""
+        mode = (mode or os.environ.get("CKPTD_DAEMON") or "auto").strip().lower()
+        if mode not in ("auto", "off", "require"):
+            raise ConfigError(f"daemon={mode!r} is not one of auto, off, require",
+                              hint="pass daemon='auto' (use the node's daemon when one runs), 'off' or 'require'")
+        link = DaemonLink.find(self.local.root) if mode != "off" else None
+        answers = self.coordinator.exchange("daemon", [link is not None, link is not None and link.promotes])
+        if mode == "require" and not all(found for found, _ in answers):
+            if link is not None:
+                link.close()
+            missing = [rank for rank, (found, _) in enumerate(answers) if not found]
+            raise ConfigError(f"daemon='require' but no ckptd daemon watches the local directory of rank(s) "
+                              f"{', '.join(map(str, missing))}", path=str(self.local.root),
+                              hint="start `ckptd daemon` with this directory as a root, or pass daemon='auto'")
+        if link is None:
+            return None
+        if link.promotes and not all(promotes for _, promotes in answers):
+            log.info("the ckptd daemon promotes %s, but not on every rank: this process promotes its own steps",
+                     self.local.root)
+            link.info["promotes"] = False
+        pin = link.promotes or (link.replicates and not has_remote)  # else the uploader pins, or nothing needs it
+        return DaemonHandoff(link, self.local, rank=self.rank, world_size=self.world_size, pin=pin,
+                             notify=self.sharing.is_owner, on_lost=self._daemon_lost)
+
+    def _daemon_lost(self) -> None:
+        """Writer thread: the daemon stopped answering; promote in-process from now on."""
+        if self._remote_sync is not None and self._remote_sync.uploader is None:
+            self._start_uploads()
 
     def _abandon_start(self) -> None:
         """Undo a constructor that failed half-way: stop the writer and the uploader, release the lock
@@ -141,6 +202,7 @@ class CheckpointManager:
             except CkptdError as error:
                 log.warning("a manager that failed to start could not stop its background work: %s", error)
                 stopped = stopped and part is not self._saver
+        self._close_daemon_parts()
         if stopped:
             self.local.close()
 
@@ -158,6 +220,8 @@ class CheckpointManager:
         that save at the top of an iteration, as nanoGPT does, ask for it right after a resume.
         """
         self._check_open()
+        called, previous = time.perf_counter(), self._last_save_call
+        self._last_save_call = called
         if self.last_restore is not None and step == self.last_restore.step:
             log.info("step %d is the step this run restored; it is committed and not saved again", step)
             return False
@@ -166,7 +230,11 @@ class CheckpointManager:
                 self._prepare_staging = False
                 prepare_state(self._saver.stager, state, allow_pickle=self.allow_pickle)
             return False
-        return self._saver.save(step, state)
+        saved = self._saver.save(step, state)
+        if saved and self._handoff is not None:  # the daemon's metrics; sent from the writer thread
+            self._handoff.record_save(step, time.perf_counter() - called,
+                                      None if previous is None else called - previous)
+        return saved
 
     # --- restoring ----------------------------------------------------------------------------
     def committed_steps(self) -> list[int]:
@@ -175,8 +243,8 @@ class CheckpointManager:
 
     @property
     def tiers(self) -> list[StorageTier]:
-        """Tiers restore reads from, nearest first."""
-        return [self.local] + ([self.remote] if self.remote is not None else [])
+        """Tiers restore reads from, nearest first: local, peer, object."""
+        return [self.local] + [tier for tier in (self.peer, self.remote) if tier is not None]
 
     def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
                 keys: Sequence[str] | None = None) -> int | None:
@@ -279,20 +347,26 @@ class CheckpointManager:
     @property
     def upload_reports(self) -> list[Any]:
         """One :class:`~ckptd.promotion.PromotionReport` per step promoted by this manager, in order."""
-        return list(self._remote_sync.uploader.reports) if self._remote_sync is not None else []
+        uploader = self.uploader
+        return list(uploader.reports) if uploader is not None else []
 
     @property
     def uploader(self) -> BackgroundUploader | None:
         """The object tier's background uploader (its :attr:`~ckptd.promotion.BackgroundUploader.superseded`,
-        ``released`` and ``unpromoted`` steps), or None without an object tier."""
+        ``released`` and ``unpromoted`` steps), or None without an object tier or while the daemon promotes."""
         return self._remote_sync.uploader if self._remote_sync is not None else None
 
     @property
     def promotion_lag(self) -> PromotionLag | None:
         """How far the object tier is behind the local tier: steps and seconds between the newest local
         commit and the newest remote commit (None without an object tier). Known without I/O once this
-        manager has committed and promoted; before that the tiers are listed once."""
-        return self._remote_sync.uploader.promotion_lag() if self._remote_sync is not None else None
+        manager has committed and promoted; before that the tiers are listed once. While the daemon promotes,
+        both tiers are listed on every call."""
+        if self._remote_sync is None:
+            return None
+        if self._remote_sync.uploader is None:
+            return promotion_lag(self.local, self._remote_sync.remote)
+        return self._remote_sync.uploader.promotion_lag()
 
     def wait_uploads(self) -> None:
         """Block until every step queued for the object tier is promoted; re-raise an upload failure."""
@@ -328,9 +402,20 @@ class CheckpointManager:
             if self._remote_sync is not None:
                 self._remote_sync.close(timeout_s)
         finally:
-            if self._remote_sync is None or not self._remote_sync.uploader.running:
+            if self._remote_sync is None or not self._remote_sync.uploads_running:
                 self._released = True
+                self._close_daemon_parts()
                 self.local.close()
+
+    def _close_daemon_parts(self) -> None:
+        handoff, peer = getattr(self, "_handoff", None), getattr(self, "peer", None)
+        if handoff is not None:
+            handoff.close()
+        if peer is not None:
+            try:
+                peer.close()
+            except CkptdError as error:
+                log.debug("closing the peer tier: %s", error)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from ckptd.errors import CkptdError, ConfigError
 from ckptd.policy import Policy
 from ckptd.promotion.pull import prefetch_step, pull_step
+from ckptd.promotion.schedule import PromotionSchedule
 from ckptd.promotion.uploader import BackgroundUploader
 from ckptd.tiers import StorageTier, open_tier
 from ckptd.tiers.local import LocalTier
@@ -23,11 +24,14 @@ class _Listings(Protocol):
 
 class RemoteSync:
     """The manager's object tier and its uploader. Methods are called from the training thread, except
-    :meth:`on_commit`, which the saver calls after each local commit."""
+    :meth:`on_commit`, which the saver calls after each local commit, and :meth:`start_uploads`.
+
+    With ``start_uploads=False`` (the node's daemon promotes the steps) the object tier serves restores only
+    and no uploader runs; :meth:`start_uploads` starts one later (the daemon stopped answering)."""
 
     def __init__(self, local: LocalTier, url: str, *, storage_options: dict[str, Any] | None, policy: Policy,
                  rank: int, world_size: int, repopulate_local: bool,
-                 repopulate_ranks: tuple[int, ...] | None = None) -> None:
+                 repopulate_ranks: tuple[int, ...] | None = None, start_uploads: bool = True) -> None:
         remote = open_tier(url, storage_options=storage_options)
         if not remote.capabilities.chunks_by_digest:
             raise ConfigError(f"remote={url!r} is not an object store URL", hint="pass remote='s3://bucket/prefix'")
@@ -37,11 +41,32 @@ class RemoteSync:
         #: The ranks whose files this rank copies back into its directory (all the ranks that share it, when
         #: this rank owns it; none otherwise; None: every rank of the step).
         self.repopulate_ranks = repopulate_ranks
-        self.uploader = BackgroundUploader(local, remote, policy=policy, rank=rank, world_size=world_size)
-        self.uploader.resume_pending()
+        self.policy = policy
+        #: None while the node's daemon promotes this root (``start_uploads=False``): see :meth:`start_uploads`.
+        self.uploader: BackgroundUploader | None = None
+        if start_uploads:
+            self.start_uploads()
+
+    def start_uploads(self, schedule: PromotionSchedule | None = None) -> None:
+        """Start the in-process uploader (once) and resume the steps left pinned. With several ranks it decides
+        through ``schedule`` (see :meth:`BackgroundUploader.use_schedule`)."""
+        if self.uploader is not None:
+            return
+        uploader = BackgroundUploader(self.local, self.remote, policy=self.policy, rank=self.rank,
+                                      world_size=self.world_size)
+        if self.world_size > 1:
+            uploader.use_schedule(schedule)
+        self.uploader = uploader
+        uploader.resume_pending()
+
+    @property
+    def uploads_running(self) -> bool:
+        """Whether the uploader's thread still runs (False without an uploader)."""
+        return self.uploader is not None and self.uploader.running
 
     def on_commit(self, step: int) -> None:
-        self.uploader.on_commit(step)
+        if self.uploader is not None:
+            self.uploader.on_commit(step)
 
     def before_restore(self, step: int | None, listings: _Listings | None = None) -> None:
         """Start fetching the chunks this rank will read when the step to restore is only remote.
@@ -74,10 +99,15 @@ class RemoteSync:
             log.warning("could not re-populate the local tier with step %d: %s", step, error)
 
     def wait(self, timeout_s: float | None = None) -> None:
-        """Block until queued uploads are done (at most ``timeout_s``); re-raise the upload failures."""
-        self.uploader.wait(timeout_s)
+        """Block until queued uploads are done (at most ``timeout_s``); re-raise the upload failures. Nothing
+        without an uploader (the daemon promotes)."""
+        if self.uploader is not None:
+            self.uploader.wait(timeout_s)
 
     def close(self, timeout_s: float | None = None) -> None:
         """Finish queued uploads and release the object tier within ``timeout_s`` (see
         :meth:`BackgroundUploader.close`: raises UnpromotedError listing the steps left pinned locally)."""
-        self.uploader.close(timeout_s)
+        if self.uploader is not None:
+            self.uploader.close(timeout_s)
+        else:
+            self.remote.close()

@@ -1,0 +1,101 @@
+"""``ckptd status``: the status document of this node's daemon (steps per tier, lag, pending work, errors).
+
+The daemon is found by ``--socket`` (or ``CKPTD_DAEMON_SOCKET``), or by the ``.ckptd-daemon.json`` it writes
+into a root it watches (``--local ROOT``). Exit status: 0, 2 when neither names a daemon, 3 when no daemon
+answers (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from ckptd.cli.options import json_option, print_json
+
+#: Exit status when no daemon answers.
+NO_DAEMON_EXIT = 3
+
+
+@click.command("status")
+@click.option("--socket", "socket_path", type=click.Path(dir_okay=False), envvar="CKPTD_DAEMON_SOCKET", default=None,
+              help="The daemon's control socket. [env: CKPTD_DAEMON_SOCKET]")
+@click.option("--local", "local_root", type=click.Path(file_okay=False), default=None,
+              help="A local checkpoint directory the daemon watches (its .ckptd-daemon.json names the socket).")
+@json_option
+@click.pass_context
+def status(ctx: click.Context, socket_path: str | None, local_root: str | None, as_json: bool) -> None:
+    """Show the status document of this node's ckptd daemon (exit 3 when no daemon answers)."""
+    from pathlib import Path
+
+    from ckptd.manager.daemon_link import DaemonLink, daemon_socket_path
+
+    if local_root is not None and ctx.get_parameter_source("socket_path") != click.core.ParameterSource.COMMANDLINE:
+        socket_path = None  # --local names the daemon; CKPTD_DAEMON_SOCKET does not override it
+    if socket_path is None and local_root is not None:
+        found = daemon_socket_path(Path(local_root), environ={})
+        if found is None:
+            click.echo(f"ckptd: error: no daemon watches {local_root} (it holds no readable .ckptd-daemon.json)",
+                       err=True)
+            raise click.exceptions.Exit(NO_DAEMON_EXIT)
+        socket_path = str(found)
+    if socket_path is None:
+        raise click.UsageError("name the daemon: --socket PATH or --local ROOT (or set CKPTD_DAEMON_SOCKET)")
+    link = DaemonLink(socket_path)
+    try:
+        document = link.status()
+    finally:
+        link.close()
+    if document is None:
+        click.echo(f"ckptd: error: no ckptd daemon answers on {socket_path} ({link.failure or 'no status'})",
+                   err=True)
+        raise click.exceptions.Exit(NO_DAEMON_EXIT)
+    if as_json:
+        print_json(document)
+        return
+    _print_document(document)
+
+
+def _print_document(document: dict[str, Any]) -> None:
+    """The status document as rich tables: the daemon's own fields first, then one table per section."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    overview = Table("field", "value", title="ckptd daemon", show_header=False)
+    for key, value in document.items():
+        if not isinstance(value, (dict, list)):
+            overview.add_row(key, _cell(value))
+    console.print(overview)
+    for key, value in document.items():
+        rows = _rows(value)
+        if rows is None:
+            continue
+        columns = list(dict.fromkeys(column for _, row in rows for column in row))
+        table = Table("", *columns, title=key)
+        for name, row in rows:
+            table.add_row(name, *(_cell(row.get(column)) for column in columns))
+        console.print(table if rows else f"{key}: none")
+
+
+def _rows(value: Any) -> list[tuple[str, dict[str, Any]]] | None:
+    """A section as (row name, fields) pairs: a dict of dicts by key, a list of dicts by position, a dict of
+    scalars as one row; None for a scalar."""
+    if isinstance(value, dict):
+        if value and all(isinstance(item, dict) for item in value.values()):
+            return [(str(name), item) for name, item in value.items()]
+        return [("", value)] if value else []
+    if isinstance(value, list):
+        return [(str(index), item if isinstance(item, dict) else {"value": item}) for index, item in enumerate(value)]
+    return None
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}".rstrip("0").rstrip(".")
+    if isinstance(value, (dict, list)):
+        return json.dumps(value, separators=(",", ":"), sort_keys=True, default=str)
+    return str(value)

@@ -1,0 +1,182 @@
+"""The daemon's HTTP API on aiohttp: health, readiness, the status document, metrics, and the peer routes.
+
+:class:`HttpServer` runs its own asyncio event loop on one named thread (``ckptd-http``), so that the
+daemon's other threads stay plain threads. Routes:
+
+- ``GET /healthz``: 200 while the process serves requests (nothing else is asked);
+- ``GET /readyz``: 200 when ``daemon.is_ready()``, else 503 with a JSON ``why``;
+- ``GET /status``: the JSON status document, ``daemon.status()``;
+- ``GET /metrics``: the Prometheus text of ``daemon.metrics``;
+- whatever ``peer_routes`` adds (the peer chunk API under ``/v1/peer/``, which has its own token check and
+  limits).
+
+``daemon.status()`` and ``daemon.is_ready()`` may do I/O: they run on the loop's executor, so a slow status
+never holds ``/healthz``. Request bodies are bounded (``client_max_size``) and refused (413) on every route
+but the peer routes. Call order: :meth:`HttpServer.start` once (returns the bound port), :meth:`HttpServer.stop`
+once, from any one thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from ckptd.daemon.metrics import DaemonMetrics
+from ckptd.errors import CkptdError, ConfigError
+
+log = logging.getLogger("ckptd.daemon.http")
+#: Largest request body the app reads (the peer routes stream larger uploads themselves).
+MAX_BODY_BYTES = 64 * 1024
+#: Path prefix of the peer routes: the only ones that accept a request body.
+PEER_PREFIX = "/v1/peer/"
+_START_TIMEOUT_S = 10.0
+_STOP_TIMEOUT_S = 10.0
+_NOT_READY = "the daemon is not ready (starting, stopping, or a root's tier cannot be used yet); see /status"
+
+
+class ServedDaemon(Protocol):
+    """What the HTTP server asks of the daemon (:class:`ckptd.daemon.service.Daemon` provides it)."""
+
+    metrics: DaemonMetrics
+
+    def status(self) -> dict[str, Any]: ...
+
+    def is_ready(self) -> bool: ...
+
+
+def _json(document: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(document, indent=1, sort_keys=True, default=str) + "\n", status=status,
+                        content_type="application/json")
+
+
+class HttpServer:
+    """Serves ``daemon``'s HTTP API on ``host:port`` (port 0: the kernel picks one, :meth:`start` returns it)."""
+
+    def __init__(self, daemon: ServedDaemon, host: str, port: int, *,
+                 peer_routes: Callable[[web.Application], None] | None = None) -> None:
+        self.daemon, self.host, self.port = daemon, host, port
+        self.peer_routes = peer_routes
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+
+    # --- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> int:
+        """Bind and start serving on the ``ckptd-http`` thread; returns the bound port. A port in use or a host
+        that cannot be bound raises ConfigError naming it."""
+        if self._thread is not None:
+            raise CkptdError("this HttpServer was started already")
+        self._thread = threading.Thread(target=self._serve, name="ckptd-http", daemon=True)
+        self._thread.start()
+        if not self._started.wait(_START_TIMEOUT_S):
+            raise CkptdError(f"the HTTP server did not start on {self.host}:{self.port} within {_START_TIMEOUT_S:g} s")
+        if self._start_error is not None:
+            self._thread.join(_STOP_TIMEOUT_S)
+            error = self._start_error
+            raise ConfigError(f"cannot listen on {self.host}:{self.port}: {error}",
+                              hint="pick a free port with `listen = \"HOST:PORT\"` (port 0 picks one)") from error
+        return self.port
+
+    def stop(self) -> None:
+        """Stop serving (requests in flight get up to 10 s) and end the thread. Safe to call twice."""
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None or not thread.is_alive():
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(_STOP_TIMEOUT_S)
+        if thread.is_alive():
+            log.warning("the HTTP server thread did not stop within %g s", _STOP_TIMEOUT_S)
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the running server."""
+        return f"http://{self.host}:{self.port}"
+
+    def _serve(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        asyncio.set_event_loop(loop)
+        try:
+            try:
+                loop.run_until_complete(self._bind())
+            except BaseException as error:  # reported by start()
+                self._start_error = error
+                return
+            finally:
+                self._started.set()
+            loop.run_forever()
+            if self._runner is not None:
+                loop.run_until_complete(self._runner.cleanup())
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+    async def _bind(self) -> None:
+        app = self.application()
+        runner = web.AppRunner(app, access_log=logging.getLogger("ckptd.daemon.http.access"),
+                               handle_signals=False, shutdown_timeout=_STOP_TIMEOUT_S / 2)
+        await runner.setup()
+        self._runner = runner
+        site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            self._runner = None
+            raise
+        self.port = runner.addresses[0][1]
+
+    # --- the application ------------------------------------------------------------------------
+    def application(self) -> web.Application:
+        """The aiohttp application with every route (also used directly by tests of the routes)."""
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_refuse_bodies])
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/readyz", self._readyz)
+        app.router.add_get("/status", self._status)
+        app.router.add_get("/metrics", self._metrics)
+        if self.peer_routes is not None:
+            self.peer_routes(app)
+        return app
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def _readyz(self, request: web.Request) -> web.Response:
+        try:
+            ready = await asyncio.get_running_loop().run_in_executor(None, self.daemon.is_ready)
+        except Exception as error:  # a readiness check that fails means not ready, with the reason
+            log.warning("the readiness check failed: %s", error)
+            return _json({"ready": False, "why": f"the readiness check failed: {error}"}, 503)
+        if ready:
+            return _json({"ready": True})
+        return _json({"ready": False, "why": _NOT_READY}, 503)
+
+    async def _status(self, request: web.Request) -> web.Response:
+        try:
+            document = await asyncio.get_running_loop().run_in_executor(None, self.daemon.status)
+        except Exception as error:
+            log.warning("the status document could not be made: %s", error)
+            self.daemon.metrics.error("http")
+            return _json({"error": f"the status document could not be made: {error}"}, 500)
+        return _json(document)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        body, content_type = self.daemon.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+@web.middleware
+async def _refuse_bodies(request: web.Request,
+                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """Only the peer routes take a request body; anything else that sends one gets 413 unread."""
+    if request.body_exists and not request.path.startswith(PEER_PREFIX):
+        return _json({"error": "this route takes no request body"}, 413)
+    return await handler(request)
