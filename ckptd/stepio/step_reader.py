@@ -297,18 +297,21 @@ def _stop(futures: list[Future[None]]) -> None:
 
 @dataclass(frozen=True)
 class VerifyProblem:
-    """One thing `verify` found wrong."""
+    """One thing `verify` found wrong. ``chunk``: the record of the chunk that failed (None when the
+    problem is the step's metadata), which a repair of a tier that keeps data files needs."""
 
     step: int
     rank: int | None
     path: str
     error: str
+    chunk: ChunkRecord | None = None
 
 
 def verify_step(tier: StorageTier, step: int,
                 progress: Callable[[int], None] | None = None) -> Iterator[VerifyProblem]:
     """Re-hash every chunk of every rank a step holds on one tier (:func:`~ckptd.tiers.atomicity.
-    ranks_held`), yielding each problem found."""
+    ranks_held`), yielding each problem found. ``progress`` is called with each chunk's raw length after
+    the chunk was read (a caller may pace the reads there, or stop them by raising)."""
     try:
         manifest = load_step_manifest(tier, step)
     except CkptdError as error:
@@ -334,6 +337,7 @@ def verify_step(tier: StorageTier, step: int,
                 try:
                     read_chunk(source, chunk, buffer, tensor=name)
                 except CkptdError as error:
-                    yield VerifyProblem(step, entry.rank, error.path or index.data_file(chunk), str(error))
+                    yield VerifyProblem(step, entry.rank, error.path or index.data_file(chunk), str(error),
+                                        chunk=chunk)
                 if progress is not None:
                     progress(chunk.raw_length)

@@ -1,0 +1,243 @@
+"""The daemon's scrub: a flipped bit in a stored chunk is found in one pass and mended from another tier,
+byte for byte; what cannot be mended is reported and nothing else changes; the pacing holds its rate on
+a fake clock; a pass stops between chunks when asked."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from ckptd.cli.main import cli
+from ckptd.daemon.scrub import ByteRateLimiter, Scrubber
+from ckptd.errors import ConfigError
+from ckptd.format.layout import step_dir
+from ckptd.promotion import promote_step
+from ckptd.stepio.step_reader import load_rank_index, load_step_manifest
+from ckptd.testing.tamper import chunk_location, flip_bit
+from ckptd.tiers.chunk_health import bad_chunk_paths
+from ckptd.tiers.local import LocalTier
+from test_promotion_support import model_state, object_tier, s3_client, save_local
+
+pytestmark = pytest.mark.s3
+
+STEPS = (1, 2)
+
+
+@pytest.fixture
+def tiers(tmp_path, s3_bucket, s3_options, monkeypatch):
+    """Steps 1 and 2 committed locally (each tensor in 256 KiB chunks, no packs) and promoted to S3."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # what moto accepts, for `ckptd verify`
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    local = save_local(tmp_path / "local", {step: model_state(step) for step in STEPS})
+    remote = object_tier(s3_bucket, s3_options)
+    for step in STEPS:
+        promote_step(local, remote, step)
+    yield local, remote
+    remote.close()
+
+
+def _chunk_key(tier, step: int, tensor: str) -> str:
+    manifest = load_step_manifest(tier, step)
+    return load_rank_index(tier, manifest, 0).tensors[tensor].chunks[0].object_key
+
+
+def _raw_bytes(tier, step: int) -> int:
+    index = load_rank_index(tier, load_step_manifest(tier, step), 0)
+    return sum(record.nbytes for record in index.tensors.values())
+
+
+def _objects(server, bucket: str) -> dict[str, bytes]:
+    client = s3_client(server)
+    keys = [item["Key"] for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+            for item in page.get("Contents", [])]
+    return {key: client.get_object(Bucket=bucket, Key=key)["Body"].read() for key in keys}
+
+
+def _flip_object(server, bucket: str, key: str) -> None:
+    client = s3_client(server)
+    body = bytearray(client.get_object(Bucket=bucket, Key=key)["Body"].read())
+    body[len(body) // 2] ^= 0x01
+    client.put_object(Bucket=bucket, Key=key, Body=bytes(body))
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(root)): path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()}
+
+
+def _verify_cli(url: str, *extra: str):
+    outcome = CliRunner().invoke(cli, ["verify", url, *extra, "--json"])
+    return outcome.exit_code, json.loads(outcome.output)
+
+
+def _endpoint(s3_options) -> list[str]:
+    return ["--endpoint-url", s3_options["client_kwargs"]["endpoint_url"]]
+
+
+def test_a_flipped_bit_in_a_chunk_object_is_found_and_repaired_from_the_local_tier(tiers, s3_server, s3_bucket,
+                                                                                    s3_options):
+    local, remote = tiers
+    key = f"run/chunks/{_chunk_key(remote, 2, 'trained')}"
+    intact = _objects(s3_server, s3_bucket)[key]
+    _flip_object(s3_server, s3_bucket, key)
+    assert _verify_cli(remote.url, *_endpoint(s3_options))[0] != 0, "the flipped bit is there"
+
+    report = Scrubber(bytes_per_s=math.inf).scrub_tier(remote, repair_from=[local])
+
+    path = key.removeprefix("run/")
+    assert report.steps == STEPS and report.bad == (path,) and report.repaired == (path,)
+    assert report.unrepaired == () and not report.stopped
+    assert report.bytes == sum(_raw_bytes(remote, step) for step in STEPS), "every chunk of both steps was read"
+    assert _objects(s3_server, s3_bucket)[key] == intact, "the object holds its original bytes again"
+    assert bad_chunk_paths(remote) == set(), "its bad record is cleared"
+    code, answer = _verify_cli(remote.url, *_endpoint(s3_options))
+    assert code == 0 and answer["problems"] == [] and answer["steps_checked"] == 2
+
+
+def _replica_of(local: LocalTier, directory: Path) -> LocalTier:
+    """A buddy's replica directory laid out like the local tier (what replication writes)."""
+    for step in local.committed_steps():
+        shutil.copytree(local.root / step_dir(step), directory / step_dir(step))
+    return LocalTier(directory)
+
+
+@pytest.mark.parametrize("kind", ["local-root", "replica-dir"])
+def test_a_flipped_bit_in_a_data_file_is_mended_in_place_from_the_object_tier(tiers, tmp_path, s3_options, kind):
+    local, remote = tiers
+    tier = local if kind == "local-root" else _replica_of(local, tmp_path / "replicas" / "node-a" / "run1")
+    data_file, offset, length = chunk_location(tier.root, 2, "trained")
+    intact = data_file.read_bytes()
+    inode = data_file.stat().st_ino
+    flip_bit(data_file, offset + length // 2, bit=3)
+    assert data_file.read_bytes() != intact
+
+    report = Scrubber(bytes_per_s=math.inf).scrub_tier(tier, repair_from=[remote])
+
+    path = str(data_file.relative_to(tier.root))
+    assert report.bad == (path,) and report.repaired == (path,) and report.unrepaired == ()
+    assert data_file.read_bytes() == intact, "every byte of the data file is back"
+    assert data_file.stat().st_ino == inode, "mended in place (a hard-linked pin is mended with it)"
+    code, answer = _verify_cli(str(tier.root))
+    assert code == 0 and answer["problems"] == []
+
+
+def test_a_bad_local_chunk_is_mended_from_another_step_of_the_same_tier(tiers):
+    local, _ = tiers
+    data_file, offset, _ = chunk_location(local.root, 2, "frozen")  # step 1 holds the same frozen bytes
+    intact = data_file.read_bytes()
+    flip_bit(data_file, offset + 7)
+
+    report = Scrubber(bytes_per_s=math.inf).scrub_tier(local, repair_from=[])
+
+    assert report.repaired == (str(data_file.relative_to(local.root)),) and report.unrepaired == ()
+    assert data_file.read_bytes() == intact
+
+
+def test_a_chunk_without_an_intact_copy_is_reported_and_nothing_else_changes(tiers, s3_server, s3_bucket):
+    local, remote = tiers
+    key = f"run/chunks/{_chunk_key(remote, 2, 'trained')}"  # step 2's own chunk: no other step holds it
+    _flip_object(s3_server, s3_bucket, key)
+    data_file, offset, length = chunk_location(local.root, 2, "trained")
+    flip_bit(data_file, offset + length // 3)
+    stored_before, local_before = _objects(s3_server, s3_bucket), _files(local.root)
+
+    scrubber = Scrubber(bytes_per_s=math.inf)
+    remote_report = scrubber.scrub_tier(remote, repair_from=[local])
+    local_report = scrubber.scrub_tier(local, repair_from=[remote])
+
+    path = key.removeprefix("run/")
+    assert remote_report.bad == (path,) and remote_report.unrepaired == (path,) and remote_report.repaired == ()
+    assert "no intact copy" in dict(remote_report.reasons)[path]
+    local_path = str(data_file.relative_to(local.root))
+    assert local_report.bad == (local_path,) and local_report.unrepaired == (local_path,)
+    assert "no intact copy" in dict(local_report.reasons)[local_path]
+    stored_after = _objects(s3_server, s3_bucket)
+    records = {name for name in stored_after if name.startswith("run/health/bad/")}
+    assert records == {f"run/health/bad/{path}.bad.json"}, "recorded bad, so that nothing reuses it"
+    assert {name: body for name, body in stored_after.items() if name not in records} == stored_before
+    assert _files(local.root) == local_before, "no byte of the local tier changed"
+
+
+def test_steps_that_are_not_committed_are_never_touched(tiers):
+    local, _ = tiers
+    partial = local.root / step_dir(3)
+    shutil.copytree(local.root / step_dir(2), partial)
+    (partial / "manifest.json").unlink()  # a save in progress
+    data_file, offset, _ = chunk_location(local.root, 3, "trained")
+    flip_bit(data_file, offset)
+    before = _files(partial)
+
+    report = Scrubber(bytes_per_s=math.inf).scrub_tier(local, repair_from=[], steps=[2, 3])
+
+    assert report.steps == (2,) and report.bad == ()
+    assert _files(partial) == before
+
+
+class FakeClock:
+    """A clock that moves only when the code under test sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert seconds >= 0
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_the_limiter_holds_its_rate_on_a_fake_clock():
+    clock = FakeClock()
+    limiter = ByteRateLimiter(1000.0, clock=clock, sleep=clock.sleep)
+    start, spent = clock.now, 0
+    for amount in [300, 700, 2500, 10, 990, 4000, 1]:
+        limiter.spend(amount)
+        spent += amount
+        assert spent <= limiter.burst + 1000.0 * (clock.now - start) + 1e-6, "never faster than the rate"
+    assert clock.now - start == pytest.approx((spent - limiter.burst) / 1000.0), "and never slower than needed"
+    clock.now += 5.0  # idle time refills the bucket up to its burst, not beyond
+    slept = len(clock.sleeps)
+    limiter.spend(1000)
+    assert len(clock.sleeps) == slept
+    with pytest.raises(ConfigError, match="scrub rate"):
+        ByteRateLimiter(0.0)
+
+
+def test_a_scrub_pass_keeps_to_its_byte_rate(tiers):
+    local, _ = tiers
+    clock = FakeClock()
+    rate = 512 * 1024.0
+    report = Scrubber(bytes_per_s=rate, clock=clock, sleep=clock.sleep).scrub_tier(local, repair_from=[])
+    assert report.bytes > 4 * rate, "enough bytes that the pacing must act"
+    elapsed = clock.now - 100.0
+    assert elapsed >= (report.bytes - rate) / rate - 1e-6
+    assert elapsed <= report.bytes / rate + 1e-6
+
+
+def test_should_stop_stops_a_pass_between_chunks_and_the_rest_is_scrubbed_next(tiers):
+    local, remote = tiers
+    data_file, offset, _ = chunk_location(local.root, 1, "frozen")  # the first chunk the pass reads
+    intact = data_file.read_bytes()
+    flip_bit(data_file, offset + 1)
+    asked = []
+
+    def should_stop() -> bool:
+        asked.append(1)
+        return len(asked) >= 3  # before step 1, after chunk 1, after chunk 2
+
+    scrubber = Scrubber(bytes_per_s=math.inf)
+    report = scrubber.scrub_tier(local, repair_from=[remote], should_stop=should_stop)
+
+    assert report.stopped and report.chunks == 2 and report.steps == () and report.remaining == STEPS
+    assert report.repaired == (str(data_file.relative_to(local.root)),), "what it found is still mended"
+    assert data_file.read_bytes() == intact
+    rest = scrubber.scrub_tier(local, repair_from=[remote], steps=report.remaining)
+    assert rest.steps == STEPS and not rest.stopped and rest.bad == ()
+    assert rest.chunks > report.chunks
