@@ -132,6 +132,10 @@ class Settings:
     elastic_rejoin_timeout_s: float = 120.0
     #: Elastic: seconds a collective of the process group may block (gloo's timeout) in each generation.
     elastic_collective_timeout_s: float = 60.0
+    #: Peer tier: connect and read timeouts in seconds of requests to a buddy node's daemon (the read
+    #: timeout bounds a silence on the socket, not a whole transfer).
+    peer_connect_timeout_s: float = 2.0
+    peer_read_timeout_s: float = 30.0
 
 
 _overrides: dict[str, Any] = {}

@@ -72,6 +72,15 @@ def _s3(prefix: str) -> Callable[[pytest.FixtureRequest, Path], StorageTier]:
     return opener
 
 
+def _peer(request: pytest.FixtureRequest, tmp_path: Path) -> StorageTier:
+    """A replica namespace of a peer server in this process (whose real writes _local_write_fault breaks)."""
+    from ckptd.testing.peer_server import served_replica_tier
+
+    stack = contextlib.ExitStack()
+    request.addfinalizer(stack.close)
+    return stack.enter_context(served_replica_tier(tmp_path / "replicas"))
+
+
 SETUPS: dict[str, list[_Setup]] = {
     "file": [_Setup("local", lambda request, tmp_path: open_tier(str(tmp_path / "ckpt"), create=True),
                     _local_write_fault),
@@ -79,6 +88,7 @@ SETUPS: dict[str, list[_Setup]] = {
                     _local_write_fault)],
     "s3": [_Setup("s3-prefix", _s3("/run1"), _object_write_fault, (pytest.mark.s3,)),
            _Setup("s3-bucket-root", _s3(""), _object_write_fault, (pytest.mark.s3,))],
+    "peer": [_Setup("peer-replica", _peer, _local_write_fault)],
 }
 
 _CASES = [pytest.param(setup, id=f"{scheme}:{setup.name}", marks=list(setup.marks))

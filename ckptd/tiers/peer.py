@@ -1,0 +1,431 @@
+"""The peer tier: checkpoints held by a buddy node, read and written through that node's daemon.
+
+URL: ``peer://HOST:PORT/NAMESPACE``, where the namespace is ``roots/<root name>`` (the buddy's own
+local root, read only) or ``replicas/<node id>/<root name>`` (what this node replicated to the buddy:
+read and write). Node A replicates its root ``run1`` to buddy B through
+``peer://B:9470/replicas/<A's node id>/run1``, and a restore on A whose local root is gone reads from
+the same URL. The wire layout is in :mod:`ckptd.tiers.peer_paths`; the server is
+:mod:`ckptd.daemon.peer_api`.
+
+Every request carries ``Authorization: Bearer <token>``. The token comes from ``storage_options``
+(``token``, or ``token_file``), else the environment (``CKPTD_PEER_TOKEN``, else
+``CKPTD_PEER_TOKEN_FILE``); it is never logged nor put in an error.
+
+Transport: the standard library's :mod:`http.client`, one keep-alive connection per thread, connect
+and read timeouts from the ``peer_connect_timeout_s`` and ``peer_read_timeout_s`` settings. A request
+that cannot reach the daemon (refused, reset, timed out, a stale keep-alive connection) is tried again a
+few times with a short back-off, and then raises :class:`~ckptd.errors.TierUnreachableError` naming the
+URL, so that a restore skips the tier and reads the next one. Answers map to the error tree: 401 ->
+:class:`~ckptd.errors.TierMisconfiguredError` (set ``CKPTD_PEER_TOKEN``), 404 ->
+:class:`~ckptd.errors.NotFoundError`, 409 -> :class:`~ckptd.errors.AlreadyCommittedError`, 507 ->
+:class:`~ckptd.errors.DiskFullError`.
+
+Reads are ranged GETs of at most :data:`READ_PIECE_BYTES` each (the server bounds a range's length);
+:meth:`PeerTier.read_into` reads the body straight into the caller's buffer. Writes are PUTs whose body
+is streamed (:meth:`PeerTier.write_stream` sends pieces as they are produced); the server writes to a
+temporary file and renames it into place, and ``if_absent`` is decided there atomically.
+
+Thread safety: every method may be called from several threads; each thread uses its own connection.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ckptd._types import Buffer
+from ckptd.config import settings
+from ckptd.errors import (AlreadyCommittedError, CkptdError, ConfigError, DiskFullError, IntegrityError,
+                          NotFoundError, StorageError, TierMisconfiguredError, TierUnreachableError,
+                          UnsafePathError)
+from ckptd.format.layout import step_dir
+from ckptd.tiers.base import StorageTier, TierCapabilities
+from ckptd.tiers.peer_paths import STEPS_LISTING, parse_namespace, request_path
+
+#: Port of a daemon's HTTP server when a peer URL names none.
+DEFAULT_PEER_PORT = 9470
+#: Largest range one GET asks for (the server's ``max_range_bytes`` must be at least this).
+READ_PIECE_BYTES = 32 * 1024 * 1024
+#: Environment variables that hold the peer token, or the path of a file holding it.
+TOKEN_ENV, TOKEN_FILE_ENV = "CKPTD_PEER_TOKEN", "CKPTD_PEER_TOKEN_FILE"
+#: Attempts of one request that could not reach the daemon, and the pauses between them.
+_ATTEMPTS = 3
+_BACKOFF_S = (0.05, 0.25)
+#: Attempts when the daemon answers "busy" (503).
+_BUSY_ATTEMPTS = 6
+_TOKEN_HINT = (f"set {TOKEN_ENV} (or {TOKEN_FILE_ENV}, or storage_options token / token_file) to the "
+               "peer_token of the buddy's daemon")
+
+T = TypeVar("T")
+
+
+def peer_token(storage_options: Mapping[str, Any] | None = None,
+               environ: Mapping[str, str] | None = None) -> str | None:
+    """The bearer token for peer requests (see the module docstring), or None when none is set."""
+    options = storage_options or {}
+    environ = os.environ if environ is None else environ
+    if options.get("token"):
+        return str(options["token"]).strip()
+    path = options.get("token_file") or (None if environ.get(TOKEN_ENV) else environ.get(TOKEN_FILE_ENV))
+    if path:
+        try:
+            token = Path(path).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read the peer token file: {exc.strerror}", path=str(path),
+                              hint=_TOKEN_HINT) from exc
+        if not token:
+            raise ConfigError("the peer token file is empty", path=str(path), hint=_TOKEN_HINT)
+        return token
+    token = environ.get(TOKEN_ENV, "").strip()
+    return token or None
+
+
+class _Connection(http.client.HTTPConnection):
+    """A keep-alive connection with separate connect and read timeouts."""
+
+    def __init__(self, host: str, port: int, connect_timeout_s: float, read_timeout_s: float) -> None:
+        super().__init__(host, port, timeout=connect_timeout_s)
+        self.read_timeout_s = read_timeout_s
+
+    def connect(self) -> None:
+        self.sock = socket.create_connection((self.host, self.port), self.timeout)
+        self.sock.settimeout(self.read_timeout_s)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class _Unreachable(Exception):
+    """A request did not get an answer (internal: retried, then turned into TierUnreachableError)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause) or type(cause).__name__)
+        self.cause = cause
+
+
+class PeerTier(StorageTier):
+    """A namespace of a buddy's daemon (see the module docstring). Steps are laid out as on a local
+    tier (per-rank data files), so the tier keeps no chunk store."""
+
+    kind = "peer"
+    capabilities = TierCapabilities(conditional_put=True, ranged_reads=True)
+
+    def __init__(self, url: str, *, token: str | None = None) -> None:
+        super().__init__(url)
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme != "peer" or not parsed.hostname or parsed.query or parsed.fragment \
+                or parsed.username or parsed.password:
+            raise ConfigError(f"{url!r} is not a peer URL", hint="write peer://HOST:PORT/roots/<root> or "
+                              "peer://HOST:PORT/replicas/<node id>/<root> (the token goes in CKPTD_PEER_TOKEN)")
+        try:
+            self.port = parsed.port or DEFAULT_PEER_PORT
+            self.namespace = parse_namespace(parsed.path)
+        except (ValueError, UnsafePathError) as exc:
+            raise ConfigError(f"{url!r} is not a peer URL: {exc}",
+                              hint="the namespace is roots/<root> or replicas/<node id>/<root>") from exc
+        self.host = parsed.hostname
+        self.url = f"peer://{parsed.netloc}/{'/'.join(self.namespace)}"
+        if not token:
+            raise ConfigError("no token for the peer tier", tier=self.label, hint=_TOKEN_HINT)
+        self._authorization = f"Bearer {token}"
+        options = settings()
+        self._connect_timeout_s = options.peer_connect_timeout_s
+        self._read_timeout_s = options.peer_read_timeout_s
+        self._local = threading.local()
+        self._connections: list[_Connection] = []
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, url: str, *, storage_options: dict[str, Any] | None = None,
+                 create: bool = False) -> PeerTier:
+        return cls(url, token=peer_token(storage_options))
+
+    def __repr__(self) -> str:
+        return f"PeerTier({self.url!r})"
+
+    # --- transport -----------------------------------------------------------------------------
+    def _connection(self) -> _Connection:
+        connection = getattr(self._local, "connection", None)
+        if connection is None:
+            connection = _Connection(self.host, self.port, self._connect_timeout_s, self._read_timeout_s)
+            self._local.connection = connection
+            with self._lock:
+                self._connections.append(connection)
+        return connection
+
+    def _drop_connection(self) -> None:
+        connection = getattr(self._local, "connection", None)
+        if connection is not None:
+            connection.close()
+            self._local.connection = None
+            with self._lock:
+                if connection in self._connections:
+                    self._connections.remove(connection)
+
+    def _request(self, method: str, relative: str, *, what: str, path: str | None,
+                 handle: Callable[[http.client.HTTPResponse], T], headers: Mapping[str, str] | None = None,
+                 query: str = "", body: Callable[[], Iterable[Buffer]] | None = None,
+                 length: int = 0) -> T:
+        """Send one request and hand its response to ``handle`` (which reads the body and returns the
+        result, or raises), retrying what did not reach the daemon. ``body`` makes the pieces of the
+        request body (called again on a retry); an error it raises is passed on and the connection
+        dropped, so that the server never sees a complete body."""
+        kind = "steps" if relative == STEPS_LISTING else "step" if "/" not in relative else "file"
+        target = request_path(self.namespace, relative, kind=kind) + (f"?{query}" if query else "")
+        busy = attempt = 0
+        while True:
+            connection = self._connection()
+            response = None
+            try:
+                response = self._send(connection, method, target, headers or {}, body, length)
+                if response.status == 503 and busy + 1 < _BUSY_ATTEMPTS:
+                    response.read()
+                    busy += 1
+                    time.sleep(min(2.0, 0.1 * 2 ** busy))
+                    continue
+                result = handle(response)
+                if response.will_close:
+                    self._drop_connection()
+                return result
+            except _Unreachable as failure:
+                self._drop_connection()
+                attempt += 1
+                if attempt >= _ATTEMPTS:
+                    raise TierUnreachableError(
+                        f"the peer daemon cannot be reached while {what}: {failure}",
+                        path=path, tier=self.label,
+                        hint="restore reads the other tiers; check that the buddy's daemon runs and listens "
+                             f"on {self.host}:{self.port}") from failure.cause
+                time.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S)) - 1])
+            except BaseException:
+                if response is None or not response.isclosed() or response.will_close:
+                    self._drop_connection()  # a request or an answer left half sent or half read
+                raise
+
+    def _send(self, connection: _Connection, method: str, target: str, headers: Mapping[str, str],
+              body: Callable[[], Iterable[Buffer]] | None, length: int) -> http.client.HTTPResponse:
+        try:
+            connection.putrequest(method, target, skip_accept_encoding=True)
+            connection.putheader("Authorization", self._authorization)
+            for name, value in headers.items():
+                connection.putheader(name, value)
+            if body is not None or method in ("PUT", "POST"):
+                connection.putheader("Content-Length", str(length))
+            connection.endheaders()
+            if body is not None:
+                sent = 0
+                for piece in body():
+                    view = memoryview(piece).cast("B")
+                    connection.send(view)
+                    sent += len(view)
+                if sent != length:
+                    raise IntegrityError("the body of a peer write has the wrong length", path=target,
+                                         tier=self.label, expected=str(length), actual=str(sent))
+            return connection.getresponse()
+        except CkptdError:
+            raise
+        except (OSError, http.client.HTTPException) as exc:
+            raise _Unreachable(exc) from exc
+
+    def _read_body(self, response: http.client.HTTPResponse) -> bytes:
+        try:
+            return response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise _Unreachable(exc) from exc
+
+    def _error(self, response: http.client.HTTPResponse, what: str, path: str | None) -> CkptdError:
+        """The error of a refused request (its body is read here)."""
+        try:
+            message = str(json.loads(self._read_body(response) or b"{}").get("error", ""))[:500]
+        except (ValueError, AttributeError):
+            message = ""
+        status = response.status
+        text = f"the peer daemon refused {what} (HTTP {status}{': ' + message if message else ''})"
+        if status == 401:
+            return TierMisconfiguredError(text, path=path, tier=self.label, hint=_TOKEN_HINT)
+        if status == 404:
+            return NotFoundError(text, path=path, tier=self.label)
+        if status == 409:
+            return AlreadyCommittedError(text, path=path, tier=self.label,
+                                         hint="a committed step is immutable; save a new step")
+        if status == 403:
+            return StorageError(text, path=path, tier=self.label,
+                                hint="roots/ namespaces are read only; replicate into replicas/<node id>/<root>")
+        if status == 507:
+            return DiskFullError(text, path=path, tier=self.label, hint="free space on the buddy node")
+        if status == 503:
+            return TierUnreachableError(text, path=path, tier=self.label, hint="the buddy's daemon is busy")
+        return StorageError(text, path=path, tier=self.label)
+
+    # --- reading -------------------------------------------------------------------------------
+    def _ranged(self, path: str, offset: int, length: int,
+                into: Callable[[http.client.HTTPResponse, int], T], empty: Callable[[], T]) -> tuple[T, int | None]:
+        """GET ``length`` bytes of ``path`` from ``offset``; ``into`` reads a 206 body of that many bytes.
+        Returns the result and the file's size (None when the range started at or past the end)."""
+        headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
+
+        def handle(response: http.client.HTTPResponse) -> tuple[T, int | None]:
+            if response.status == 416:
+                self._read_body(response)
+                return empty(), None
+            if response.status != 206:
+                raise self._error(response, "a read", path)
+            total = _total_size(response.getheader("Content-Range", ""))
+            count = int(response.getheader("Content-Length", "0"))
+            try:
+                return into(response, count), total
+            except (OSError, http.client.HTTPException) as exc:
+                raise _Unreachable(exc) from exc
+
+        return self._request("GET", path, what=f"reading {path}", path=path, headers=headers, handle=handle)
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        if length == 0:
+            self.size(path)  # absent files raise NotFoundError, like on every tier
+            return b""
+        pieces: list[bytes] = []
+        position = offset
+        end = None if length is None else offset + length
+        while end is None or position < end:
+            wanted = READ_PIECE_BYTES if end is None else min(READ_PIECE_BYTES, end - position)
+            data, total = self._ranged(path, position, wanted, lambda response, count: response.read(count),
+                                       lambda: b"")
+            pieces.append(data)
+            position += len(data)
+            if total is None or position >= total or not data:
+                break
+        return b"".join(pieces)
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        view = memoryview(buffer).cast("B")
+        if not len(view):
+            self.size(path)
+            return
+        done = 0
+        while done < len(view):
+            piece = view[done:done + READ_PIECE_BYTES]
+
+            def fill(response: http.client.HTTPResponse, count: int, piece: memoryview = piece) -> int:
+                filled = 0
+                while filled < min(count, len(piece)):
+                    got = response.readinto(piece[filled:count])
+                    if not got:
+                        raise http.client.IncompleteRead(b"", count - filled)
+                    filled += got
+                return filled
+
+            filled, _ = self._ranged(path, offset + done, len(piece), fill, lambda: 0)
+            done += filled
+            if filled < len(piece):
+                break
+        if done < len(view):
+            raise IntegrityError("file is shorter than its index says", path=path, tier=self.label,
+                                 expected=str(offset + len(view)), actual=str(offset + done))
+
+    def _head(self, path: str) -> int | None:
+        if not _is_file_path(path):
+            return None
+
+        def handle(response: http.client.HTTPResponse) -> int | None:
+            self._read_body(response)
+            if response.status == 404:
+                return None
+            if response.status != 200:
+                raise self._error(response, "a size lookup", path)
+            return int(response.getheader("Content-Length", "0"))
+
+        return self._request("HEAD", path, what=f"looking up {path}", path=path, handle=handle)
+
+    def size(self, path: str) -> int:
+        found = self._head(path)
+        if found is None:
+            raise NotFoundError("file not found", path=path, tier=self.label)
+        return found
+
+    def exists(self, path: str) -> bool:
+        return self._head(path) is not None
+
+    def _listing(self, relative: str, key: str, missing: list[Any] | None) -> list[Any]:
+        def handle(response: http.client.HTTPResponse) -> list[Any]:
+            if response.status == 404 and missing is not None:
+                self._read_body(response)
+                return missing
+            if response.status != 200:
+                raise self._error(response, "a listing", relative)
+            try:
+                listed = json.loads(self._read_body(response))[key]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise StorageError("the peer daemon sent a malformed listing", path=relative,
+                                   tier=self.label) from exc
+            if not isinstance(listed, list):
+                raise StorageError("the peer daemon sent a malformed listing", path=relative, tier=self.label)
+            return listed
+
+        return self._request("GET", relative, what="listing", path=relative, handle=handle)
+
+    def list_step_numbers(self) -> list[int]:
+        return sorted(int(step) for step in self._listing(STEPS_LISTING, "steps", None))
+
+    def list_files(self, step: int) -> list[str]:
+        return sorted(str(name) for name in self._listing(step_dir(step), "files", []))
+
+    # --- writing -------------------------------------------------------------------------------
+    def write_bytes(self, path: str, data: Buffer, *, if_absent: bool = False) -> None:
+        view = memoryview(data).cast("B")
+        self.write_stream(path, len(view), lambda: [view], if_absent=if_absent)
+
+    def write_stream(self, path: str, size: int, pieces: Callable[[], Iterable[Buffer]], *,
+                     if_absent: bool = False) -> None:
+        """Write a file of ``size`` bytes from the pieces ``pieces()`` yields, sent as they come (a large
+        file never sits in memory whole). ``pieces`` is called again when the request is retried; an
+        error it raises (a chunk that fails its check) stops the write and nothing is stored. Same
+        contract as :meth:`write_bytes` otherwise."""
+
+        def handle(response: http.client.HTTPResponse) -> None:
+            if response.status not in (200, 201, 204):
+                raise self._error(response, f"writing {path}", path)
+            self._read_body(response)
+
+        self._request("PUT", path, what=f"writing {path}", path=path, handle=handle, body=pieces, length=size,
+                      query="if_absent=1" if if_absent else "")
+
+    def _delete(self, relative: str) -> None:
+        def handle(response: http.client.HTTPResponse) -> None:
+            if response.status not in (200, 204, 404):
+                raise self._error(response, f"deleting {relative}", relative)
+            self._read_body(response)
+
+        self._request("DELETE", relative, what=f"deleting {relative}", path=relative, handle=handle)
+
+    def delete_files(self, paths: list[str]) -> None:
+        for path in paths:
+            self._delete(path)
+
+    def remove_step_dir(self, step: int) -> None:
+        self._delete(step_dir(step))
+
+    def close(self) -> None:
+        with self._lock:
+            connections, self._connections = self._connections, []
+        for connection in connections:
+            connection.close()
+
+
+def _is_file_path(path: str) -> bool:
+    """Whether a tier path names a file (a step directory or a listing names none)."""
+    return "/" in path
+
+
+def _total_size(content_range: str) -> int | None:
+    """The total of a ``Content-Range: bytes a-b/total`` header."""
+    _, _, total = content_range.rpartition("/")
+    return int(total) if total.isdigit() else None
+
+
+__all__ = ["DEFAULT_PEER_PORT", "PeerTier", "READ_PIECE_BYTES", "TOKEN_ENV", "TOKEN_FILE_ENV", "peer_token"]
