@@ -137,6 +137,7 @@ class Scrubber:
         committed = tier.committed_steps()
         wanted = committed if steps is None else sorted(set(steps) & set(committed))
         found = _Pass()
+        checked: set[str] = set()  # chunk objects shared by several steps are read once per pass
         done: list[int] = []
         stopped = False
 
@@ -153,13 +154,10 @@ class Scrubber:
                 break
             problems: list[VerifyProblem] = []
             try:
-                for problem in verify_step(tier, step, progress=paced):
+                for problem in verify_step(tier, step, progress=paced, checked=checked):
                     problems.append(problem)
             except _Stopped:
                 stopped = True
-            if problems and not tier.is_committed(step):  # deleted by retention while it was read
-                log.info("scrub: step %d left %s while it was scrubbed; its problems are dropped", step, tier.label)
-                problems = []
             found.problems.extend(problems)
             if stopped:
                 break
@@ -193,8 +191,19 @@ class _Outcome:
     reasons: tuple[tuple[str, str], ...] = ()
 
 
+def _still_committed(tier: StorageTier, step: int) -> bool:
+    try:
+        return tier.is_committed(step)
+    except CkptdError:
+        return True  # cannot tell: mending checks every copy anyway, and never deletes
+
+
 def _mend(tier: StorageTier, problems: list[VerifyProblem], repair_from: Sequence[StorageTier]) -> _Outcome:
     """Mend what a pass found (see the module docstring) and say what became of each bad path."""
+    gone = {step for step in {problem.step for problem in problems} if not _still_committed(tier, step)}
+    if gone:  # deleted by retention while the pass ran: nothing of theirs is mended (nor reported)
+        log.info("scrub: steps %s left %s during the pass; their problems are dropped", sorted(gone), tier.label)
+        problems = [problem for problem in problems if problem.step not in gone]
     reasons = {problem.path: problem.error for problem in problems}
     metadata = {problem.path for problem in problems if problem.chunk is None}
     unrepaired = {path: f"the step's metadata is bad ({reasons[path]}); left to the step's owner"

@@ -307,11 +307,13 @@ class VerifyProblem:
     chunk: ChunkRecord | None = None
 
 
-def verify_step(tier: StorageTier, step: int,
-                progress: Callable[[int], None] | None = None) -> Iterator[VerifyProblem]:
+def verify_step(tier: StorageTier, step: int, progress: Callable[[int], None] | None = None, *,
+                checked: set[str] | None = None) -> Iterator[VerifyProblem]:
     """Re-hash every chunk of every rank a step holds on one tier (:func:`~ckptd.tiers.atomicity.
     ranks_held`), yielding each problem found. ``progress`` is called with each chunk's raw length after
-    the chunk was read (a caller may pace the reads there, or stop them by raising)."""
+    the chunk was read (a caller may pace the reads there, or stop them by raising). ``checked``: paths
+    of content-addressed chunk objects the caller already read (a scrub over many steps sharing chunks):
+    they are skipped, and every such object read here is added."""
     try:
         manifest = load_step_manifest(tier, step)
     except CkptdError as error:
@@ -333,6 +335,10 @@ def verify_step(tier: StorageTier, step: int,
         source = ChunkSource(tier, index)
         for name, record in index.tensors.items():
             for chunk in record.chunks:
+                if checked is not None and read_by_digest(tier, index, chunk):
+                    if tier.chunk_path(chunk.object_key) in checked:
+                        continue
+                    checked.add(tier.chunk_path(chunk.object_key))
                 buffer = memoryview(bytearray(chunk.raw_length))
                 try:
                     read_chunk(source, chunk, buffer, tensor=name)
