@@ -357,6 +357,12 @@ class CheckpointManager:
         return self._remote_sync.uploader if self._remote_sync is not None else None
 
     @property
+    def daemon_promotes(self) -> bool:
+        """Whether the node's daemon promotes this manager's steps (False without one, or once it stopped
+        answering and this process took promotion back)."""
+        return self._handoff is not None and self._handoff.active and self._handoff.promotes
+
+    @property
     def promotion_lag(self) -> PromotionLag | None:
         """How far the object tier is behind the local tier: steps and seconds between the newest local
         commit and the newest remote commit (None without an object tier). Known without I/O once this
