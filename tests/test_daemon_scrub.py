@@ -13,6 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from ckptd.cli.main import cli
+from ckptd.config import override
 from ckptd.daemon.scrub import ByteRateLimiter, Scrubber
 from ckptd.errors import ConfigError
 from ckptd.format.layout import step_dir
@@ -292,3 +293,20 @@ def test_a_bad_pack_is_mended_on_either_tier(packed_tiers, s3_server, s3_bucket)
 
 def _boto_put(server, bucket: str, key: str, body: bytes) -> None:
     s3_client(server).put_object(Bucket=bucket, Key=key, Body=body)
+
+
+def test_a_copy_stored_in_another_codec_mends_a_raw_chunk(tmp_path):
+    states = {step: model_state(step) for step in STEPS}
+    local = save_local(tmp_path / "raw", states)
+    with override(codec="zstd"):
+        elsewhere = save_local(tmp_path / "zstd", states)  # another node's copy, compressed
+    data_file, offset, length = chunk_location(local.root, 2, "trained")
+    _, _, compressed_length = chunk_location(elsewhere.root, 2, "trained")
+    assert compressed_length != length, "the copy is stored in another encoding"
+    intact = data_file.read_bytes()
+    flip_bit(data_file, offset + 3)
+
+    report = Scrubber(bytes_per_s=math.inf).scrub_tier(local, repair_from=[elsewhere], steps=[2])
+
+    assert report.repaired == (str(data_file.relative_to(local.root)),)
+    assert data_file.read_bytes() == intact

@@ -250,38 +250,38 @@ def _mend_data_files(tier: StorageTier, problems: list[VerifyProblem],
         why = f"{tier.kind} tiers are mended by their own daemon (scrub that node's replica directory there)"
         return set(), set(), {problem.path: why for problem in problems}
     copies = _CopyFinder([*repair_from, tier])
-    outcome: dict[str, list[str | None]] = {}  # data file -> per chunk: None when intact now, else why not
-    repaired_any: set[str] = set()
+    results: dict[str, list[tuple[str, str]]] = {}  # data file -> (outcome, why) of each bad chunk in it
     for problem in problems:
-        assert problem.chunk is not None and problem.rank is not None  # chunk problems only
-        why = _mend_chunk_in_place(tier, problem.step, problem.rank, problem.chunk, problem.path, copies)
-        if why == "":
-            repaired_any.add(problem.path)
-            why = None
-        outcome.setdefault(problem.path, []).append(why)
+        if problem.chunk is None or problem.rank is None:  # _mend passes chunk problems only
+            continue
+        results.setdefault(problem.path, []).append(
+            _mend_chunk_in_place(tier, problem.step, problem.rank, problem.chunk, problem.path, copies))
     repaired, intact, failed = set(), set(), {}
-    for path, results in outcome.items():
-        reasons = [why for why in results if why is not None]
+    for path, outcomes in results.items():
+        reasons = [why for outcome, why in outcomes if outcome == _UNREPAIRED]
         if reasons:
             failed[path] = "; ".join(reasons)
-        elif path in repaired_any:
+        elif any(outcome == _REPAIRED for outcome, _ in outcomes):
             repaired.add(path)
         else:
             intact.add(path)
     return repaired, intact, failed
 
 
+_REPAIRED, _INTACT, _UNREPAIRED = "repaired", "intact", "unrepaired"
+
+
 def _mend_chunk_in_place(tier: StorageTier, step: int, rank: int, chunk: ChunkRecord, path: str,
-                         copies: _CopyFinder) -> str | None:
-    """Write an intact copy of ``chunk`` over its bytes in data file ``path``: "" when done, None when
-    the chunk verifies now (nothing written), else why it could not be mended."""
+                         copies: _CopyFinder) -> tuple[str, str]:
+    """Write an intact copy of ``chunk`` over its bytes in data file ``path``. Returns (outcome, why):
+    repaired, intact (it verifies now: nothing written) or unrepaired (why not)."""
     try:
         share = copies.share(tier, step, rank)
     except CkptdError as error:
-        return f"the step's metadata cannot be read here: {error}"
+        return _UNREPAIRED, f"the step's metadata cannot be read here: {error}"
     try:
         read_stored_chunk(tier, share, chunk)
-        return None
+        return _INTACT, ""
     except CkptdError:
         pass
     tried: list[str] = []
@@ -295,11 +295,11 @@ def _mend_chunk_in_place(tier: StorageTier, step: int, rank: int, chunk: ChunkRe
             _write_range(tier, path, chunk.offset, data)
             read_stored_chunk(tier, share, chunk)
         except (CkptdError, OSError) as error:
-            return f"writing the copy from {source.label} failed: {error}"
+            return _UNREPAIRED, f"writing the copy from {source.label} failed: {error}"
         log.warning("scrub: repaired the chunk at offset %d of %s on %s (step %d) from %s", chunk.offset, path,
                     tier.label, step, source.label)
-        return ""
-    return "no intact copy found on any tier" + (f" (tried {'; '.join(tried)})" if tried else "")
+        return _REPAIRED, ""
+    return _UNREPAIRED, "no intact copy found on any tier" + (f" (tried {'; '.join(tried)})" if tried else "")
 
 
 def _encoded_like(chunk: ChunkRecord, record: ChunkRecord, stored: bytes) -> bytes:
