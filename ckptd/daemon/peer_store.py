@@ -90,9 +90,10 @@ class PeerNamespaces:
         return path
 
     def _committed(self, namespace: Namespace, step: int) -> bool:
-        manifest = namespace.directory / step_dir(step) / MANIFEST_NAME
+        """Whether the step's manifest is a regular file in a real step directory."""
+        directory = self._step_directory(namespace, step)
         try:
-            return stat.S_ISREG(os.lstat(manifest).st_mode)
+            return directory is not None and stat.S_ISREG(os.lstat(directory / MANIFEST_NAME).st_mode)
         except OSError:
             return False
 

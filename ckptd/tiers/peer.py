@@ -119,8 +119,9 @@ class PeerTier(StorageTier):
     def __init__(self, url: str, *, token: str | None = None) -> None:
         super().__init__(url)
         parsed = urllib.parse.urlsplit(url)
-        if parsed.scheme != "peer" or not parsed.hostname or parsed.query or parsed.fragment \
-                or parsed.username or parsed.password:
+        if "@" in parsed.netloc:
+            raise ConfigError("a peer URL carries no credentials", hint=_TOKEN_HINT)
+        if parsed.scheme != "peer" or not parsed.hostname or parsed.query or parsed.fragment:
             raise ConfigError(f"{url!r} is not a peer URL", hint="write peer://HOST:PORT/roots/<root> or "
                               "peer://HOST:PORT/replicas/<node id>/<root> (the token goes in CKPTD_PEER_TOKEN)")
         try:

@@ -1,0 +1,188 @@
+"""The peer tier against a real peer server on loopback (the conformance suite runs for the ``peer`` scheme in
+``test_tier_conformance.py``): ranged reads across request pieces, URLs and tokens, a peer that is gone, a
+refused token, a write whose body fails midway. Every byte read is compared with what was written."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptd
+from ckptd.daemon.peer_store import PeerNamespaces
+from ckptd.errors import ConfigError, IntegrityError, NotFoundError, StorageError, TierMisconfiguredError, \
+    TierUnreachableError
+from ckptd.format.layout import step_dir, step_file
+from ckptd.manager.restoring import restore_state
+from ckptd.testing.peer_server import PeerServer
+from ckptd.tiers import open_tier
+from ckptd.tiers import peer as peer_module
+from ckptd.tiers.local import LocalTier
+from ckptd.tiers.peer import PeerTier, peer_token
+
+TOKEN = "peer-tier-test-token-42"
+HANG_GUARD_S = 15.0  # a hang guard, not a speed claim
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[PeerServer]:
+    with PeerServer(PeerNamespaces({"run1": tmp_path / "root"}, tmp_path / "replicas"), token=TOKEN) as served:
+        yield served
+
+
+@pytest.fixture
+def replica(server: PeerServer) -> Iterator[PeerTier]:
+    tier = PeerTier(server.url("replicas/node-a/run1"), token=TOKEN)
+    yield tier
+    tier.close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"weights": torch.randn(300_000, generator=generator), "bias": torch.randn(7, generator=generator)}
+
+
+def test_ranged_reads_across_request_pieces(replica: PeerTier, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peer_module, "READ_PIECE_BYTES", 64 * 1024)  # many pieces per read, cheaply
+    data = os.urandom(1024 * 1024 + 333)
+    path = step_file(1, "rank-00000.data")
+    replica.write_bytes(path, data)
+    assert replica.read_bytes(path) == data
+    for offset, length in [(0, 64 * 1024), (64 * 1024 - 1, 2), (100, 300_000), (1024 * 1024, 10_000),
+                           (len(data) - 1, 1), (len(data), 5), (12345, None)]:
+        expected = data[offset:] if length is None else data[offset:offset + length]
+        assert replica.read_bytes(path, offset, length) == expected, (offset, length)
+    target = bytearray(400_001)
+    replica.read_into(path, 77, memoryview(target))
+    assert bytes(target) == data[77:77 + len(target)]
+    with pytest.raises(IntegrityError):
+        replica.read_into(path, len(data) - 10, memoryview(bytearray(64 * 1024 + 5)))
+
+
+def test_open_by_url_and_token_sources(server: PeerServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = server.url("replicas/node-a/run1")
+    monkeypatch.delenv("CKPTD_PEER_TOKEN", raising=False)
+    monkeypatch.delenv("CKPTD_PEER_TOKEN_FILE", raising=False)
+    with pytest.raises(ConfigError) as caught:
+        open_tier(url)
+    assert "CKPTD_PEER_TOKEN" in str(caught.value)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    for options, environment in [({"token": TOKEN}, {}), ({"token_file": str(token_file)}, {}),
+                                 ({}, {"CKPTD_PEER_TOKEN": TOKEN}), ({}, {"CKPTD_PEER_TOKEN_FILE": str(token_file)})]:
+        for name, value in environment.items():
+            monkeypatch.setenv(name, value)
+        tier = open_tier(url, storage_options=options)
+        assert isinstance(tier, PeerTier) and tier.kind == "peer" and tier.list_step_numbers() == []
+        tier.close()
+        for name in environment:
+            monkeypatch.delenv(name)
+    assert peer_token({}, {}) is None
+    with pytest.raises(ConfigError):
+        peer_token({"token_file": str(tmp_path / "missing")}, {})
+
+
+@pytest.mark.parametrize("url", ["peer://127.0.0.1:1/roots", "peer://127.0.0.1:1/other/x", "peer://127.0.0.1:1/",
+                                 "peer://u:pw@127.0.0.1:1/roots/a", "peer://127.0.0.1:1/roots/../x",
+                                 "peer://127.0.0.1:1/replicas/a/%2e%2e", "peer://127.0.0.1:x/roots/a",
+                                 "peer://127.0.0.1:1/roots/a?token=t"])
+def test_bad_urls_are_config_errors(url: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        PeerTier(url, token=TOKEN)
+    assert "pw" not in str(caught.value), "credentials in a URL are never shown"
+
+
+def test_unreachable_peer_raises_quickly_and_restore_skips_it(tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    url = f"peer://127.0.0.1:{_closed_port()}/replicas/node-a/run1"
+    gone = PeerTier(url, token=TOKEN)
+    started = time.monotonic()
+    for call in (gone.list_step_numbers, lambda: gone.read_bytes(step_file(1, "manifest.json")),
+                 lambda: gone.write_bytes(step_file(1, "x.data"), b"x")):
+        with pytest.raises(TierUnreachableError) as caught:
+            call()
+        assert url in str(caught.value) and TOKEN not in str(caught.value)
+    assert time.monotonic() - started < HANG_GUARD_S
+
+    saved = _state(3)
+    with ckptd.CheckpointManager(tmp_path / "other", capture_rng=False) as manager:  # the next tier holds it
+        manager.save(3, saved)
+        manager.wait()
+    target = {name: torch.zeros_like(value) for name, value in saved.items()}
+    with caplog.at_level(logging.WARNING):
+        result = restore_state([gone, LocalTier(tmp_path / "other")], target, rank=0, world_size=1)
+    assert result.step == 3 and all(torch.equal(target[name], saved[name]) for name in target)
+    assert any(url in record.getMessage() for record in caplog.records if record.levelno >= logging.WARNING)
+
+
+def test_a_peer_that_stops_is_unreachable(server: PeerServer, replica: PeerTier) -> None:
+    replica.write_bytes(step_file(2, "rank-00000.data"), b"abc")
+    assert replica.read_bytes(step_file(2, "rank-00000.data")) == b"abc"  # a kept-alive connection exists
+    server.stop()
+    with pytest.raises(TierUnreachableError):
+        replica.exists(step_file(2, "rank-00000.data"))
+
+
+def test_a_wrong_token_is_a_clear_error_and_never_shown(server: PeerServer, caplog: pytest.LogCaptureFixture) -> None:
+    wrong = "wrong-token-never-shown"
+    tier = PeerTier(server.url("replicas/node-a/run1"), token=wrong)
+    with caplog.at_level(logging.DEBUG), pytest.raises(TierMisconfiguredError) as caught:
+        tier.list_step_numbers()
+    assert "401" in str(caught.value) and "CKPTD_PEER_TOKEN" in str(caught.value)
+    assert caught.value.exit_code == 2 and isinstance(caught.value, TierUnreachableError)
+    assert wrong not in str(caught.value) and wrong not in repr(tier) and wrong not in tier.label
+    assert all(wrong not in record.getMessage() and TOKEN not in record.getMessage() for record in caplog.records)
+
+
+def test_roots_are_served_read_only_and_committed_only(server: PeerServer, tmp_path: Path) -> None:
+    saved = _state(5)
+    with ckptd.CheckpointManager(tmp_path / "root", capture_rng=False) as manager:
+        manager.save(5, saved)
+        manager.wait()
+    (tmp_path / "root" / step_dir(6)).mkdir()
+    (tmp_path / "root" / step_dir(6) / "rank-00000.data").write_bytes(b"in progress")
+    tier = PeerTier(server.url("roots/run1"), token=TOKEN)
+    assert tier.list_step_numbers() == [5] and tier.committed_steps() == [5]
+    assert tier.list_files(6) == [] and not tier.exists(step_file(6, "rank-00000.data"))
+    with pytest.raises(NotFoundError):
+        tier.read_bytes(step_file(6, "rank-00000.data"))
+    with pytest.raises(StorageError) as caught:
+        tier.write_bytes(step_file(7, "rank-00000.data"), b"x")
+    assert "read only" in str(caught.value) and not (tmp_path / "root" / step_dir(7)).exists()
+    target = {name: torch.zeros_like(value) for name, value in saved.items()}
+    assert restore_state([tier], target, rank=0, world_size=1).step == 5
+    assert all(torch.equal(target[name], saved[name]) for name in target)
+    with pytest.raises(NotFoundError):
+        PeerTier(server.url("roots/unknown"), token=TOKEN).list_step_numbers()
+
+
+def test_a_body_that_fails_midway_stores_nothing(replica: PeerTier, tmp_path: Path) -> None:
+    path = step_file(4, "rank-00000.data")
+    replica.write_bytes(path, b"earlier version")
+
+    def failing() -> Iterator[bytes]:
+        yield os.urandom(256 * 1024)
+        raise IntegrityError("injected: a chunk fails its check", path=path)
+
+    with pytest.raises(IntegrityError):
+        replica.write_stream(path, 1024 * 1024, failing)
+    directory = tmp_path / "replicas" / "node-a" / "run1" / step_dir(4)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while len(os.listdir(directory)) > 1 and time.monotonic() < deadline:  # the server notices the cut body
+        time.sleep(0.02)
+    assert os.listdir(directory) == ["rank-00000.data"], "no temporary left"
+    assert replica.read_bytes(path) == b"earlier version"
+    replica.write_bytes(path, b"next version")  # the connection after the cut one works
+    assert replica.read_bytes(path) == b"next version"
