@@ -25,10 +25,10 @@ import torch
 
 from ckptd.manager.daemon_link import DaemonLink
 from ckptd.stepio.step_reader import verify_step
-from ckptd.testing.daemon_process import DaemonProcess, wait_until, write_config
+from ckptd.testing.daemon_process import DaemonProcess, run_trainer, wait_until, write_config
 from ckptd.tiers import open_tier
+from ckptd.tiers.local import LocalTier
 
-pytestmark = pytest.mark.s3
 
 #: A trainer: ``python -c TRAINER ROOT REMOTE ENDPOINT FIRST COUNT [PAUSE_AFTER]``. Saves steps FIRST.. and
 #: prints one JSON line per commit with how many requests its own object tier sent (by method); with
@@ -127,6 +127,7 @@ def _ask_as(uid: int, path: Path, request: dict[str, Any]) -> bytes:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to fork a child of another UID (setuid 65534)")
+@pytest.mark.s3
 def test_a_client_of_another_uid_is_refused_and_its_message_never_processed(node):
     daemon = node["daemon"]
     answer = _ask_as(65534, node["socket"], {"op": "report", "root": str(node["root"].resolve()), "step": 7,
@@ -141,6 +142,7 @@ def test_a_client_of_another_uid_is_refused_and_its_message_never_processed(node
     assert status is not None and status["roots"]["run1"]["trainer_report"] is None  # the report never landed
 
 
+@pytest.mark.s3
 def test_a_client_of_the_daemons_uid_gets_answers(node):
     link = DaemonLink.find(node["root"])
     assert link is not None, node["daemon"].log()
@@ -199,6 +201,7 @@ def _restored_weights(node: dict[str, Any], tmp_path: Path, step: int) -> torch.
     return state["weights"]
 
 
+@pytest.mark.s3
 def test_with_the_daemon_the_trainer_uploads_nothing_and_the_daemon_promotes(node, tmp_path):
     trainer = _trainer(node, 1, 3)
     try:
@@ -228,6 +231,7 @@ def test_with_the_daemon_the_trainer_uploads_nothing_and_the_daemon_promotes(nod
     assert document["roots"]["run1"]["trainer_report"]["step"] == 3  # the trainer reported its timings
 
 
+@pytest.mark.s3
 def test_the_daemon_killed_mid_run_the_trainer_falls_back_and_its_steps_reach_s3(node, tmp_path):
     trainer = _trainer(node, 1, 6, pause_after=3)
     try:
@@ -254,3 +258,69 @@ def test_the_daemon_killed_mid_run_the_trainer_falls_back_and_its_steps_reach_s3
     for step in (3, 6):  # promoted by the daemon, then by the trainer itself: nothing lost on the way
         assert list(verify_step(remote, step)) == []
         assert _restored_weights(node, tmp_path, step).equal(_weights(step))
+
+
+@pytest.mark.s3
+def test_ckptd_status_tables_and_no_daemon(node):
+    shown = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "status", "--socket", str(node["socket"])],
+                           capture_output=True, text=True)
+    assert shown.returncode == 0, shown.stderr
+    assert "node-a" in shown.stdout and "run1" in shown.stdout
+    node["daemon"].kill()  # its .ckptd-daemon.json stays behind, naming a socket nobody serves
+    gone = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "status", "--local", str(node["root"])],
+                          capture_output=True, text=True)
+    assert gone.returncode == 3 and gone.stdout == ""
+    assert gone.stderr.count("\n") == 1 and "no ckptd daemon answers" in gone.stderr
+
+
+def test_daemon_modes_without_a_daemon(tmp_path, monkeypatch):
+    import ckptd
+    from ckptd.errors import ConfigError
+
+    monkeypatch.delenv("CKPTD_DAEMON_SOCKET", raising=False)
+    with pytest.raises(ConfigError, match="no ckptd daemon watches the local directory of rank"):
+        ckptd.CheckpointManager(tmp_path / "a", daemon="require")
+    with pytest.raises(ConfigError, match="daemon='sometimes' is not one of auto, off, require"):
+        ckptd.CheckpointManager(tmp_path / "b", daemon="sometimes")
+    monkeypatch.setenv("CKPTD_DAEMON", "require")
+    with pytest.raises(ConfigError, match="daemon='require'"):
+        ckptd.CheckpointManager(tmp_path / "c")
+    with ckptd.CheckpointManager(tmp_path / "d", daemon="auto") as manager:  # the argument wins over the variable
+        assert not manager.daemon_promotes and [tier.kind for tier in manager.tiers] == ["local"]
+
+
+def test_a_wiped_local_root_restores_from_the_buddy_the_daemon_names(tmp_path, socket_dir, monkeypatch):
+    token = "t0ken-for-this-test"
+    b_root, b_state = tmp_path / "b-root", tmp_path / "b-state"
+    b_root.mkdir()
+    b_config = write_config(tmp_path / "b.toml", [{"name": "other", "local": str(b_root)}], state_dir=str(b_state),
+                            listen="127.0.0.1:0", node_id="node-b", peer_token=token, scrub_interval_s=0)
+    a_root, a_state = tmp_path / "a-root", tmp_path / "a-state"
+    a_root.mkdir()
+    with DaemonProcess(b_config, b_state) as buddy:
+        buddy_address = buddy.wait_ready()["http"]
+        a_config = write_config(tmp_path / "a.toml", [{"name": "run1", "local": str(a_root)}], state_dir=str(a_state),
+                                listen="127.0.0.1:0", node_id="node-a", peer_token=token,
+                                buddy=f"peer://{buddy_address}", socket=str(socket_dir / "a.sock"),
+                                poll_interval_s=0.2, retry_backoff_s=0.2, scrub_interval_s=0)
+        with DaemonProcess(a_config, a_state) as daemon:
+            daemon.wait_ready()
+            assert run_trainer(a_root, 1, 2) == [1, 2]
+            replicas = tmp_path / "b-state" / "replicas" / "node-a" / "run1"
+            wait_until(lambda: LocalTier(replicas).committed_steps() == [1, 2] if replicas.is_dir() else None, 60,
+                       f"node-a's steps replicated to node-b; log:\n{daemon.log()}")
+            shutil.rmtree(a_root)  # node-a's NVMe is wiped; the daemon's socket is still named by the variable
+            a_root.mkdir()
+            monkeypatch.setenv("CKPTD_DAEMON_SOCKET", str(socket_dir / "a.sock"))
+            monkeypatch.setenv("CKPTD_PEER_TOKEN", token)
+            import ckptd
+
+            state = {"weights": torch.zeros(256 * 1024), "bias": torch.zeros(1024), "step": torch.tensor(0)}
+            with ckptd.CheckpointManager(a_root, capture_rng=False) as manager:
+                assert [tier.kind for tier in manager.tiers] == ["local", "peer"]
+                assert manager.tiers[1].label.endswith(f"peer://{buddy_address}/replicas/node-a/run1")
+                assert manager.restore(state) == 2
+                assert manager.last_restore.tier == manager.tiers[1].label
+    generator = torch.Generator().manual_seed(2)  # the seeds of ckptd.testing.daemon_process.TRAINER (seed 0)
+    assert state["weights"].equal(torch.randn(256 * 1024, generator=generator))
+    assert state["bias"].equal(torch.randn(1024, generator=generator)) and int(state["step"]) == 2
