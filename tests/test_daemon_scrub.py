@@ -42,6 +42,12 @@ def tiers(tmp_path, s3_bucket, s3_options, monkeypatch):
     remote.close()
 
 
+@pytest.fixture
+def local_only(tmp_path) -> LocalTier:
+    """Steps 1 and 2 committed locally only (for what needs no object tier)."""
+    return save_local(tmp_path / "local", {step: model_state(step) for step in STEPS})
+
+
 def _chunk_key(tier, step: int, tensor: str) -> str:
     manifest = load_step_manifest(tier, step)
     return load_rank_index(tier, manifest, 0).tensors[tensor].chunks[0].object_key
@@ -133,8 +139,8 @@ def test_a_flipped_bit_in_a_data_file_is_mended_in_place_from_the_object_tier(ti
     assert code == 0 and answer["problems"] == []
 
 
-def test_a_bad_local_chunk_is_mended_from_another_step_of_the_same_tier(tiers):
-    local, _ = tiers
+def test_a_bad_local_chunk_is_mended_from_another_step_of_the_same_tier(local_only):
+    local = local_only
     data_file, offset, _ = chunk_location(local.root, 2, "frozen")  # step 1 holds the same frozen bytes
     intact = data_file.read_bytes()
     flip_bit(data_file, offset + 7)
@@ -170,8 +176,8 @@ def test_a_chunk_without_an_intact_copy_is_reported_and_nothing_else_changes(tie
     assert _files(local.root) == local_before, "no byte of the local tier changed"
 
 
-def test_steps_that_are_not_committed_are_never_touched(tiers):
-    local, _ = tiers
+def test_steps_that_are_not_committed_are_never_touched(local_only):
+    local = local_only
     partial = local.root / step_dir(3)
     shutil.copytree(local.root / step_dir(2), partial)
     (partial / "manifest.json").unlink()  # a save in progress
@@ -218,8 +224,8 @@ def test_the_limiter_holds_its_rate_on_a_fake_clock():
         ByteRateLimiter(0.0)
 
 
-def test_a_scrub_pass_keeps_to_its_byte_rate(tiers):
-    local, _ = tiers
+def test_a_scrub_pass_keeps_to_its_byte_rate(local_only):
+    local = local_only
     clock = FakeClock()
     rate = 512 * 1024.0
     report = Scrubber(bytes_per_s=rate, clock=clock, sleep=clock.sleep).scrub_tier(local, repair_from=[])
@@ -310,3 +316,20 @@ def test_a_copy_stored_in_another_codec_mends_a_raw_chunk(tmp_path):
 
     assert report.repaired == (str(data_file.relative_to(local.root)),)
     assert data_file.read_bytes() == intact
+
+
+def test_a_data_file_reached_through_a_link_out_of_the_root_is_never_written(tiers, tmp_path):
+    local, remote = tiers
+    outside = tmp_path / "elsewhere" / step_dir(2)
+    shutil.move(local.root / step_dir(2), outside)
+    (local.root / step_dir(2)).symlink_to(outside, target_is_directory=True)
+    data_file, offset, _ = chunk_location(local.root, 2, "trained")
+    flip_bit(data_file, offset)
+    before = _files(outside.parent)
+
+    report = Scrubber(bytes_per_s=math.inf).scrub_tier(local, repair_from=[remote])
+
+    path = str(data_file.relative_to(local.root))
+    assert report.bad == (path,) and report.unrepaired == (path,)
+    assert "outside the tier root" in dict(report.reasons)[path]
+    assert _files(outside.parent) == before

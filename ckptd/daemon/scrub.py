@@ -37,11 +37,12 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ckptd.errors import CkptdError, ConfigError, IntegrityError, NotFoundError, StorageError
+from ckptd.errors import CkptdError, ConfigError, IntegrityError, NotFoundError, StorageError, UnsafePathError
 from ckptd.format import codecs
 from ckptd.format.records import ChunkRecord
 from ckptd.format.verify import decode_verified
-from ckptd.promotion.contents import RankShare, check_stored_chunk, read_step_contents, read_stored_chunk
+from ckptd.promotion.contents import (RankShare, check_stored_chunk, read_step_contents, read_stored_chunk,
+                                      stored_chunk_path)
 from ckptd.promotion.repair import repair_objects
 from ckptd.stepio.step_reader import VerifyProblem, load_step_manifest, verify_step
 from ckptd.tiers.atomicity import ranks_held
@@ -292,7 +293,7 @@ def _mend_chunk_in_place(tier: StorageTier, step: int, rank: int, chunk: ChunkRe
             tried.append(f"{source.label}: cannot be stored as {chunk.codec} of {chunk.length} bytes ({error.message})")
             continue
         try:
-            _write_range(tier, path, chunk.offset, data)
+            _write_range(tier, stored_chunk_path(tier, share, chunk), chunk.offset, data)
             read_stored_chunk(tier, share, chunk)
         except (CkptdError, OSError) as error:
             return _UNREPAIRED, f"writing the copy from {source.label} failed: {error}"
@@ -317,8 +318,13 @@ def _encoded_like(chunk: ChunkRecord, record: ChunkRecord, stored: bytes) -> byt
 
 def _write_range(tier: StorageTier, path: str, offset: int, data: bytes) -> None:
     """Overwrite ``len(data)`` bytes at ``offset`` of an existing data file (never extending it), durably.
-    Only node-local tiers have a root directory to write in."""
-    target = Path(getattr(tier, "root")) / path
+    Only node-local tiers have a root directory to write in; a file whose real path leaves it (a linked
+    step directory) is refused."""
+    root = Path(getattr(tier, "root")).resolve()
+    target = root / path
+    if root not in target.resolve().parents:
+        raise UnsafePathError("refusing to mend a data file outside the tier root", path=path, tier=tier.label,
+                              hint="a step directory or data file links elsewhere; check the root")
     fd = os.open(target, os.O_WRONLY | os.O_NOFOLLOW)
     try:
         size = os.fstat(fd).st_size
