@@ -14,7 +14,9 @@
   why, where systemd-analyze is missing);
 - the Dockerfile's build context holds what the build copies and builds a wheel with the daemon in it;
   the image itself builds where a container engine answers (``slow``; skipped, saying so, otherwise);
-- the example training script runs under ``ckptd launch`` and resumes from its own checkpoints.
+- the ConfigMap's TOML with the DaemonSet's environment starts a real daemon whose probe paths answer, and
+  the example training script, run under ``ckptd launch`` with the Job's environment, hands its steps to
+  it through the configured socket and resumes when run again; the daemon promotes them to moto's S3.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import shutil
 import subprocess
 import sys
 import tomllib
+import urllib.error
+import urllib.request
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +39,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from ckptd.testing.daemon_process import DaemonProcess, wait_until
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
 
@@ -533,24 +539,63 @@ def test_image_builds_and_runs_as_its_user() -> None:
         subprocess.run([engine, "rmi", "-f", tag], capture_output=True, timeout=300)
 
 
-# --- the example training script ----------------------------------------------------------------------
+# --- the deployed configuration, run for real ---------------------------------------------------------
 
-def test_example_training_script_runs_under_ckptd_launch_and_resumes(tmp_path: Path) -> None:
+@pytest.mark.s3
+def test_deployed_daemon_answers_its_probes_and_promotes_what_the_example_job_commits(tmp_path: Path, s3_server,
+                                                                                      s3_bucket: str) -> None:
+    """The ConfigMap's TOML and the DaemonSet's environment start a real daemon (the pod IP stood in for by
+    127.0.0.1, host paths moved under tmp_path, the bucket by moto's); its probe paths answer 200; the
+    example train.py under ``ckptd launch`` with the Job's environment hands its commits to it over the
+    configured socket, resumes from its own checkpoint when run again, and the daemon promotes every step."""
+    config = _configmap_toml()
+    (root,) = config["roots"]
+    remote = f"s3://{s3_bucket}/ckpt/run1"
+    daemon_toml = tmp_path / "daemon.toml"
+    daemon_toml.write_text(_moved(_by_kind("ConfigMap", "ckptd-config")["data"]["daemon.toml"], tmp_path)
+                           .replace(root["remote"], remote))
+    _token_file(tmp_path, config["peer_token_file"])
+    s3_env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+              "CKPTD_S3_ENDPOINT_URL": s3_server.endpoint_url}
+    base = {key: value for key, value in os.environ.items() if not key.startswith("CKPTD_")}
+    daemon_pod = _pod_spec(_by_kind("DaemonSet"))
+    (container,) = [container for container in daemon_pod["containers"] if container["name"] == "daemon"]
+    # this test runs as one user, both pods as UID 10001 (checked above): let this user on the socket
+    daemon_env = {**s3_env, "CKPTD_DAEMON_NODE_ID": "node-a", "CKPTD_DAEMON_LISTEN": "127.0.0.1:0",
+                  "CKPTD_DAEMON_CONTROL_ALLOWED_UIDS": str(os.geteuid())}
+    assert set(daemon_env) >= {name for name in _env(container) if name.startswith("CKPTD_")}
+    state_dir = Path(_moved(config["state_dir"], tmp_path))
+    state_dir.parent.mkdir(parents=True)  # the daemon's log goes next to its state dir
     script = tmp_path / "train.py"
     script.write_text(_by_kind("ConfigMap", "ckpt-train-script")["data"]["train.py"])
-    env = {key: value for key, value in os.environ.items() if not key.startswith("CKPTD_")}
-    env.update(CKPT_LOCAL=str(tmp_path / "root"), CKPT_EVERY="5")
+    (trainer,) = _pod_spec(_by_kind("Job"))["containers"]
+    trainer_env = {name: _moved(value, tmp_path) for name, value in _env(trainer).items() if value}
+    trainer_env.update(s3_env, CKPT_REMOTE=remote, CKPT_EVERY="5")
+    with DaemonProcess(daemon_toml, state_dir, env={**base, **daemon_env}) as daemon:
+        daemon.wait_ready()
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            path = container[probe]["httpGet"]["path"]
 
-    def train(steps: int) -> list[int]:
-        done = subprocess.run([CKPTD, "launch", "--nproc-per-node", "1", str(script)], capture_output=True,
-                              text=True, timeout=120, env={**env, "TRAIN_STEPS": str(steps)}, cwd=tmp_path)
-        assert done.returncode == 0, done.stderr[-3000:]
-        listed = subprocess.run([CKPTD, "ls", "--json", str(tmp_path / "root")], capture_output=True, text=True,
-                                timeout=120, env=env)
-        assert listed.returncode == 0, listed.stderr
-        return [entry["step"] for entry in json.loads(listed.stdout) if entry["state"] == "committed"]
+            def answers(path: str = path) -> bool:
+                try:
+                    with urllib.request.urlopen(daemon.http + path, timeout=10) as response:
+                        return response.status == 200
+                except urllib.error.URLError:
+                    return False
 
-    assert train(10) == [5, 10]
-    # a run that did not resume would save step 5 again, which a committed step refuses (the trainer's
-    # default retention may drop step 5 afterwards)
-    assert train(15)[-2:] == [10, 15]
+            wait_until(answers, 60, f"{path} to answer 200")
+        for steps in (10, 15):  # the second run resumes: one that did not would save step 5 again, refused
+            done = subprocess.run([CKPTD, "launch", "--nproc-per-node", "1", str(script)], capture_output=True,
+                                  text=True, timeout=180, env={**base, **trainer_env, "TRAIN_STEPS": str(steps)},
+                                  cwd=tmp_path)
+            assert done.returncode == 0, done.stderr[-3000:]
+        wait_until(lambda: sorted(task["step"] for task in daemon.tasks()
+                                  if task["kind"] == "promote" and task["state"] == "done") == [5, 10, 15],
+                   60, "the daemon to promote steps 5, 10 and 15")
+        status = daemon.get_json("/status")
+        assert status["roots"]["run1"]["trainer_report"], "the trainer never reached the daemon's socket"
+        assert daemon.terminate() == 0
+    listed = subprocess.run([CKPTD, "ls", "--json", remote, "--endpoint-url", s3_server.endpoint_url],
+                            capture_output=True, text=True, timeout=120, env={**base, **s3_env})
+    assert listed.returncode == 0, listed.stderr
+    assert [entry["step"] for entry in json.loads(listed.stdout) if entry["state"] == "committed"] == [5, 10, 15]
