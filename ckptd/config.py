@@ -136,6 +136,12 @@ class Settings:
     #: timeout bounds a silence on the socket, not a whole transfer).
     peer_connect_timeout_s: float = 2.0
     peer_read_timeout_s: float = 30.0
+    #: Whether a CheckpointManager hands its steps to the node's daemon: auto (when one answers), off or
+    #: require (the manager's ``daemon=`` argument wins).
+    daemon: str = "auto"
+    #: Seconds one request of a manager to the daemon's control socket may take, connecting included; a
+    #: daemon that does not answer in time counts as gone and the manager promotes in-process.
+    daemon_request_timeout_s: float = 5.0
 
 
 _overrides: dict[str, Any] = {}

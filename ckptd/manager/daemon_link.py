@@ -20,13 +20,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ckptd.config import settings
+
 log = logging.getLogger("ckptd.manager")
 #: The file a daemon writes into each local root it watches.
 DAEMON_FILE_NAME = ".ckptd-daemon.json"
 #: Environment variable naming the daemon's control socket (instead of the root's daemon file).
 SOCKET_ENV = "CKPTD_DAEMON_SOCKET"
-#: Deadline of one request, connection included.
-DEFAULT_TIMEOUT_S = 2.0
 _MAX_ANSWER_BYTES = 4 * 1024 * 1024
 
 
@@ -50,8 +50,10 @@ class DaemonLink:
     Without ``local_root`` only :meth:`status` is of use (``ckptd status``)."""
 
     def __init__(self, socket_path: str | os.PathLike[str], local_root: str | os.PathLike[str] | None = None, *,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self.socket_path, self.timeout_s = Path(socket_path), timeout_s
+                 timeout_s: float | None = None) -> None:
+        #: Deadline of one request, connecting included (default ``CKPTD_DAEMON_REQUEST_TIMEOUT_S``).
+        self.timeout_s = settings().daemon_request_timeout_s if timeout_s is None else timeout_s
+        self.socket_path = Path(socket_path)
         self.local_root = Path(local_root).resolve() if local_root is not None else None
         #: The daemon's hello answer (root_name, promotes, replicates, remote, peer_url), once :meth:`hello` worked.
         self.info: dict[str, Any] = {}
@@ -63,7 +65,7 @@ class DaemonLink:
 
     @classmethod
     def find(cls, local_root: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None,
-             timeout_s: float = DEFAULT_TIMEOUT_S) -> DaemonLink | None:
+             timeout_s: float | None = None) -> DaemonLink | None:
         """The link to the daemon watching ``local_root``, or None when none answers ``hello`` for it."""
         path = daemon_socket_path(Path(local_root), environ)
         if path is None:

@@ -162,7 +162,7 @@ class CheckpointManager:
     def _find_daemon(self, mode: str | None, *, has_remote: bool) -> DaemonHandoff | None:
         """The hand-off to the node daemon that watches the local root (None: this process promotes alone).
         Every rank takes part (training thread): the daemon promotes only when every rank has one that does."""
-        mode = (mode or os.environ.get("CKPTD_DAEMON") or "auto").strip().lower()
+        mode = (mode or settings().daemon).strip().lower()
         if mode not in ("auto", "off", "require"):
             raise ConfigError(f"daemon={mode!r} is not one of auto, off, require",
                               hint="pass daemon='auto' (use the node's daemon when one runs), 'off' or 'require'")
