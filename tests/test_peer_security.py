@@ -180,6 +180,7 @@ def test_oversized_requests_are_refused(node: _Node) -> None:
     status, body = node.request("GET", BIG_FILE, headers={"Range": f"bytes=0-{LIMITS.max_range_bytes}"})
     assert status == 413 and len(body) < 1000
     assert node.request("GET", BIG_FILE)[0] == 413, "a whole file larger than a range is refused too"
+    assert node.request("HEAD", BIG_FILE)[0] == 200, "its size is not refused"
     status, body = node.request("GET", BIG_FILE, headers={"Range": f"bytes=10-{LIMITS.max_range_bytes + 9}"})
     assert status == 206 and body == (node.root / step_dir(COMMITTED) / "rank-00000.1.data").read_bytes()[10:][
         :LIMITS.max_range_bytes]

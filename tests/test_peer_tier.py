@@ -15,12 +15,13 @@ import pytest
 import torch
 
 import ckptd
+from ckptd.daemon.peer_api import PeerLimits
 from ckptd.daemon.peer_store import PeerNamespaces
 from ckptd.errors import ConfigError, IntegrityError, NotFoundError, StorageError, TierMisconfiguredError, \
     TierUnreachableError
 from ckptd.format.layout import step_dir, step_file
 from ckptd.manager.restoring import restore_state
-from ckptd.testing.peer_server import PeerServer
+from ckptd.testing.peer_server import PeerServer, served_replica_tier
 from ckptd.tiers import open_tier
 from ckptd.tiers import peer as peer_module
 from ckptd.tiers.local import LocalTier
@@ -186,3 +187,24 @@ def test_a_body_that_fails_midway_stores_nothing(replica: PeerTier, tmp_path: Pa
     assert replica.read_bytes(path) == b"earlier version"
     replica.write_bytes(path, b"next version")  # the connection after the cut one works
     assert replica.read_bytes(path) == b"next version"
+
+
+def test_files_larger_than_one_range_keep_their_size_and_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(peer_module, "READ_PIECE_BYTES", 64 * 1024)
+    with served_replica_tier(tmp_path / "replicas", limits=PeerLimits(max_range_bytes=64 * 1024)) as tier:
+        data = os.urandom(300_000)
+        path = step_file(1, "rank-00000.data")
+        tier.write_bytes(path, data)
+        assert tier.size(path) == len(data) and tier.exists(path)
+        assert tier.read_bytes(path) == data and tier.read_bytes(path, 1000, 200_000) == data[1000:201_000]
+
+
+def test_a_write_past_the_servers_limit_is_refused_clearly(tmp_path: Path) -> None:
+    with served_replica_tier(tmp_path / "replicas", limits=PeerLimits(max_put_bytes=1024 * 1024)) as tier:
+        path = step_file(1, "rank-00000.data")
+        with pytest.raises(StorageError) as caught:
+            tier.write_bytes(path, os.urandom(3 * 1024 * 1024))
+        assert "413" in str(caught.value) and not isinstance(caught.value, TierUnreachableError)
+        assert not tier.exists(path)
+        tier.write_bytes(path, b"small")  # the tier goes on working
+        assert tier.read_bytes(path) == b"small"

@@ -156,7 +156,7 @@ class _PeerEndpoints:
                 return _refusal(416, "the range starts at or past the end of the file",
                                 **{"Content-Range": f"bytes */{size}"})
             start, end = span if span is not None else (0, size)
-            if end - start > self.limits.max_range_bytes:
+            if end - start > self.limits.max_range_bytes and request.method == "GET":
                 return _refusal(413, f"a response holds at most {self.limits.max_range_bytes} bytes; read ranges")
             response = web.StreamResponse(status=206 if span is not None else 200)
             response.headers["Accept-Ranges"] = "bytes"
