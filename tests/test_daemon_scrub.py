@@ -214,12 +214,14 @@ def test_the_limiter_holds_its_rate_on_a_fake_clock():
     for amount in [300, 700, 2500, 10, 990, 4000, 1]:
         limiter.spend(amount)
         spent += amount
-        assert spent <= limiter.burst + 1000.0 * (clock.now - start) + 1e-6, "never faster than the rate"
-    assert clock.now - start == pytest.approx((spent - limiter.burst) / 1000.0), "and never slower than needed"
-    clock.now += 5.0  # idle time refills the bucket up to its burst, not beyond
+        assert spent <= 1000.0 * (clock.now - start) + 1e-6, "never faster than the rate (it starts empty)"
+    assert clock.now - start == pytest.approx(spent / 1000.0), "and never slower than needed"
+    clock.now += 5.0  # idle time refills the bucket up to its burst (one second's worth), not beyond
     slept = len(clock.sleeps)
     limiter.spend(1000)
-    assert len(clock.sleeps) == slept
+    assert len(clock.sleeps) == slept, "a burst after idle time"
+    limiter.spend(500)
+    assert clock.sleeps[slept:] == [pytest.approx(0.5)], "but only one second's worth"
     with pytest.raises(ConfigError, match="scrub rate"):
         ByteRateLimiter(0.0)
 
@@ -231,8 +233,7 @@ def test_a_scrub_pass_keeps_to_its_byte_rate(local_only):
     report = Scrubber(bytes_per_s=rate, clock=clock, sleep=clock.sleep).scrub_tier(local, repair_from=[])
     assert report.bytes > 4 * rate, "enough bytes that the pacing must act"
     elapsed = clock.now - 100.0
-    assert elapsed >= (report.bytes - rate) / rate - 1e-6
-    assert elapsed <= report.bytes / rate + 1e-6
+    assert elapsed == pytest.approx(report.bytes / rate), "exactly the pass's bytes at the rate"
 
 
 def test_should_stop_stops_a_pass_between_chunks_and_the_rest_is_scrubbed_next(tiers):

@@ -56,9 +56,11 @@ log = logging.getLogger("ckptd.scrub")
 class ByteRateLimiter:
     """A token bucket in bytes: :meth:`spend` after each read; it sleeps while the bucket is in debt.
 
-    The bucket holds at most ``burst`` bytes (default: one second's worth) and refills at ``bytes_per_s``.
-    Over any run of calls, the bytes spent never exceed ``burst + bytes_per_s * elapsed``, where elapsed is
-    measured on ``clock`` up to the end of the last call. ``clock`` and ``sleep`` are injectable (a test
+    The bucket starts empty, refills at ``bytes_per_s`` and holds at most ``burst`` bytes (default: one
+    second's worth), which only time spent idle between calls lets it gather. Over any run of calls, the
+    bytes spent never exceed ``burst + bytes_per_s * elapsed`` (from the first call, which is also the
+    start of a pass: ``bytes_per_s * elapsed``), elapsed measured on ``clock`` up to the end of the last
+    call. ``clock`` and ``sleep`` are injectable (a test
     passes a fake clock whose ``sleep`` advances it; the daemon passes its stop event's ``wait`` so a
     shutdown cuts a long pause short). ``bytes_per_s=math.inf`` never sleeps."""
 
@@ -70,7 +72,7 @@ class ByteRateLimiter:
         self.bytes_per_s = float(bytes_per_s)
         self.burst = float(bytes_per_s if burst is None else burst)
         self._clock, self._sleep = clock, sleep
-        self._tokens = self.burst
+        self._tokens = 0.0
         self._last = clock()
         #: Seconds slept so far (what the pacing cost).
         self.slept_s = 0.0
