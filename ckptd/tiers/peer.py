@@ -61,6 +61,8 @@ _ATTEMPTS = 3
 _BACKOFF_S = (0.05, 0.25)
 #: Attempts when the daemon answers "busy" (503).
 _BUSY_ATTEMPTS = 6
+#: What a request that got no answer raises (connection refused, reset or cut, timeouts, a stale keep-alive).
+_TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
 _TOKEN_HINT = (f"set {TOKEN_ENV} (or {TOKEN_FILE_ENV}, or storage_options token / token_file) to the "
                "peer_token of the buddy's daemon")
 
@@ -99,14 +101,6 @@ class _Connection(http.client.HTTPConnection):
         self.sock = socket.create_connection((self.host, self.port), self.timeout)
         self.sock.settimeout(self.read_timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-class _Unreachable(Exception):
-    """A request did not get an answer (internal: retried, then turned into TierUnreachableError)."""
-
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(str(cause) or type(cause).__name__)
-        self.cause = cause
 
 
 class PeerTier(StorageTier):
@@ -194,15 +188,15 @@ class PeerTier(StorageTier):
                 if response.will_close:
                     self._drop_connection()
                 return result
-            except _Unreachable as failure:
+            except _TRANSPORT_ERRORS as failure:  # no answer: the daemon is gone, or the connection was stale
                 self._drop_connection()
                 attempt += 1
                 if attempt >= _ATTEMPTS:
                     raise TierUnreachableError(
-                        f"the peer daemon cannot be reached while {what}: {failure}",
+                        f"the peer daemon cannot be reached while {what}: {failure or type(failure).__name__}",
                         path=path, tier=self.label,
                         hint="restore reads the other tiers; check that the buddy's daemon runs and listens "
-                             f"on {self.host}:{self.port}") from failure.cause
+                             f"on {self.host}:{self.port}") from failure
                 time.sleep(_BACKOFF_S[min(attempt, len(_BACKOFF_S)) - 1])
             except BaseException:
                 if response is None or not response.isclosed() or response.will_close:
@@ -211,39 +205,28 @@ class PeerTier(StorageTier):
 
     def _send(self, connection: _Connection, method: str, target: str, headers: Mapping[str, str],
               body: Callable[[], Iterable[Buffer]] | None, length: int) -> http.client.HTTPResponse:
-        try:
-            connection.putrequest(method, target, skip_accept_encoding=True)
-            connection.putheader("Authorization", self._authorization)
-            for name, value in headers.items():
-                connection.putheader(name, value)
-            if body is not None or method in ("PUT", "POST"):
-                connection.putheader("Content-Length", str(length))
-            connection.endheaders()
-            if body is not None:
-                sent = 0
-                for piece in body():
-                    view = memoryview(piece).cast("B")
-                    connection.send(view)
-                    sent += len(view)
-                if sent != length:
-                    raise IntegrityError("the body of a peer write has the wrong length", path=target,
-                                         tier=self.label, expected=str(length), actual=str(sent))
-            return connection.getresponse()
-        except CkptdError:
-            raise
-        except (OSError, http.client.HTTPException) as exc:
-            raise _Unreachable(exc) from exc
-
-    def _read_body(self, response: http.client.HTTPResponse) -> bytes:
-        try:
-            return response.read()
-        except (OSError, http.client.HTTPException) as exc:
-            raise _Unreachable(exc) from exc
+        connection.putrequest(method, target, skip_accept_encoding=True)
+        connection.putheader("Authorization", self._authorization)
+        for name, value in headers.items():
+            connection.putheader(name, value)
+        if body is not None or method in ("PUT", "POST"):
+            connection.putheader("Content-Length", str(length))
+        connection.endheaders()
+        if body is not None:
+            sent = 0
+            for piece in body():
+                view = memoryview(piece).cast("B")
+                connection.send(view)
+                sent += len(view)
+            if sent != length:
+                raise IntegrityError("the body of a peer write has the wrong length", path=target,
+                                     tier=self.label, expected=str(length), actual=str(sent))
+        return connection.getresponse()
 
     def _error(self, response: http.client.HTTPResponse, what: str, path: str | None) -> CkptdError:
         """The error of a refused request (its body is read here)."""
         try:
-            message = str(json.loads(self._read_body(response) or b"{}").get("error", ""))[:500]
+            message = str(json.loads(response.read() or b"{}").get("error", ""))[:500]
         except (ValueError, AttributeError):
             message = ""
         status = response.status
@@ -273,16 +256,12 @@ class PeerTier(StorageTier):
 
         def handle(response: http.client.HTTPResponse) -> tuple[T, int | None]:
             if response.status == 416:
-                self._read_body(response)
+                response.read()
                 return empty(), None
             if response.status != 206:
                 raise self._error(response, "a read", path)
             total = _total_size(response.getheader("Content-Range", ""))
-            count = int(response.getheader("Content-Length", "0"))
-            try:
-                return into(response, count), total
-            except (OSError, http.client.HTTPException) as exc:
-                raise _Unreachable(exc) from exc
+            return into(response, count=int(response.getheader("Content-Length", "0"))), total
 
         return self._request("GET", path, what=f"reading {path}", path=path, headers=headers, handle=handle)
 
@@ -334,7 +313,7 @@ class PeerTier(StorageTier):
             return None
 
         def handle(response: http.client.HTTPResponse) -> int | None:
-            self._read_body(response)
+            response.read()
             if response.status == 404:
                 return None
             if response.status != 200:
@@ -355,12 +334,12 @@ class PeerTier(StorageTier):
     def _listing(self, relative: str, key: str, missing: list[Any] | None) -> list[Any]:
         def handle(response: http.client.HTTPResponse) -> list[Any]:
             if response.status == 404 and missing is not None:
-                self._read_body(response)
+                response.read()
                 return missing
             if response.status != 200:
                 raise self._error(response, "a listing", relative)
             try:
-                listed = json.loads(self._read_body(response))[key]
+                listed = json.loads(response.read())[key]
             except (ValueError, KeyError, TypeError) as exc:
                 raise StorageError("the peer daemon sent a malformed listing", path=relative,
                                    tier=self.label) from exc
@@ -391,7 +370,7 @@ class PeerTier(StorageTier):
         def handle(response: http.client.HTTPResponse) -> None:
             if response.status not in (200, 201, 204):
                 raise self._error(response, f"writing {path}", path)
-            self._read_body(response)
+            response.read()
 
         self._request("PUT", path, what=f"writing {path}", path=path, handle=handle, body=pieces, length=size,
                       query="if_absent=1" if if_absent else "")
@@ -400,7 +379,7 @@ class PeerTier(StorageTier):
         def handle(response: http.client.HTTPResponse) -> None:
             if response.status not in (200, 204, 404):
                 raise self._error(response, f"deleting {relative}", relative)
-            self._read_body(response)
+            response.read()
 
         self._request("DELETE", relative, what=f"deleting {relative}", path=relative, handle=handle)
 
