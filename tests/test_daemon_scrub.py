@@ -4,6 +4,7 @@ a fake clock; a pass stops between chunks when asked."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import shutil
@@ -334,3 +335,29 @@ def test_a_data_file_reached_through_a_link_out_of_the_root_is_never_written(tie
     assert report.bad == (path,) and report.unrepaired == (path,)
     assert "outside the tier root" in dict(report.reasons)[path]
     assert _files(outside.parent) == before
+
+
+class _FailingDisk(LocalTier):
+    """The real local tier, except that reads of one step's data files fail as a dying disk's do (EIO),
+    which the tier passes on as the OSError it is."""
+
+    def __init__(self, root: Path, failing_step: int) -> None:
+        super().__init__(root)
+        self.failing = step_dir(failing_step)
+
+    def read_into(self, path: str, offset: int, buffer: memoryview) -> None:
+        if path.startswith(f"{self.failing}/") and path.endswith(".data"):
+            raise OSError(errno.EIO, "Input/output error")
+        super().read_into(path, offset, buffer)
+
+
+def test_a_read_the_disk_refuses_is_reported_and_the_pass_goes_on(local_only):
+    tier = _FailingDisk(local_only.root, failing_step=1)
+    before = _files(local_only.root)
+
+    report = Scrubber(bytes_per_s=math.inf).scrub_tier(tier, repair_from=[])
+
+    assert report.steps == STEPS and report.bad == (step_dir(1),) and report.unrepaired == (step_dir(1),)
+    assert "Input/output error" in dict(report.reasons)[step_dir(1)]
+    assert report.bytes == _raw_bytes(local_only, 2), "step 2 was scrubbed whole"
+    assert _files(local_only.root) == before

@@ -19,9 +19,11 @@ What is found bad is mended, never deleted:
   the data file keeps its name and inode (the hard-linked pin of a step waiting for promotion is mended
   with it).
 
-Steps that are not committed are never read nor written. A problem in a step's metadata (manifest,
-index, missing data file) is reported and left alone: the step's owner deals with it (a restore sets a
-bad local step aside; a promotion uploads a step again).
+A chunk object that several steps share is read once per pass. Steps that are not committed are never
+read nor written, and a step deleted during the pass (retention) is not mended. A problem that is no
+chunk (a bad manifest or index, a missing data file, a read the disk refused) is reported and left alone:
+the step's owner deals with it (a restore sets a bad local step aside; a promotion uploads a step again).
+A tier that is neither (a peer tier, read over HTTP) is scrubbed but not mended: its own daemon mends it.
 
 Threads: one Scrubber is used by one thread at a time (the daemon's scrub worker); the pacing is shared
 by every tier that Scrubber scrubs.
@@ -39,6 +41,7 @@ from pathlib import Path
 
 from ckptd.errors import CkptdError, ConfigError, IntegrityError, NotFoundError, StorageError, UnsafePathError
 from ckptd.format import codecs
+from ckptd.format.layout import step_dir
 from ckptd.format.records import ChunkRecord
 from ckptd.format.verify import decode_verified
 from ckptd.promotion.contents import (RankShare, check_stored_chunk, read_step_contents, read_stored_chunk,
@@ -125,7 +128,12 @@ class _Pass:
 
 
 class Scrubber:
-    """Scrubs tiers at no more than ``bytes_per_s`` raw chunk bytes per second (see the module docstring)."""
+    """Scrubs tiers at no more than ``bytes_per_s`` raw chunk bytes per second (see the module docstring).
+
+    Keep one for the daemon's life, so the rate holds across passes and tiers; pass the daemon's stop
+    event as ``sleep=stop.wait`` and ``should_stop=stop.is_set`` so that a shutdown ends a pause and
+    a pass at once. Good ``repair_from`` tiers for a root: its local tier and pinned steps
+    (:func:`ckptd.promotion.repair.repair_sources` builds both), the object tier, the buddy's replica."""
 
     def __init__(self, *, bytes_per_s: float, clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], object] = time.sleep) -> None:
@@ -161,6 +169,8 @@ class Scrubber:
                     problems.append(problem)
             except _Stopped:
                 stopped = True
+            except OSError as error:  # a read the tier did not translate (EIO from a failing disk): next step
+                problems.append(VerifyProblem(step, None, step_dir(step), f"reading the step failed: {error}"))
             found.problems.extend(problems)
             if stopped:
                 break
@@ -209,7 +219,7 @@ def _mend(tier: StorageTier, problems: list[VerifyProblem], repair_from: Sequenc
         problems = [problem for problem in problems if problem.step not in gone]
     reasons = {problem.path: problem.error for problem in problems}
     metadata = {problem.path for problem in problems if problem.chunk is None}
-    unrepaired = {path: f"the step's metadata is bad ({reasons[path]}); left to the step's owner"
+    unrepaired = {path: f"not a chunk a scrub can mend ({reasons[path]}); left to the step's owner"
                   for path in metadata}
     chunk_problems = [problem for problem in problems if problem.chunk is not None and problem.path not in metadata]
     if tier.stores_chunks_by_digest:
