@@ -33,6 +33,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import random
 import socket
 import threading
 import time
@@ -59,8 +60,9 @@ TOKEN_ENV, TOKEN_FILE_ENV = "CKPTD_PEER_TOKEN", "CKPTD_PEER_TOKEN_FILE"
 #: Attempts of one request that could not reach the daemon, and the pauses between them.
 _ATTEMPTS = 3
 _BACKOFF_S = (0.05, 0.25)
-#: Attempts when the daemon answers "busy" (503).
-_BUSY_ATTEMPTS = 6
+#: Attempts when the daemon answers "busy" (503; about 20 s of waiting in all, so that a restore with many
+#: reader threads waits for a busy buddy instead of leaving it for a farther tier).
+_BUSY_ATTEMPTS = 24
 #: What a request that got no answer raises (connection refused, reset or cut, timeouts, a stale keep-alive).
 _TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
 _TOKEN_HINT = (f"set {TOKEN_ENV} (or {TOKEN_FILE_ENV}, or storage_options token / token_file) to the "
@@ -182,7 +184,7 @@ class PeerTier(StorageTier):
                 if response.status == 503 and busy + 1 < _BUSY_ATTEMPTS:
                     response.read()
                     busy += 1
-                    time.sleep(min(2.0, 0.1 * 2 ** busy))
+                    time.sleep(random.uniform(0.5, 1.0) * min(1.0, 0.02 * 2 ** busy))
                     continue
                 result = handle(response)
                 if response.will_close:
