@@ -1,0 +1,203 @@
+"""The control socket's own rules, on :class:`~ckptd.daemon.control_socket.ControlSocket` in this process.
+
+A small stand-in answers the daemon's side (which root a path is, what it does with a commit); the socket,
+the protocol and :class:`~ckptd.manager.daemon_link.DaemonLink` are the real ones. Bad requests get an error
+answer and the connection stays open; a line too long or not JSON closes it; a stale socket file is
+replaced and a live one refused; an idle connection the daemon closed is reopened by the link; a daemon
+that does not answer within the deadline makes the link report it gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd.daemon import control_socket
+from ckptd.daemon.control_socket import MAX_LINE_BYTES, ControlSocket
+from ckptd.daemon.metrics import DaemonMetrics
+from ckptd.errors import ConfigError, NotFoundError
+from ckptd.manager.daemon_link import DAEMON_FILE_NAME, DaemonLink
+
+
+@dataclass(frozen=True)
+class _Root:
+    name: str
+
+
+class _StandIn:
+    """Answers for one root, ``root``; records what the socket handed it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.metrics = root.resolve(), DaemonMetrics()
+        self.commits: list[tuple[str, int]] = []
+        self.reports: list[tuple[str, dict[str, Any]]] = []
+        self.hold = threading.Event()  # set: notice_commit blocks until released
+        self.release = threading.Event()
+
+    def root_for(self, path: Path) -> _Root | None:
+        return _Root("run1") if Path(path).resolve() == self.root else None
+
+    def describe_root(self, root_name: str) -> dict[str, Any]:
+        return {"root_name": root_name, "promotes": True, "replicates": False, "peer_url": None}
+
+    def notice_commit(self, root_name: str, step: int) -> bool:
+        if self.hold.is_set():
+            self.release.wait(10)
+        if step == 13:
+            raise NotFoundError("the step is not committed in the local root", step=step, tier="local")
+        self.commits.append((root_name, step))
+        return step % 2 == 0
+
+    def record_trainer_report(self, root_name: str, report: dict[str, Any]) -> None:
+        self.reports.append((root_name, report))
+
+    def status(self) -> dict[str, Any]:
+        return {"node_id": "stand-in", "commits": len(self.commits)}
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[ControlSocket, _StandIn, Path]]:
+    directory = Path(tempfile.mkdtemp(prefix="ckptd-proto-"))
+    root = tmp_path / "root"
+    root.mkdir()
+    stand_in = _StandIn(root)
+    server = ControlSocket(stand_in, directory / "c.sock", allowed_uids=frozenset({os.geteuid()}))
+    server.start()
+    (root / DAEMON_FILE_NAME).write_text(json.dumps({"socket": str(directory / "c.sock")}))
+    yield server, stand_in, root
+    server.stop()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _raw(path: Path) -> tuple[socket.socket, Any]:
+    client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    client.settimeout(10)
+    client.connect(str(path))
+    return client, client.makefile("rb")
+
+
+def _ask(client: socket.socket, lines: Any, payload: bytes) -> dict[str, Any] | None:
+    client.sendall(payload)
+    line = lines.readline()
+    return json.loads(line) if line else None
+
+
+def test_link_requests_reach_the_daemon(served, monkeypatch):
+    server, stand_in, root = served
+    monkeypatch.delenv("CKPTD_DAEMON_SOCKET", raising=False)
+    link = DaemonLink.find(root)
+    assert link is not None and link.promotes and not link.replicates and link.info["root_name"] == "run1"
+    assert link.committed(4) is True and link.committed(5) is False  # the daemon's "wanted" answer
+    assert link.committed(13) is None and link.alive  # an error answer: the daemon is still there
+    assert link.report(4, save_stall_s=0.5, step_s=None)
+    assert link.status() == {"node_id": "stand-in", "commits": 2}
+    link.close()
+    assert stand_in.commits == [("run1", 4), ("run1", 5)]
+    assert stand_in.reports == [("run1", {"step": 4, "save_stall_s": 0.5, "step_s": None})]
+    assert DaemonLink.find(root.parent) is None  # no daemon file there
+
+
+@pytest.mark.parametrize(("request_", "words"), [
+    ({"op": "launch"}, "unknown op 'launch'"),
+    (["hello"], "unknown op None"),
+    ({"op": "hello", "root": "relative/dir"}, "absolute path"),
+    ({"op": "hello", "root": "/nowhere/watched"}, "does not watch /nowhere/watched"),
+    ({"op": "committed", "step": -1}, "'step' must be a step number"),
+    ({"op": "committed", "step": True}, "'step' must be a step number"),
+    ({"op": "report", "step": 1, "save_stall_s": "fast"}, "'save_stall_s' must be a number of seconds"),
+    ({"op": "report", "step": 1, "step_s": -2.0}, "'step_s' must be a number of seconds"),
+])
+def test_a_bad_request_is_answered_and_the_connection_stays(served, request_, words):
+    server, stand_in, root = served
+    if isinstance(request_, dict) and request_.get("op") in ("committed", "report"):
+        request_ = {**request_, "root": str(root)}
+    client, lines = _raw(server.path)
+    with client, lines:
+        answer = _ask(client, lines, json.dumps(request_).encode() + b"\n")
+        assert answer is not None and answer["ok"] is False and words in answer["error"], answer
+        assert _ask(client, lines, b'{"op": "status"}\n')["ok"] is True  # still served
+    assert stand_in.commits == [] and stand_in.reports == []
+
+
+@pytest.mark.parametrize(("payload", "words"), [
+    (b"x" * (MAX_LINE_BYTES + 10) + b"\n", "longer than"),
+    (b"{not json\n", "one JSON object per line"),
+])
+def test_a_line_too_long_or_not_json_closes_the_connection(served, payload, words):
+    server, stand_in, _ = served
+    client, lines = _raw(server.path)
+    with client, lines:
+        answer = _ask(client, lines, payload)
+        assert answer is not None and answer["ok"] is False and words in answer["error"]
+        assert lines.readline() == b""  # closed
+
+
+def test_a_stale_socket_is_replaced_and_a_live_one_refused(served, tmp_path):
+    server, stand_in, _ = served
+    with pytest.raises(ConfigError, match="another daemon serves the control socket"):
+        ControlSocket(stand_in, server.path, allowed_uids=frozenset({0})).start()
+    stale_dir = Path(tempfile.mkdtemp(prefix="ckptd-stale-"))
+    try:
+        stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stale.bind(str(stale_dir / "s.sock"))
+        stale.close()  # the file stays, nobody listens: what a SIGKILLed daemon leaves
+        replacement = ControlSocket(stand_in, stale_dir / "s.sock", allowed_uids=frozenset({0}))
+        replacement.start()
+        replacement.stop()
+        assert not (stale_dir / "s.sock").exists()  # removed on stop
+        (stale_dir / "plain").write_text("not a socket")
+        with pytest.raises(ConfigError, match="exists and is not a socket"):
+            ControlSocket(stand_in, stale_dir / "plain", allowed_uids=frozenset({0})).start()
+    finally:
+        shutil.rmtree(stale_dir, ignore_errors=True)
+
+
+def test_an_idle_connection_closed_by_the_daemon_is_reopened(served, monkeypatch):
+    server, stand_in, root = served
+    monkeypatch.setattr(control_socket, "IDLE_TIMEOUT_S", 0.2)
+    link = DaemonLink(server.path, root)
+    assert link.hello()["ok"]
+    threading.Event().wait(0.6)  # the daemon closes the idle connection
+    assert link.committed(2) is True and link.alive
+    link.close()
+    assert stand_in.commits == [("run1", 2)]
+
+
+def test_a_daemon_that_does_not_answer_in_time_is_gone(served):
+    server, stand_in, root = served
+    link = DaemonLink(server.path, root, timeout_s=0.3)
+    assert link.hello()["ok"]
+    stand_in.hold.set()
+    try:
+        assert link.committed(2) is None
+        assert not link.alive and "timed out" in (link.failure or "").lower()
+    finally:
+        stand_in.release.set()
+        link.close()
+
+
+def test_too_many_connections_are_refused_with_a_reason(served, monkeypatch):
+    server, stand_in, _ = served
+    monkeypatch.setattr(control_socket, "MAX_CONNECTIONS", 2)
+    opened = [_raw(server.path) for _ in range(2)]
+    try:
+        for client, lines in opened:  # both admitted and served
+            assert _ask(client, lines, b'{"op": "status"}\n')["ok"] is True
+        client, lines = _raw(server.path)
+        with client, lines:
+            answer = json.loads(lines.readline())
+            assert answer["ok"] is False and "too many control connections" in answer["error"]
+    finally:
+        for client, lines in opened:
+            lines.close()
+            client.close()
