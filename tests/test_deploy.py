@@ -17,6 +17,7 @@
 - the ConfigMap's TOML with the DaemonSet's environment starts a real daemon whose probe paths answer, and
   the example training script, run under ``ckptd launch`` with the Job's environment, hands its steps to
   it through the configured socket and resumes when run again; the daemon promotes them to moto's S3.
+  Where the machine allows a private mount namespace, both see a read-only root file system but /tmp.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tomllib
@@ -40,7 +42,7 @@ from typing import Any
 import pytest
 import yaml
 
-from ckptd.testing.daemon_process import DaemonProcess, wait_until
+from ckptd.testing.daemon_process import wait_until
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
 
@@ -541,13 +543,77 @@ def test_image_builds_and_runs_as_its_user() -> None:
 
 # --- the deployed configuration, run for real ---------------------------------------------------------
 
+@functools.cache
+def _read_only_root() -> list[str] | None:
+    """A command prefix that runs its command with the root file system read-only but /tmp (the pods'
+    ``readOnlyRootFilesystem`` with an emptyDir on /tmp), or None where this machine cannot (a private
+    mount namespace needs root with CAP_SYS_ADMIN)."""
+    unshare = shutil.which("unshare")
+    if unshare is None or os.geteuid() != 0:
+        return None
+    script = 'mount --bind /tmp /tmp && mount -o remount,bind,ro / && exec "$@"'
+    prefix = [unshare, "--mount", "--propagation", "private", "sh", "-c", script, "read-only-root"]
+    probe = subprocess.run([*prefix, "sh", "-c", "! test -w /usr && test -w /tmp"], capture_output=True, timeout=30)
+    return prefix if probe.returncode == 0 else None
+
+
+class _DeployedDaemon:
+    """The daemon as the image starts it (ENTRYPOINT + the DaemonSet's args, config path moved), optionally
+    under :func:`_read_only_root`; its log in a file."""
+
+    def __init__(self, config: Path, state_dir: Path, env: dict[str, str], prefix: list[str]) -> None:
+        args = next(container for container in _pod_spec(_by_kind("DaemonSet"))["containers"]
+                    if container["name"] == "daemon")["args"]
+        argv = [CKPTD, *_dockerfile_instruction("ENTRYPOINT")[1:], *args]
+        argv[argv.index("--config") + 1] = str(config)
+        self.state_dir, self.log_path = state_dir, config.with_suffix(".log")
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen([*prefix, *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def wait_started(self) -> str:
+        """The daemon's HTTP base URL, once its daemon.json names this process."""
+        def started() -> str | None:
+            assert self.process.poll() is None, f"the daemon exited with {self.process.returncode}:\n{self.log()}"
+            try:
+                state = json.loads((self.state_dir / "daemon.json").read_text())
+            except (OSError, ValueError):
+                return None
+            return f"http://{state['http']}" if state.get("pid") == self.process.pid else None
+        return wait_until(started, 60, "the daemon to start")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+
+
+def _get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, b""
+    except urllib.error.URLError:
+        return 0, b""
+
+
 @pytest.mark.s3
-def test_deployed_daemon_answers_its_probes_and_promotes_what_the_example_job_commits(tmp_path: Path, s3_server,
-                                                                                      s3_bucket: str) -> None:
+def test_deployed_daemon_answers_its_probes_and_promotes_what_the_example_job_commits(
+        tmp_path: Path, s3_server, s3_bucket: str) -> None:
     """The ConfigMap's TOML and the DaemonSet's environment start a real daemon (the pod IP stood in for by
     127.0.0.1, host paths moved under tmp_path, the bucket by moto's); its probe paths answer 200; the
     example train.py under ``ckptd launch`` with the Job's environment hands its commits to it over the
-    configured socket, resumes from its own checkpoint when run again, and the daemon promotes every step."""
+    configured socket, resumes from its own checkpoint when run again, and the daemon promotes every step.
+    Where this machine allows it (root, unshare), daemon and trainers see a read-only root file system but
+    /tmp, as in their pods (readOnlyRootFilesystem); elsewhere a writable one."""
+    prefix = _read_only_root() or []
     config = _configmap_toml()
     (root,) = config["roots"]
     remote = f"s3://{s3_bucket}/ckpt/run1"
@@ -555,47 +621,48 @@ def test_deployed_daemon_answers_its_probes_and_promotes_what_the_example_job_co
     daemon_toml.write_text(_moved(_by_kind("ConfigMap", "ckptd-config")["data"]["daemon.toml"], tmp_path)
                            .replace(root["remote"], remote))
     _token_file(tmp_path, config["peer_token_file"])
-    s3_env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-              "CKPTD_S3_ENDPOINT_URL": s3_server.endpoint_url}
     base = {key: value for key, value in os.environ.items() if not key.startswith("CKPTD_")}
+    base.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                CKPTD_S3_ENDPOINT_URL=s3_server.endpoint_url, HOME=str(tmp_path), PYTHONDONTWRITEBYTECODE="1")
     daemon_pod = _pod_spec(_by_kind("DaemonSet"))
     (container,) = [container for container in daemon_pod["containers"] if container["name"] == "daemon"]
     # this test runs as one user, both pods as UID 10001 (checked above): let this user on the socket
-    daemon_env = {**s3_env, "CKPTD_DAEMON_NODE_ID": "node-a", "CKPTD_DAEMON_LISTEN": "127.0.0.1:0",
+    daemon_env = {"CKPTD_DAEMON_NODE_ID": "node-a", "CKPTD_DAEMON_LISTEN": "127.0.0.1:0",
                   "CKPTD_DAEMON_CONTROL_ALLOWED_UIDS": str(os.geteuid())}
     assert set(daemon_env) >= {name for name in _env(container) if name.startswith("CKPTD_")}
     state_dir = Path(_moved(config["state_dir"], tmp_path))
-    state_dir.parent.mkdir(parents=True)  # the daemon's log goes next to its state dir
     script = tmp_path / "train.py"
     script.write_text(_by_kind("ConfigMap", "ckpt-train-script")["data"]["train.py"])
     (trainer,) = _pod_spec(_by_kind("Job"))["containers"]
     trainer_env = {name: _moved(value, tmp_path) for name, value in _env(trainer).items() if value}
-    trainer_env.update(s3_env, CKPT_REMOTE=remote, CKPT_EVERY="5")
-    with DaemonProcess(daemon_toml, state_dir, env={**base, **daemon_env}) as daemon:
-        daemon.wait_ready()
+    trainer_env.update(CKPT_REMOTE=remote, CKPT_EVERY="5")
+    daemon = _DeployedDaemon(daemon_toml, state_dir, {**base, **daemon_env}, prefix)
+    try:
+        http = daemon.wait_started()
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             path = container[probe]["httpGet"]["path"]
-
-            def answers(path: str = path) -> bool:
-                try:
-                    with urllib.request.urlopen(daemon.http + path, timeout=10) as response:
-                        return response.status == 200
-                except urllib.error.URLError:
-                    return False
-
-            wait_until(answers, 60, f"{path} to answer 200")
+            wait_until(lambda: _get(http + path)[0] == 200, 60, f"{path} to answer 200")
         for steps in (10, 15):  # the second run resumes: one that did not would save step 5 again, refused
-            done = subprocess.run([CKPTD, "launch", "--nproc-per-node", "1", str(script)], capture_output=True,
-                                  text=True, timeout=180, env={**base, **trainer_env, "TRAIN_STEPS": str(steps)},
-                                  cwd=tmp_path)
+            done = subprocess.run([*prefix, CKPTD, "launch", "--nproc-per-node", "1", str(script)],
+                                  capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                                  env={**base, **trainer_env, "TRAIN_STEPS": str(steps)})
             assert done.returncode == 0, done.stderr[-3000:]
-        wait_until(lambda: sorted(task["step"] for task in daemon.tasks()
-                                  if task["kind"] == "promote" and task["state"] == "done") == [5, 10, 15],
-                   60, "the daemon to promote steps 5, 10 and 15")
-        status = daemon.get_json("/status")
-        assert status["roots"]["run1"]["trainer_report"], "the trainer never reached the daemon's socket"
-        assert daemon.terminate() == 0
+
+        def status() -> dict[str, Any]:
+            code, body = _get(http + "/status")
+            assert code == 200, f"/status answered {code}"
+            return json.loads(body)["roots"][root["name"]]
+
+        wait_until(lambda: status()["tiers"]["object"]["steps"] == [5, 10, 15], 60,
+                   "the daemon to promote steps 5, 10 and 15")
+        assert status()["trainer_report"], "the trainer never reached the daemon's socket"
+        assert daemon.stop() == 0, daemon.log()
+    finally:
+        if daemon.process.poll() is None:
+            daemon.process.kill()
+            daemon.process.wait(30)
+    assert "Read-only file system" not in daemon.log()
     listed = subprocess.run([CKPTD, "ls", "--json", remote, "--endpoint-url", s3_server.endpoint_url],
-                            capture_output=True, text=True, timeout=120, env={**base, **s3_env})
+                            capture_output=True, text=True, timeout=120, env=base)
     assert listed.returncode == 0, listed.stderr
     assert [entry["step"] for entry in json.loads(listed.stdout) if entry["state"] == "committed"] == [5, 10, 15]
