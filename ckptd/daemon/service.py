@@ -121,7 +121,6 @@ class Daemon:
         self._errors: list[dict[str, Any]] = []
         self._started_at: float | None = None
         self._ready = False
-        self._last_scrub = 0.0
 
     # --- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -202,7 +201,7 @@ class Daemon:
         config = self.config
         namespaces = PeerNamespaces({name: runtime.local.root for name, runtime in self._roots.items()},
                                     config.replica_path)
-        limits = PeerLimits(max_concurrency=config.peer_max_concurrency, max_put_bytes=config.peer_max_put_bytes)
+        limits = PeerLimits(max_concurrent=config.peer_max_concurrency, max_put_bytes=config.peer_max_put_bytes)
 
         def served(namespace: str, count: int) -> None:
             self.metrics.peer_served(count)
@@ -298,10 +297,17 @@ class Daemon:
             journaled = {(task.kind, task.target) for task in self.journal.tasks(root=root_name, step=step)}
             missing = [target for target in targets if target not in journaled]
             if missing:
-                if step not in runtime.pins.pinned():
-                    if not runtime.local.is_committed(step):
+                # every file of the step, durably (a trainer handing off may have pinned only its own, unsynced)
+                try:
+                    if runtime.local.is_committed(step):
+                        runtime.pins.pin(step, runtime.local.list_files(step), durable=True)
+                    elif step in runtime.pins.pinned():
+                        runtime.pins.make_durable(step)
+                    else:
                         return  # deleted before it could be pinned
-                    runtime.pins.pin(step, runtime.local.list_files(step), durable=True)
+                except (CkptdError, OSError) as error:  # retention deleted it while it was being pinned
+                    log.warning("could not pin step %d of root %s (not journaled): %s", step, root_name, error)
+                    return
                 for kind, target in missing:
                     if self.journal.enqueue(kind, root_name, step, target):
                         self.on_event("journaled", {"kind": kind, "root": root_name, "step": step})
@@ -431,9 +437,11 @@ class Daemon:
                 self._apply_retention(runtime)
             self._publish_depth()
             interval = self.config.scrub_interval_s
-            if interval > 0 and time.monotonic() - self._last_scrub >= interval:
-                self._last_scrub = time.monotonic()
-                self._scrub()
+            if interval > 0 and self.journal is not None:
+                last = self.journal.get_state("last_scrub", 0.0)  # kept across restarts
+                if time.time() - last >= interval:
+                    self.journal.set_state("last_scrub", time.time())
+                    self._scrub()
 
     def _tier(self, runtime: _Root, kind: str) -> StorageTier | None:
         return runtime.remote if kind == "object" else runtime.peer

@@ -24,20 +24,29 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-#: A trainer: ``python -c TRAINER DIR FIRST COUNT SEED``; saves steps FIRST.. with a seeded state and prints
-#: ``committed N`` once each is committed locally.
+#: A trainer: ``python -c TRAINER DIR FIRST COUNT SEED KEEP_LOCAL``; saves steps FIRST.. with a seeded state
+#: (:func:`trainer_state`), keeping KEEP_LOCAL steps locally ("all": every one), and prints ``committed N``
+#: once each is committed locally.
 TRAINER = """
-import sys, torch, ckptd
+import sys, ckptd
+from ckptd.testing.daemon_process import trainer_state
 directory, first, count, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-with ckptd.CheckpointManager(directory, capture_rng=False) as manager:
+keep_local = None if sys.argv[5] == "all" else int(sys.argv[5])
+with ckptd.CheckpointManager(directory, capture_rng=False, policy=ckptd.Policy(keep_local=keep_local)) as manager:
     for step in range(first, first + count):
-        generator = torch.Generator().manual_seed(seed * 1000 + step)
-        state = {"weights": torch.randn(256 * 1024, generator=generator),
-                 "bias": torch.randn(1024, generator=generator), "step": torch.tensor(step)}
-        manager.save(step, state)
+        manager.save(step, trainer_state(step, seed))
         manager.wait()
         print(f"committed {step}", flush=True)
 """
+
+
+def trainer_state(step: int, seed: int = 0) -> dict[str, Any]:
+    """The state :data:`TRAINER` saves at ``step``: a 1 MiB tensor (its own chunk), a small one (in the pack)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed * 1000 + step)
+    return {"weights": torch.randn(256 * 1024, generator=generator), "bias": torch.randn(1024, generator=generator),
+            "step": torch.tensor(step)}
 
 
 def _toml_value(value: Any) -> str:
@@ -121,6 +130,13 @@ class DaemonProcess:
                                          f"log:\n{self.log()}")
                 self._events_changed.wait(min(left, 0.5))
 
+    def wait_for(self, condition: Callable[[], Any], timeout_s: float, what: str) -> Any:
+        """:func:`wait_until`, with this daemon's log tail in the error."""
+        try:
+            return wait_until(condition, timeout_s, what)
+        except AssertionError as error:
+            raise AssertionError(f"{error}; journal: {self.tasks()}; log:\n{self.log()}") from None
+
     # --- state -----------------------------------------------------------------------------------
     def state(self) -> dict[str, Any] | None:
         """``daemon.json`` when this process wrote it, else None."""
@@ -198,10 +214,12 @@ class DaemonProcess:
 
 
 def run_trainer(directory: Path, first: int, count: int, *, seed: int = 0, kill_after: int | None = None,
-                timeout_s: float = 120.0) -> list[int]:
+                keep_local: int | None = 2, timeout_s: float = 120.0) -> list[int]:
     """Run :data:`TRAINER`; returns the steps it reported committed. With ``kill_after``, SIGKILL it right
-    after it reports that step (the manager's close never runs)."""
-    child = subprocess.Popen([sys.executable, "-c", TRAINER, str(directory), str(first), str(count), str(seed)],
+    after it reports that step (the manager's close never runs). ``keep_local``: its local retention (None:
+    every step kept)."""
+    keep = "all" if keep_local is None else str(keep_local)
+    child = subprocess.Popen([sys.executable, "-c", TRAINER, str(directory), str(first), str(count), str(seed), keep],
                              stdout=subprocess.PIPE, text=True)
     committed: list[int] = []
     deadline = time.monotonic() + timeout_s

@@ -1,0 +1,112 @@
+"""The daemon as a real subprocess: steps a trainer process commits reach the object tier (verified by
+``ckptd verify``, restored bytes equal), also when the trainer is SIGKILLed right after its commit, and a
+second daemon receives replicas whose bytes equal the local copy."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptd
+from ckptd.format.layout import MANIFEST_NAME, step_dir
+from ckptd.testing.compare import assert_same_state
+from ckptd.testing.daemon_process import DaemonProcess, run_trainer, trainer_state, wait_until, write_config
+
+pytestmark = pytest.mark.s3
+
+
+def _daemon_config(tmp_path: Path, name: str, bucket: str | None, s3_options: dict[str, Any] | None,
+                   **options: Any) -> tuple[Path, Path, Path]:
+    """(config file, state dir, local root) of a daemon called ``name``."""
+    root, state = tmp_path / f"{name}-root", tmp_path / f"{name}-state"
+    table: dict[str, Any] = {"name": "run1", "local": str(root)}
+    if bucket is not None:
+        table.update(remote=f"s3://{bucket}/run1", storage_options=s3_options)
+    options.setdefault("listen", "127.0.0.1:0")
+    options.setdefault("poll_interval_s", 0.2)
+    config = write_config(tmp_path / f"{name}.toml", [table], state_dir=str(state), node_id=name, **options)
+    return config, state, root
+
+
+def _done(daemon: DaemonProcess, kind: str) -> list[int]:
+    return sorted(task["step"] for task in daemon.tasks() if task["kind"] == kind and task["state"] == "done")
+
+
+def _verify_cli(url: str, endpoint: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+    return subprocess.run([sys.executable, "-m", "ckptd.cli.main", "verify", url, "--endpoint-url", endpoint],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def _restored(tmp_path: Path, remote: str, s3_options: dict[str, Any], step: int) -> dict[str, torch.Tensor]:
+    """Step ``step`` read back from the object tier alone (an empty local directory)."""
+    state = {key: torch.zeros_like(value) for key, value in trainer_state(step).items()}
+    empty = tmp_path / f"restore-{step}"
+    with ckptd.CheckpointManager(empty, remote=remote, storage_options=s3_options, capture_rng=False) as manager:
+        assert manager.restore(state, step) == step
+    return state
+
+
+def test_a_committed_step_is_promoted_and_verifies(tmp_path, s3_server, s3_bucket, s3_options):
+    config, state, root = _daemon_config(tmp_path, "node-a", s3_bucket, s3_options)
+    with DaemonProcess(config, state) as daemon:
+        daemon.wait_ready()
+        assert (root / ".ckptd-daemon.json").is_file()
+        assert run_trainer(root, 1, 2) == [1, 2]
+        daemon.wait_for(lambda: _done(daemon, "promote") == [1, 2], 60, "steps 1 and 2 promoted")
+        status = wait_until(lambda: (lambda doc: doc if doc["roots"]["run1"]["tiers"]["object"]["steps"] == [1, 2]
+                                     else None)(daemon.get_json("/status")), 30, "the status to list both steps")
+        assert status["roots"]["run1"]["tiers"]["object"]["lag_steps"] == 0
+        assert status["roots"]["run1"]["pinned"] == []
+        assert daemon.terminate() == 0
+    assert not (root / ".ckptd-daemon.json").exists() and not (state / "daemon.json").exists()
+    result = _verify_cli(f"s3://{s3_bucket}/run1", s3_server.endpoint_url)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for step in (1, 2):
+        assert_same_state(_restored(tmp_path, f"s3://{s3_bucket}/run1", s3_options, step), trainer_state(step))
+
+
+def test_trainer_killed_right_after_its_commit_is_still_promoted(tmp_path, s3_server, s3_bucket, s3_options):
+    config, state, root = _daemon_config(tmp_path, "node-a", s3_bucket, s3_options, watch="poll")
+    with DaemonProcess(config, state) as daemon:
+        daemon.wait_ready()
+        assert run_trainer(root, 1, 5, kill_after=3) == [1, 2, 3]
+        daemon.wait_for(lambda: _done(daemon, "promote") == [1, 2, 3], 60, "steps 1-3 promoted after the trainer died")
+        assert daemon.terminate() == 0
+    assert (root / step_dir(3) / MANIFEST_NAME).is_file()
+    result = _verify_cli(f"s3://{s3_bucket}/run1", s3_server.endpoint_url)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert_same_state(_restored(tmp_path, f"s3://{s3_bucket}/run1", s3_options, 3), trainer_state(3))
+
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    return {path.relative_to(directory).as_posix(): path.read_bytes()
+            for path in sorted(directory.rglob("*")) if path.is_file()}
+
+
+def test_replication_to_a_second_daemon_gives_equal_bytes(tmp_path, s3_bucket, s3_options):
+    token = secrets.token_hex(16)
+    config_b, state_b, _ = _daemon_config(tmp_path, "node-b", None, None, peer_token=token)
+    with DaemonProcess(config_b, state_b) as daemon_b:
+        buddy = daemon_b.wait_ready()["http"]
+        config_a, state_a, root_a = _daemon_config(tmp_path, "node-a", s3_bucket, s3_options, peer_token=token,
+                                                   buddy=f"peer://{buddy}")
+        with DaemonProcess(config_a, state_a) as daemon_a:
+            daemon_a.wait_ready()
+            assert run_trainer(root_a, 1, 2, seed=5) == [1, 2]
+            daemon_a.wait_for(lambda: _done(daemon_a, "replicate") == [1, 2], 60,
+                       f"steps 1 and 2 replicated; log:\n{daemon_a.log()}")
+            daemon_a.wait_for(lambda: _done(daemon_a, "promote") == [1, 2], 60, "steps 1 and 2 promoted")
+            assert daemon_a.terminate() == 0
+        replicas = state_b / "replicas" / "node-a" / "run1"
+        for step in (1, 2):
+            local, replica = _tree(root_a / step_dir(step)), _tree(replicas / step_dir(step))
+            assert replica == local, f"step {step}: replica files {sorted(replica)} != local {sorted(local)}"
+        assert daemon_b.terminate() == 0
