@@ -223,3 +223,18 @@ def test_requests_beyond_the_concurrency_limit_get_503(node: _Node) -> None:
             assert b" 201 " in raw.recv(65536).split(b"\r\n")[0] + b" "
             raw.close()
     assert node.request("GET", f"/v1/peer/roots/run1/{step_dir(COMMITTED)}")[0] == 200
+
+
+def test_a_body_that_stops_coming_is_dropped(tmp_path: Path) -> None:
+    served = _Node(tmp_path)
+    limits = PeerLimits(max_concurrent=1, body_idle_timeout_s=0.3)
+    served.server = PeerServer(PeerNamespaces({"run1": served.root}, served.replicas), token=TOKEN, limits=limits)
+    target = f"/v1/peer/replicas/node-a/run1/{step_dir(8)}/rank-00000.data"
+    with served.server, socket.create_connection(("127.0.0.1", served.server.port), timeout=30) as raw:
+        raw.sendall(f"PUT {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                    f"Content-Length: 100000\r\n\r\n".encode() + b"x" * 5000)  # and then nothing
+        answer = raw.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 408") and b"no byte of the body" in answer
+        assert served.request("HEAD", target)[0] == 404, "nothing stored, and the slot is free again"
+        directory = served.replicas / "node-a" / "run1" / step_dir(8)
+        assert not directory.exists() or os.listdir(directory) == []

@@ -54,9 +54,12 @@ class PeerLimits:
     max_put_bytes: int = 64 * 1024 ** 3
     max_range_bytes: int = 64 * 1024 * 1024
     max_path_length: int = 1024
+    #: Seconds a PUT may go without receiving a byte of its body before it is dropped (nothing is stored).
+    body_idle_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if min(self.max_concurrent, self.max_put_bytes, self.max_range_bytes, self.max_path_length) < 1:
+        if min(self.max_concurrent, self.max_put_bytes, self.max_range_bytes, self.max_path_length,
+               self.body_idle_timeout_s) <= 0:
             raise ConfigError(f"peer limits must be positive, got {self}")
 
 
@@ -187,10 +190,16 @@ class _PeerEndpoints:
         hasher = xxhash.xxh3_128()
         received = 0
         try:
-            async for piece in request.content.iter_chunked(_IO_BLOCK):
-                received += len(piece)
-                if received > length:
+            while received < length:
+                try:
+                    piece = await asyncio.wait_for(request.content.read(min(_IO_BLOCK, length - received)),
+                                                   self.limits.body_idle_timeout_s)
+                except asyncio.TimeoutError:
+                    handle.abort()
+                    return _refusal(408, f"no byte of the body came for {self.limits.body_idle_timeout_s:g} s")
+                if not piece:
                     break
+                received += len(piece)
                 hasher.update(piece)
                 await _in_thread(handle.write, piece)
             if received != length:

@@ -63,6 +63,9 @@ _BACKOFF_S = (0.05, 0.25)
 #: Attempts when the daemon answers "busy" (503; about 20 s of waiting in all, so that a restore with many
 #: reader threads waits for a busy buddy instead of leaving it for a farther tier).
 _BUSY_ATTEMPTS = 24
+#: Slowest disk write speed assumed of the buddy: a write waits this long per byte, on top of the read
+#: timeout, for the daemon to make the file durable (fsync) and answer.
+_SLOWEST_DISK_BYTES_PER_S = 50e6
 #: What a request that got no answer raises (connection refused, reset or cut, timeouts, a stale keep-alive).
 _TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
 _TOKEN_HINT = (f"set {TOKEN_ENV} (or {TOKEN_FILE_ENV}, or storage_options token / token_file) to the "
@@ -223,7 +226,13 @@ class PeerTier(StorageTier):
             if sent != length:
                 raise IntegrityError("the body of a peer write has the wrong length", path=target,
                                      tier=self.label, expected=str(length), actual=str(sent))
-        return connection.getresponse()
+            if connection.sock is not None:  # the answer comes once the daemon has the file on its disk
+                connection.sock.settimeout(self._read_timeout_s + length / _SLOWEST_DISK_BYTES_PER_S)
+        try:
+            return connection.getresponse()
+        finally:
+            if connection.sock is not None:
+                connection.sock.settimeout(self._read_timeout_s)
 
     def _error(self, response: http.client.HTTPResponse, what: str, path: str | None) -> CkptdError:
         """The error of a refused request (its body is read here)."""
