@@ -16,13 +16,14 @@ from click.testing import CliRunner
 from ckptd.cli.main import cli
 from ckptd.config import override
 from ckptd.daemon.scrub import ByteRateLimiter, Scrubber
-from ckptd.errors import ConfigError
+from ckptd.errors import ConfigError, StorageError
 from ckptd.format.layout import step_dir
 from ckptd.promotion import promote_step
 from ckptd.stepio.step_reader import load_rank_index, load_step_manifest
 from ckptd.testing.tamper import chunk_location, flip_bit
 from ckptd.tiers.chunk_health import bad_chunk_paths
 from ckptd.tiers.local import LocalTier
+from ckptd.tiers.object import ObjectTier
 from test_promotion_support import model_state, object_tier, s3_client, save_local
 
 pytestmark = pytest.mark.s3
@@ -361,3 +362,35 @@ def test_a_read_the_disk_refuses_is_reported_and_the_pass_goes_on(local_only):
     assert "Input/output error" in dict(report.reasons)[step_dir(1)]
     assert report.bytes == _raw_bytes(local_only, 2), "step 2 was scrubbed whole"
     assert _files(local_only.root) == before
+
+
+class _FlakyStore(ObjectTier):
+    """The real object tier, except that the first read of one object fails as a store that does not
+    answer does (StorageError, after the client's retries)."""
+
+    def __init__(self, url: str, storage_options, flaky: str) -> None:
+        super().__init__(url, storage_options=storage_options)
+        self.flaky, self.failed = flaky, 0
+
+    def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        if path == self.flaky and not self.failed:
+            self.failed += 1
+            raise StorageError("the store did not answer", path=path, tier=self.label)
+        return super().read_bytes(path, offset, length)
+
+
+def test_a_read_the_store_fails_once_is_no_bad_object(tiers, s3_server, s3_bucket, s3_options):
+    local, remote = tiers
+    path = f"chunks/{_chunk_key(remote, 2, 'trained')}"
+    flaky = _FlakyStore(remote.url, s3_options, path)
+    stored_before = _objects(s3_server, s3_bucket)
+    writes: list[str] = []
+    flaky.on_request(lambda request, **_: writes.append(request.url) if request.method == "PUT" else None)
+    try:
+        report = Scrubber(bytes_per_s=math.inf).scrub_tier(flaky, repair_from=[local])
+    finally:
+        flaky.close()
+    assert flaky.failed == 1 and report.bad == (path,) and report.intact == (path,)
+    assert report.repaired == () and report.unrepaired == ()
+    assert writes == [], "nothing recorded bad, nothing rewritten"
+    assert _objects(s3_server, s3_bucket) == stored_before

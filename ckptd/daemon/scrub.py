@@ -233,6 +233,13 @@ def _mend(tier: StorageTier, problems: list[VerifyProblem], repair_from: Sequenc
                     intact=tuple(sorted(intact)), reasons=tuple(sorted(reasons.items())))
 
 
+def _missing(tier: StorageTier, path: str) -> bool:
+    try:
+        return not tier.exists(path)
+    except CkptdError:
+        return False
+
+
 def _mend_objects(tier: StorageTier, problems: list[VerifyProblem],
                   repair_from: Sequence[StorageTier]) -> tuple[set[str], set[str], dict[str, str]]:
     """Record every bad object and repair it, with those recorded bad earlier, through repair_objects."""
@@ -242,9 +249,9 @@ def _mend_objects(tier: StorageTier, problems: list[VerifyProblem],
     except CkptdError as error:
         log.warning("scrub: cannot list the bad-object records of %s: %s", tier.label, error)
         recorded = set()
-    for path in sorted(set(found) - recorded):  # a missing object was not recorded by the read
-        problem = found[path]
-        report_bad_chunk(tier, path, step=problem.step, reason=f"scrub: {problem.error}")
+    for path in sorted(set(found) - recorded):  # the read records a bad object, not a missing one
+        if _missing(tier, path):  # else the store failed to answer: repair_objects reads it again
+            report_bad_chunk(tier, path, step=found[path].step, reason=f"scrub: {found[path].error}")
     wanted = set(found) | recorded
     if not wanted:
         return set(), set(), {}
