@@ -208,3 +208,19 @@ def test_a_write_past_the_servers_limit_is_refused_clearly(tmp_path: Path) -> No
         assert not tier.exists(path)
         tier.write_bytes(path, b"small")  # the tier goes on working
         assert tier.read_bytes(path) == b"small"
+
+
+def test_a_reader_that_leaves_mid_answer_harms_no_one(server: PeerServer, replica: PeerTier,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    data = os.urandom(24 * 1024 * 1024)
+    path = step_file(3, "rank-00000.data")
+    replica.write_bytes(path, data)
+    with caplog.at_level(logging.ERROR):
+        for _ in range(3):
+            with socket.create_connection(("127.0.0.1", server.port), timeout=30) as raw:
+                raw.sendall(f"GET /v1/peer/replicas/node-a/run1/{path} HTTP/1.1\r\nHost: x\r\n"
+                            f"Authorization: Bearer {TOKEN}\r\nRange: bytes=0-{len(data) - 1}\r\n\r\n".encode())
+                assert raw.recv(4096).startswith(b"HTTP/1.1 206")
+                raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
+        assert replica.read_bytes(path) == data
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR], "no error logged"

@@ -127,6 +127,10 @@ class _PeerEndpoints:
             return await self._dispatch(request, asked, namespace)
         except CkptdError as error:
             return _refusal(_status_of(error), _message(error, asked))
+        except OSError as error:  # the disk under a namespace failed (permissions, I/O error)
+            where = asked.relative or asked.namespace_name if asked is not None else "?"
+            log.warning("peer request for %s failed: %s", where, error.strerror or type(error).__name__)
+            return _refusal(500, f"the daemon could not read or write {where}: {error.strerror or 'I/O error'}")
 
     async def _dispatch(self, request: web.Request, asked: PeerPath,
                         namespace: Namespace) -> web.StreamResponse:
@@ -171,8 +175,11 @@ class _PeerEndpoints:
                 await response.prepare(request)
                 return response
             await response.prepare(request)
-            await _send_file(request, response, fd, start, end - start)
-            await response.write_eof()
+            try:
+                await _send_file(request, response, fd, start, end - start)
+                await response.write_eof()
+            except ConnectionError:  # the peer went away mid-answer; its connection is gone with it
+                return response
         finally:
             os.close(fd)
         if self._on_served is not None:

@@ -139,6 +139,7 @@ class PeerTier(StorageTier):
         self._read_timeout_s = options.peer_read_timeout_s
         self._local = threading.local()
         self._connections: list[_Connection] = []
+        self._pid = os.getpid()
         self._lock = threading.Lock()
 
     @classmethod
@@ -151,6 +152,8 @@ class PeerTier(StorageTier):
 
     # --- transport -----------------------------------------------------------------------------
     def _connection(self) -> _Connection:
+        if self._pid != os.getpid():  # a forked child never shares its parent's sockets
+            self._local, self._connections, self._pid = threading.local(), [], os.getpid()
         connection = getattr(self._local, "connection", None)
         if connection is None:
             connection = _Connection(self.host, self.port, self._connect_timeout_s, self._read_timeout_s)
