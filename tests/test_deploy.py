@@ -489,6 +489,52 @@ def test_dockerfile_runs_ckptd_as_non_root_with_the_pinned_torch() -> None:
     assert user == int(uid.group(1)), "the DaemonSet runs as another UID than the image's user"
 
 
+#: Dockerfile instructions, and variables the python base image's environment defines.
+_DOCKER_INSTRUCTIONS = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME", "USER",
+                        "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL"}
+_BASE_IMAGE_ENV = {"PATH", "LANG", "GPG_KEY", "PYTHON_VERSION", "PYTHON_SHA256"}
+
+
+def _dockerfile_lines() -> list[tuple[str, str]]:
+    """(instruction, arguments) of each instruction, continuation lines joined, comments dropped."""
+    instructions, pending = [], ""
+    for line in DOCKERFILE.read_text().splitlines():
+        if line.lstrip().startswith("#") or (not line.strip() and not pending):
+            continue
+        pending += line.rstrip().removesuffix("\\") + " "
+        if not line.rstrip().endswith("\\"):
+            keyword, _, arguments = pending.strip().partition(" ")
+            instructions.append((keyword, arguments.strip()))
+            pending = ""
+    assert not pending, "the Dockerfile ends inside a continued line"
+    return instructions
+
+
+def test_dockerfile_parses_and_each_stage_declares_the_variables_it_uses() -> None:
+    instructions = _dockerfile_lines()
+    assert {keyword for keyword, _ in instructions} <= _DOCKER_INSTRUCTIONS
+    global_args: set[str] = set()
+    stage: set[str] | None = None
+    for keyword, arguments in instructions:
+        used = set(re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", arguments))
+        if keyword == "FROM":
+            assert used <= global_args, f"FROM {arguments} uses an ARG not declared before the first FROM"
+            stage = set(_BASE_IMAGE_ENV)
+            continue
+        if stage is None:
+            assert keyword == "ARG", f"{keyword} before the first FROM"
+            global_args.add(arguments.split("=")[0])
+            continue
+        assert used <= stage, f"{keyword} {arguments[:60]} uses {sorted(used - stage)}, not declared in its stage"
+        if keyword == "ARG":
+            stage.add(arguments.split("=")[0])
+        elif keyword == "ENV":
+            stage.update(re.findall(r"(?:^|\s)([A-Za-z_][A-Za-z0-9_]*)=", arguments))
+        elif keyword in ("ENTRYPOINT", "CMD"):
+            assert isinstance(json.loads(arguments), list), f"{keyword} must be the exec (JSON) form"
+    assert stage is not None, "the Dockerfile has no FROM"
+
+
 def test_build_context_holds_what_the_image_installs(tmp_path: Path) -> None:
     context = _context_files()
     assert not {path for path in context if path.split("/")[0] in {".venv", ".git", "tests", "benchmarks"}}
