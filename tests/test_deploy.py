@@ -94,9 +94,10 @@ def _commands(help_text: str) -> set[str]:
     return {match.group(1) for match in re.finditer(r"^  ([a-z][\w-]*)\s", section, re.MULTILINE)}
 
 
-def _invocation_problems(argv: list[str], where: str) -> list[str]:
+def _invocation_problems(argv: list[str], where: str, *, exact: bool) -> list[str]:
     """What in ``ckptd ARGS`` the real CLI does not know: the (sub)commands, and every option up to the
-    first positional argument (the rest may belong to a training script)."""
+    first positional argument (the rest may belong to a training script). ``exact`` (a command line, not
+    a mention in prose): also a positional argument given to a command that takes none."""
     command: list[str] = []
     tokens = list(argv[1:])
     while tokens and tokens[0] in _commands(_help(*command)):
@@ -106,11 +107,15 @@ def _invocation_problems(argv: list[str], where: str) -> list[str]:
                 f"{', '.join(sorted(_commands(_help())))})"]
     options, problems = _options(_help(*command)), []
     while tokens and tokens[0].startswith("-") and tokens[0] != "-":
-        name = tokens.pop(0).split("=", 1)[0]
+        token = tokens.pop(0)
+        name = token.split("=", 1)[0]
         if name not in options:
             problems.append(f"{where}: `ckptd {' '.join(command)}` has no option {name}")
-        elif options[name] and "=" not in name and tokens:
+        elif options[name] and "=" not in token and tokens:
             tokens.pop(0)
+    usage = _help(*command).partition("Usage: ")[2].splitlines()[0]
+    if exact and tokens and usage.rstrip().endswith("[OPTIONS]"):
+        problems.append(f"{where}: `ckptd {' '.join(command)}` takes no argument, given {tokens[0]!r}")
     return problems
 
 
@@ -180,14 +185,15 @@ def _readme_deploy_section() -> str:
     return text[start:end if end > 0 else None]
 
 
-def _invocations() -> Iterator[tuple[list[str], str]]:
-    """Every ``ckptd ...`` command line of deploy/ and of the README's deploy section."""
-    yield ["ckptd", *_dockerfile_instruction("ENTRYPOINT")[1:], *_dockerfile_instruction("CMD")], "Dockerfile"
+def _invocations() -> Iterator[tuple[list[str], str, bool]]:
+    """Every ``ckptd ...`` command line of deploy/ and of the README's deploy section, and whether it is
+    one (not a mention in a comment or prose, whose words after the command need not be arguments)."""
+    yield ["ckptd", *_dockerfile_instruction("ENTRYPOINT")[1:], *_dockerfile_instruction("CMD")], "Dockerfile", True
     for line in UNIT.read_text().splitlines():
         if line.startswith("ExecStart="):
             argv = shlex.split(line.removeprefix("ExecStart="))
             assert Path(argv[0]).name == "ckptd", f"the unit runs {argv[0]}, not ckptd"
-            yield ["ckptd", *argv[1:]], UNIT.name
+            yield ["ckptd", *argv[1:]], UNIT.name, True
     entrypoint = _dockerfile_instruction("ENTRYPOINT")
     for path in _manifest_files():
         for document in _documents(path):
@@ -196,13 +202,13 @@ def _invocations() -> Iterator[tuple[list[str], str]]:
             for container in _containers(_pod_spec(document)):
                 argv = [*(container.get("command") or entrypoint), *container.get("args", [])]
                 if Path(argv[0]).name == "ckptd":
-                    yield ["ckptd", *argv[1:]], f"{path.name} container {container['name']}"
+                    yield ["ckptd", *argv[1:]], f"{path.name} container {container['name']}", True
     texts = {path.name: path.read_text() for path in DEPLOY.rglob("*") if path.is_file()}
     texts["README.md"] = _readme_deploy_section()
     subcommands = "|".join(sorted(_commands(_help())))
     for name, text in texts.items():
         for match in re.finditer(rf"(?<![\w.-])ckptd ((?:{subcommands})(?=[\s`]|$)[^\n`#&|;)]*)", text):
-            yield ["ckptd", *match.group(1).split()], f"{name}: `ckptd {match.group(1).strip()}`"
+            yield ["ckptd", *match.group(1).split()], f"{name}: `ckptd {match.group(1).strip()}`", False
 
 
 def _variables_set() -> Iterator[tuple[str, str]]:
@@ -315,9 +321,10 @@ def test_training_job_shares_the_daemons_directories_socket_and_uid() -> None:
 
 def test_every_ckptd_command_and_flag_used_exists() -> None:
     invocations = list(_invocations())
-    assert any(argv[1:2] == ["daemon"] for argv, _ in invocations)
-    assert any(argv[1:2] == ["launch"] for argv, _ in invocations)
-    problems = [problem for argv, where in invocations for problem in _invocation_problems(argv, where)]
+    assert any(argv[1:2] == ["daemon"] for argv, _, exact in invocations if exact)
+    assert any(argv[1:2] == ["launch"] for argv, _, exact in invocations if exact)
+    problems = [problem for argv, where, exact in invocations
+                for problem in _invocation_problems(argv, where, exact=exact)]
     assert not problems, "\n".join(problems)
 
 
