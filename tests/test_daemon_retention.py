@@ -4,6 +4,7 @@ keeps every chunk a kept step references."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -114,3 +115,8 @@ def test_the_object_tier_keeps_the_newest_and_protected_steps_and_their_chunks(l
         assert apply_retention(remote, keep=None).deleted_steps == () and remote.committed_steps() == [2, 4, 5]
     finally:
         remote.close()
+
+
+def test_the_report_is_json(local):
+    report = apply_retention(local, keep=3, protect={1})
+    assert json.loads(json.dumps(report.to_json()))["deleted_steps"] == [2]

@@ -168,6 +168,7 @@ def test_a_chunk_without_an_intact_copy_is_reported_and_nothing_else_changes(tie
     path = key.removeprefix("run/")
     assert remote_report.bad == (path,) and remote_report.unrepaired == (path,) and remote_report.repaired == ()
     assert "no intact copy" in dict(remote_report.reasons)[path]
+    assert json.loads(json.dumps(remote_report.to_json()))["unrepaired"] == [path]
     local_path = str(data_file.relative_to(local.root))
     assert local_report.bad == (local_path,) and local_report.unrepaired == (local_path,)
     assert "no intact copy" in dict(local_report.reasons)[local_path]

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from ckptd.errors import CkptdError, ConfigError
 from ckptd.policy import KeepLatest, RetentionPolicy
@@ -48,6 +49,10 @@ class RetentionReport:
     deleted_chunks: int = 0
     deleted_chunk_bytes: int = 0
     note: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON-able values (for the daemon's status document)."""
+        return asdict(self)
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,9 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ckptd.errors import CkptdError, ConfigError, IntegrityError, NotFoundError, StorageError, UnsafePathError
 from ckptd.format import codecs
@@ -113,6 +114,10 @@ class ScrubReport:
     reasons: tuple[tuple[str, str], ...] = ()
     stopped: bool = False
     remaining: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON-able values (for the daemon's status document)."""
+        return asdict(self)
 
 
 class _Stopped(Exception):
