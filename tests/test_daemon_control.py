@@ -324,3 +324,16 @@ def test_a_wiped_local_root_restores_from_the_buddy_the_daemon_names(tmp_path, s
     generator = torch.Generator().manual_seed(2)  # the seeds of ckptd.testing.daemon_process.TRAINER (seed 0)
     assert state["weights"].equal(torch.randn(256 * 1024, generator=generator))
     assert state["bias"].equal(torch.randn(1024, generator=generator)) and int(state["step"]) == 2
+
+
+@pytest.mark.s3
+def test_a_daemon_that_promotes_elsewhere_leaves_promotion_to_the_trainer(node, caplog):
+    import ckptd
+
+    other = node["remote"].rsplit("/", 1)[0] + "/other-run"
+    with ckptd.CheckpointManager(node["root"], remote=other, storage_options=node["options"],
+                                 capture_rng=False, policy=ckptd.Policy(every_steps=1000)) as manager:
+        assert not manager.daemon_promotes and manager.uploader is not None and manager.uploader.running
+        assert [tier.kind for tier in manager.tiers] == ["local", "object"]
+        assert manager.remote.label.endswith(other)
+    assert "not to remote=" + other in caplog.text

@@ -2,8 +2,8 @@
 
 :class:`DaemonHandoff` runs on the saver's ``on_commit`` (the writer thread): it pins the step just committed
 (:class:`~ckptd.promotion.pinning.PinnedSteps`, no fsync, as the in-process uploader does) when the daemon
-promotes or replicates it, so that local retention cannot delete it before the daemon has it; the directory's
-owner tells the daemon (``committed``); then the save stalls and step times recorded by the training thread
+promotes or replicates it, so that local retention cannot delete it before the daemon has it; it tells the
+daemon (``committed``); then the save stalls and step times recorded by the training thread
 (:meth:`DaemonHandoff.record_save`, a deque append) are reported. Nothing of this runs on the training
 thread.
 
@@ -75,15 +75,14 @@ class SaveTiming:
 class DaemonHandoff:
     """Hands committed steps of ``local`` to the daemon behind ``link`` (see the module docstring).
 
-    ``pin``: pin each committed step (the daemon promotes or replicates from the pin when the step is gone).
-    ``notify``: tell the daemon about each commit (the directory's owner does; other ranks only report).
-    ``on_lost`` is called once, on the writer thread, when the daemon stops answering."""
+    ``pin``: pin this rank's files of each committed step (the daemon promotes or replicates from the pin when
+    the step is gone). Every rank tells the daemon (which takes a step once), so that each learns whether
+    to keep its pin. ``on_lost`` is called once, on the writer thread, when the daemon stops answering."""
 
-    def __init__(self, link: DaemonLink, local: LocalTier, *, rank: int, world_size: int, pin: bool, notify: bool,
+    def __init__(self, link: DaemonLink, local: LocalTier, *, rank: int, world_size: int, pin: bool,
                  on_lost: Callable[[], None]) -> None:
         self.link, self.rank, self.world_size = link, rank, world_size
         self.pins = PinnedSteps(local) if pin else None
-        self.notify = notify
         self.on_lost = on_lost
         self._timings: deque[SaveTiming] = deque(maxlen=_MAX_QUEUED_REPORTS)
         self._lost = threading.Event()
@@ -113,13 +112,12 @@ class DaemonHandoff:
                 self.pins.pin(step, own, durable=False)
             except CkptdError as error:  # the daemon still has the step while the local tier keeps it
                 log.warning("could not pin step %d for the ckptd daemon: %s", step, error)
-        if self.notify:
-            wanted = self.link.committed(step)
-            if wanted is None and not self.link.alive:
-                self._lose(step)
-                return
-            if wanted is False and self.pins is not None:
-                self._release(step, own)
+        wanted = self.link.committed(step)
+        if wanted is None and not self.link.alive:
+            self._lose(step)
+            return
+        if wanted is False and self.pins is not None:
+            self._release(step, own)
         while self._timings and self._timings[0].step <= step:
             timing = self._timings.popleft()
             if not self.link.report(timing.step, save_stall_s=timing.save_stall_s, step_s=timing.step_s):

@@ -76,7 +76,8 @@ class CheckpointManager:
     process uploads nothing: each committed step is pinned locally and the daemon told; save stalls and step
     times are reported to it for its metrics (from the writer thread). A daemon that stops answering turns
     the manager back to in-process promotion (one warning; the pinned steps are resumed). With several ranks
-    the daemon takes the steps only when every rank has one that promotes.
+    the daemon takes the steps only when every rank has one that promotes; a daemon that promotes to another
+    object tier than ``remote`` is told of the commits but this process promotes its own steps.
 
     ``peer`` (``peer://HOST:PORT/NAMESPACE``) adds a buddy node's daemon as a restore tier between the local
     and the object tier; without it, the peer the daemon names (its buddy's replica of this root) is used.
@@ -130,7 +131,7 @@ class CheckpointManager:
             self._remote_sync: Any = None
             self._last_save_call: float | None = None
             storage_options, peer_options = split_peer_options(storage_options)
-            self._handoff = self._find_daemon(daemon, has_remote=remote is not None)
+            self._handoff = self._find_daemon(daemon, remote=remote)
             self.peer = open_peer_tier(peer, self._handoff.link if self._handoff else None, peer_options)
             if remote is not None:
                 from ckptd.promotion.remote_sync import RemoteSync
@@ -159,14 +160,20 @@ class CheckpointManager:
             schedule = StorePromotionSchedule(self.coordinator)
         self._remote_sync.start_uploads(schedule)
 
-    def _find_daemon(self, mode: str | None, *, has_remote: bool) -> DaemonHandoff | None:
+    def _find_daemon(self, mode: str | None, *, remote: str | None) -> DaemonHandoff | None:
         """The hand-off to the node daemon that watches the local root (None: this process promotes alone).
-        Every rank takes part (training thread): the daemon promotes only when every rank has one that does."""
+        Every rank takes part (training thread): the daemon promotes only when every rank has one that promotes
+        to this manager's ``remote`` (or the manager has none)."""
         mode = (mode or settings().daemon).strip().lower()
         if mode not in ("auto", "off", "require"):
             raise ConfigError(f"daemon={mode!r} is not one of auto, off, require",
                               hint="pass daemon='auto' (use the node's daemon when one runs), 'off' or 'require'")
         link = DaemonLink.find(self.local.root) if mode != "off" else None
+        if link is not None and link.promotes and remote is not None and \
+                str(link.info.get("remote") or "").rstrip("/") != remote.rstrip("/"):
+            log.warning("the ckptd daemon promotes %s to %s, not to remote=%s: this process promotes its own steps",
+                        self.local.root, link.info.get("remote"), remote)
+            link.info["promotes"] = False
         answers = self.coordinator.exchange("daemon", [link is not None, link is not None and link.promotes])
         if mode == "require" and not all(found for found, _ in answers):
             if link is not None:
@@ -181,9 +188,9 @@ class CheckpointManager:
             log.info("the ckptd daemon promotes %s, but not on every rank: this process promotes its own steps",
                      self.local.root)
             link.info["promotes"] = False
-        pin = link.promotes or (link.replicates and not has_remote)  # else the uploader pins, or nothing needs it
+        pin = link.promotes or (link.replicates and remote is None)  # else the uploader pins, or nothing needs it
         return DaemonHandoff(link, self.local, rank=self.rank, world_size=self.world_size, pin=pin,
-                             notify=self.sharing.is_owner, on_lost=self._daemon_lost)
+                             on_lost=self._daemon_lost)
 
     def _daemon_lost(self) -> None:
         """Writer thread: the daemon stopped answering; promote in-process from now on."""
