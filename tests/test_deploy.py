@@ -39,12 +39,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate  # the dev extra: Kubernetes' API schemas, offline
+import kubernetes_validate.utils
 import pytest
-import yaml
+import yaml  # PyYAML, a dependency of kubernetes-validate
 
 from ckptd.testing.daemon_process import wait_until
-
-kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (dev extra)")
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
