@@ -15,10 +15,12 @@ import ckptd
 from ckptd.config import override
 from ckptd.daemon.peer_store import PeerNamespaces
 from ckptd.errors import CommitError, IntegrityError
-from ckptd.format.layout import MANIFEST_NAME, TEMP_MARKER, step_dir
+from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, TEMP_MARKER, step_dir
 from ckptd.manager.restoring import restore_state
 from ckptd.promotion.pinning import PinnedSteps
 from ckptd.promotion.replicate import replicate_step
+from ckptd.stepio.step_reader import verify_step
+from ckptd.testing import run_multirank
 from ckptd.testing.peer_server import PeerServer
 from ckptd.testing.tamper import chunk_location, flip_bit
 from ckptd.tiers.local import LocalTier
@@ -156,3 +158,22 @@ def test_replication_into_a_directory(tmp_path: Path) -> None:
     replicate_step(local, target, 9)
     assert _files(target.root / step_dir(9)) == _files(local.root / step_dir(9))
     assert replicate_step(local, target, 9).already_committed
+
+
+def _save_on_two_nodes(rank: int, world_size: int, roots: list[str]) -> None:
+    with ckptd.CheckpointManager(roots[rank], policy=ckptd.Policy(keep_local=None), capture_rng=False) as manager:
+        assert manager.save(1, _state(10 + rank))
+        manager.wait()
+
+
+def test_a_node_directory_holding_some_ranks(tmp_path: Path, buddy: _Buddy) -> None:
+    roots = [str(tmp_path / "node0"), str(tmp_path / "node1")]  # one directory per node, one rank each
+    run_multirank(_save_on_two_nodes, 2, roots, timeout_s=120)
+    node1 = LocalTier(roots[1])
+    assert RANKS_HERE_NAME in node1.list_files(1), "node 1's directory holds rank 1 only"
+    peer = buddy.tier()
+    replicate_step(node1, peer, 1)
+    assert _files(buddy.directory(1)) == _files(node1.root / step_dir(1))
+    assert peer.committed_steps() == [1]
+    assert list(verify_step(peer, 1)) == [], "every chunk of rank 1 verifies on the buddy"
+    assert replicate_step(node1, peer, 1).already_committed
