@@ -261,7 +261,11 @@ def _mend_objects(tier: StorageTier, problems: list[VerifyProblem],
     if not wanted:
         return set(), set(), {}
     sources = [*repair_from, tier]  # another step's pack on the tier itself may hold the chunk too
-    result = repair_objects(tier, wanted, sources)
+    try:
+        result = repair_objects(tier, wanted, sources)
+    except (CkptdError, OSError) as error:  # a source failed in a way the repair does not expect
+        log.warning("scrub: repairing %s failed: %s", tier.label, error)
+        return set(), set(), {path: f"the repair failed: {error}" for path in wanted}
     return set(result.repaired), set(result.intact), dict(result.unrepairable)
 
 
@@ -302,12 +306,12 @@ def _mend_chunk_in_place(tier: StorageTier, step: int, rank: int, chunk: ChunkRe
     repaired, intact (it verifies now: nothing written) or unrepaired (why not)."""
     try:
         share = copies.share(tier, step, rank)
-    except CkptdError as error:
+    except (CkptdError, OSError) as error:
         return _UNREPAIRED, f"the step's metadata cannot be read here: {error}"
     try:
         read_stored_chunk(tier, share, chunk)
         return _INTACT, ""
-    except CkptdError:
+    except (CkptdError, OSError):
         pass
     tried: list[str] = []
     for source, record, stored in copies.verified_copies(chunk, step):
@@ -367,27 +371,27 @@ class _CopyFinder:
 
     def __init__(self, sources: Sequence[StorageTier]) -> None:
         self.sources = list(sources)
-        self._shares_of: dict[tuple[int, int], tuple[RankShare, ...] | CkptdError] = {}
+        self._shares_of: dict[tuple[int, int], tuple[RankShare, ...] | Exception] = {}
         self._steps: dict[int, list[int]] = {}
 
     def share(self, tier: StorageTier, step: int, rank: int) -> RankShare:
         """The checked metadata of one rank of a committed step on ``tier`` (raises CkptdError)."""
         shares = self._shares(tier, step)
-        if isinstance(shares, CkptdError):
+        if isinstance(shares, Exception):
             raise shares
         for share in shares:
             if share.rank == rank:
                 return share
         raise NotFoundError(f"rank {rank} is not held here", step=step, tier=tier.label)
 
-    def _shares(self, source: StorageTier, step: int) -> tuple[RankShare, ...] | CkptdError:
+    def _shares(self, source: StorageTier, step: int) -> tuple[RankShare, ...] | Exception:
         key = (id(source), step)
         if key not in self._shares_of:
             try:
                 manifest = load_step_manifest(source, step)
                 held = ranks_held(source, step, manifest)  # a node-local copy may hold some ranks only
                 self._shares_of[key] = read_step_contents(source, step, ranks=list(held)).shares
-            except CkptdError as error:
+            except (CkptdError, OSError) as error:
                 log.info("scrub: step %d on %s is not usable as a source: %s", step, source.label, error)
                 self._shares_of[key] = error
         return self._shares_of[key]
@@ -396,7 +400,7 @@ class _CopyFinder:
         if id(source) not in self._steps:
             try:
                 self._steps[id(source)] = sorted(source.committed_steps(), reverse=True)
-            except CkptdError as error:
+            except (CkptdError, OSError) as error:
                 log.warning("scrub: cannot list %s: %s", source.label, error)
                 self._steps[id(source)] = []
         return self._steps[id(source)]
@@ -407,13 +411,13 @@ class _CopyFinder:
         order += [(source, other) for source in self.sources for other in self._committed(source) if other != step]
         for source, candidate_step in order:
             shares = self._shares(source, candidate_step)
-            for share in () if isinstance(shares, CkptdError) else shares:
+            for share in () if isinstance(shares, Exception) else shares:
                 for record in share.index.chunks:
                     if record.digest != chunk.digest:
                         continue
                     try:
                         stored = read_stored_chunk(source, share, record)
-                    except CkptdError:
+                    except (CkptdError, OSError):
                         continue  # this copy is bad too (the scrubbed location itself, say)
                     yield source, record, stored
                     break  # one copy per rank share is enough
