@@ -110,3 +110,40 @@ def test_replication_to_a_second_daemon_gives_equal_bytes(tmp_path, s3_bucket, s
             local, replica = _tree(root_a / step_dir(step)), _tree(replicas / step_dir(step))
             assert replica == local, f"step {step}: replica files {sorted(replica)} != local {sorted(local)}"
         assert daemon_b.terminate() == 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_buddy_that_is_down_does_not_hold_promotion_and_replication_resumes(tmp_path, s3_bucket, s3_options):
+    token = secrets.token_hex(16)
+    port = _free_port()
+    config_a, state_a, root_a = _daemon_config(tmp_path, "node-a", s3_bucket, s3_options, peer_token=token,
+                                               buddy=f"peer://127.0.0.1:{port}", retry_backoff_s=0.2)
+    with DaemonProcess(config_a, state_a) as daemon_a:
+        daemon_a.wait_ready()
+        assert run_trainer(root_a, 1, 2, seed=9, keep_local=None) == [1, 2]
+        daemon_a.wait_for(lambda: _done(daemon_a, "promote") == [1, 2], 60, "promotion while the buddy is down")
+        failed = daemon_a.wait_for(lambda: [task for task in daemon_a.tasks()
+                                            if task["kind"] == "replicate" and task["state"] == "failed"], 30,
+                                   "a failed replication")
+        assert failed[0]["error"]
+        status = daemon_a.get_json("/status")
+        assert any(error["kind"] == "replicate" for error in status["errors"]), status["errors"]
+        assert status["roots"]["run1"]["pinned"] == [1, 2]  # kept until the replicas are made
+        config_b, state_b, _ = _daemon_config(tmp_path, "node-b", None, None, peer_token=token,
+                                              listen=f"127.0.0.1:{port}")
+        with DaemonProcess(config_b, state_b) as daemon_b:
+            daemon_b.wait_ready()
+            daemon_a.wait_for(lambda: _done(daemon_a, "replicate") == [1, 2], 60, "replication once the buddy is up")
+            replicas = state_b / "replicas" / "node-a" / "run1"
+            for step in (1, 2):
+                assert _tree(replicas / step_dir(step)) == _tree(root_a / step_dir(step))
+            assert daemon_b.terminate() == 0
+        daemon_a.wait_for(lambda: daemon_a.get_json("/status")["roots"]["run1"]["pinned"] == [], 30, "pins dropped")
+        assert daemon_a.terminate() == 0

@@ -189,6 +189,13 @@ class Journal:
         self._write("UPDATE tasks SET state = 'skipped', error = ?, retry_at = NULL, finished = ?, updated = ? "
                     "WHERE id = ?", (reason, now, now, task_id))
 
+    def skip_open(self, root: str, step: int, reason: str) -> int:
+        """Skip the pending and failed tasks of a step (not a running one); returns how many."""
+        now = time.time()
+        return self._write("UPDATE tasks SET state = 'skipped', error = ?, retry_at = NULL, finished = ?, updated = ? "
+                           "WHERE root = ? AND step = ? AND state IN ('pending', 'failed')",
+                           (reason, now, now, root, step)).rowcount
+
     def requeue_running(self) -> int:
         """At start: tasks left running by a daemon that died go back to pending; returns how many."""
         return self._write("UPDATE tasks SET state = 'pending', updated = ? WHERE state = 'running'",

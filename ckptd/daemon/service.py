@@ -24,6 +24,7 @@ journaled.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -37,9 +38,9 @@ from typing import Any
 from ckptd.daemon.config import DaemonConfig, RootConfig
 from ckptd.daemon.journal import Journal, Task
 from ckptd.daemon.watcher import CommitWatcher
-from ckptd.errors import CkptdError, NotFoundError
+from ckptd.errors import CkptdError, LockedError, NotFoundError
 from ckptd.promotion.lag import PromotionLag, promotion_lag
-from ckptd.promotion.pinning import PinnedSteps
+from ckptd.promotion.pinning import PinCap, PinnedSteps, pins_over_cap
 from ckptd.stepio.step_reader import load_step_manifest
 from ckptd.tiers.atomicity import ranks_held
 from ckptd.tiers.base import StorageTier
@@ -53,6 +54,7 @@ MAX_BACKOFF_S = 300.0
 #: The file the daemon writes in its state_dir, and in every watched root.
 STATE_FILE = "daemon.json"
 ROOT_FILE = ".ckptd-daemon.json"
+LOCK_FILE = "daemon.lock"
 #: How often the maintenance thread refreshes the tier listings of the status document.
 _REFRESH_S = 10.0
 _IDLE_WAIT_S = 0.5
@@ -120,6 +122,9 @@ class Daemon:
         self._state_lock = threading.Lock()
         self._errors: list[dict[str, Any]] = []
         self._started_at: float | None = None
+        self._lock_fd: int | None = None
+        #: Most pinned steps (and bytes only pins hold) per root: the ``pin_max_*`` settings.
+        self.pin_cap = PinCap.from_settings()
         self._ready = False
 
     # --- lifecycle ----------------------------------------------------------------------------------
@@ -128,6 +133,7 @@ class Daemon:
         server and the control socket, and write ``daemon.json``. Raises ConfigError / StorageError."""
         config = self.config
         self._started_at = time.time()
+        self._lock_state_dir()
         self.journal = Journal(config.journal_path)
         requeued = self.journal.requeue_running()
         if requeued:
@@ -145,6 +151,18 @@ class Daemon:
         self._spawn("ckptd-daemon-maintain", self._maintain)
         self._ready = True
         log.info("daemon %s started (pid %d): %s", config.node_id, os.getpid(), config.describe())
+
+    def _lock_state_dir(self) -> None:
+        """One daemon per state_dir: an flock on ``daemon.lock``, held until the process ends."""
+        path = self.config.state_dir / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LockedError("another ckptd daemon runs with this state_dir", path=str(path),
+                              hint="stop it, or give this daemon its own state_dir") from None
+        self._lock_fd = fd
 
     def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
@@ -240,6 +258,9 @@ class Daemon:
         self._remove_state_files()
         if not left and self.journal is not None:
             self.journal.close()
+        if self._lock_fd is not None and not left:
+            os.close(self._lock_fd)
+            self._lock_fd = None
         self._stopped.set()
         log.info("daemon %s stopped", self.config.node_id)
         return left
@@ -290,6 +311,7 @@ class Daemon:
     def _on_commit(self, root_name: str, step: int) -> None:
         """Pin and journal the tasks of a committed step (idempotent)."""
         runtime = self._roots[root_name]
+        missing: list[tuple[str, str]] = []
         with self._commit_lock:
             if step in runtime.seen or self._stopping.is_set() or self.journal is None:
                 return
@@ -315,6 +337,29 @@ class Daemon:
                 log.info("step %d of root %s committed: %s", step, root_name,
                          ", ".join(f"{kind} to {target}" for kind, target in missing))
             runtime.seen.add(step)
+        if missing:
+            self._apply_pin_cap(runtime)
+
+    def _apply_pin_cap(self, runtime: _Root) -> None:
+        """While a tier is behind, pins pile up: past :attr:`pin_cap` the oldest are released and their tasks
+        not yet running skipped (never a step being copied, never the newest), as the library's uploader
+        does."""
+        assert self.journal is not None
+        cap = self.pin_cap
+        pinned = runtime.pins.pinned()
+        if len(pinned) <= 1:
+            return
+        with self._state_lock:
+            busy = {task.step for task in self._running.values() if task.root == runtime.config.name}
+        held = {step: runtime.pins.held_bytes(step) if cap.max_bytes else 0 for step in pinned}
+        for step in pins_over_cap(held, cap, keep=busy):
+            reason = (f"released by the pin cap (pin_max_steps={cap.max_steps}, pin_max_bytes={cap.max_bytes}): "
+                      "newer steps were committed while this one waited")
+            skipped = self.journal.skip_open(runtime.config.name, step, reason)
+            if self.journal.open_tasks(runtime.config.name, step):
+                continue  # claimed meanwhile: it runs from its pin
+            log.warning("step %d of root %s: %d task(s) skipped, %s", step, runtime.config.name, skipped, reason)
+            self._unpin(runtime, step)
 
     # --- workers ------------------------------------------------------------------------------------
     def _work(self, kind: str) -> None:
@@ -435,6 +480,8 @@ class Daemon:
                 for kind in ("object", "peer"):
                     self._refresh_listing(runtime, kind)
                 self._apply_retention(runtime)
+                self._apply_pin_cap(runtime)
+            self._apply_replica_retention()
             self._publish_depth()
             interval = self.config.scrub_interval_s
             if interval > 0 and self.journal is not None:
@@ -487,29 +534,56 @@ class Daemon:
                 self._record_error("retention", config.name, None, str(error))
                 log.warning("retention on %s failed: %s", tier.label, error)
 
+    def _replica_tiers(self) -> list[LocalTier]:
+        """The replicas buddies sent here, one tier per ``<replica_dir>/<node id>/<root name>``."""
+        base = self.config.replica_path
+        if not base.is_dir():
+            return []
+        return [LocalTier(root, create=False) for node in sorted(base.iterdir()) if node.is_dir()
+                for root in sorted(node.iterdir()) if root.is_dir()]
+
+    def _apply_replica_retention(self) -> None:
+        try:
+            from ckptd.daemon.retention import apply_retention
+        except ImportError:
+            return
+        for tier in self._replica_tiers():
+            try:
+                apply_retention(tier, keep=self.config.keep_peer)
+            except CkptdError as error:
+                self._record_error("retention", tier.root.name, None, str(error))
+                log.warning("retention on %s failed: %s", tier.label, error)
+
     def _scrub(self) -> None:
         try:
             from ckptd.daemon.scrub import Scrubber
         except ImportError:
             return
         scrubber = Scrubber(bytes_per_s=self.config.scrub_bytes_per_s)
+        # this node's copies, each mended from the others; the buddy scrubs the replica it holds itself
+        work: list[tuple[str, StorageTier, list[StorageTier]]] = []
         for runtime in list(self._roots.values()):
-            tiers = [tier for tier in (runtime.local, runtime.remote, runtime.peer) if tier is not None]
-            for tier in tiers:
-                if self._stopping.is_set():
-                    return
-                others = [other for other in tiers if other is not tier]
-                try:
-                    report = scrubber.scrub_tier(tier, repair_from=others, should_stop=self._stopping.is_set)
-                except CkptdError as error:
-                    self.metrics.scrub_failure(tier.kind)
-                    self._record_error("scrub", runtime.config.name, None, str(error))
-                    continue
-                self.metrics.scrubbed(tier.kind, report.bytes)
-                for _ in report.bad:
-                    self.metrics.verify_failure(tier.kind)
-                for _ in report.repaired:
-                    self.metrics.repaired(tier.kind)
+            copies = [tier for tier in (runtime.local, runtime.remote, runtime.peer) if tier is not None]
+            work.extend((runtime.config.name, tier, [other for other in copies if other is not tier])
+                        for tier in (runtime.local, runtime.remote) if tier is not None)
+        work.extend((tier.root.name, tier, []) for tier in self._replica_tiers())
+        for name, tier, sources in work:
+            if self._stopping.is_set():
+                return
+            try:
+                report = scrubber.scrub_tier(tier, repair_from=sources, should_stop=self._stopping.is_set)
+            except CkptdError as error:
+                self.metrics.scrub_failure(tier.kind)
+                self._record_error("scrub", name, None, str(error))
+                continue
+            self.metrics.scrubbed(tier.kind, report.bytes)
+            for _ in report.bad:
+                self.metrics.verify_failure(tier.kind)
+            for _ in report.repaired:
+                self.metrics.repaired(tier.kind)
+            if report.bad:
+                self._record_error("scrub", name, None, f"{len(report.bad)} bad file(s) on {tier.label}, "
+                                   f"{len(report.repaired)} repaired")
 
     # --- for the HTTP server and the control socket ---------------------------------------------------
     def is_ready(self) -> bool:
@@ -564,6 +638,7 @@ class Daemon:
                                "lag_seconds": None if lag is None else lag.seconds_behind}
             roots[name] = {"local": str(runtime.local.root), "tiers": tiers, "pinned": runtime.pins.pinned(),
                            "trainer_report": runtime.trainer_report}
+        replicas = {f"{tier.root.parent.name}/{tier.root.name}": tier.committed_steps() for tier in self._replica_tiers()}
         journal = self.journal
         depth = journal.depth() if journal is not None else {}
         errors = [asdict(error) for error in journal.recent_errors(10)] if journal is not None else []
@@ -572,7 +647,7 @@ class Daemon:
             running = [{"kind": task.kind, "root": task.root, "step": task.step} for task in self._running.values()]
         started = self._started_at or time.time()
         return {"node_id": self.config.node_id, "pid": os.getpid(), "ready": self.is_ready(),
-                "uptime_s": time.time() - started, "started": started, "roots": roots,
+                "uptime_s": time.time() - started, "started": started, "roots": roots, "replicas": replicas,
                 "pending": depth, "running": running, "errors": errors, "recent_errors": recent,
                 "watch": self.watcher.mode if self.watcher is not None else None, "http": self._state_document()["http"]}
 
