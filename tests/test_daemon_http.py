@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -26,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ckptd.daemon.http_server import HttpServer
 from ckptd.daemon.metrics import DaemonMetrics
 from ckptd.errors import ConfigError
-from ckptd.testing.daemon_process import TRAINER, DaemonProcess, wait_until, write_config
+from ckptd.testing.daemon_process import DaemonProcess, run_trainer, wait_until, write_config
 
 
 def _get(url: str, *, data: bytes | None = None) -> tuple[int, bytes, str]:
@@ -73,10 +71,7 @@ def test_health_readiness_metrics_and_status_of_a_real_daemon(daemon):
     promoted = ("ckptd_promoted_steps_total", (("root", "run1"),))
     assert before.get(promoted, 0.0) == 0.0
 
-    trainer = subprocess.run([sys.executable, "-c", TRAINER, str(root), "1", "2", "0"], capture_output=True,
-                             text=True, timeout=120)  # a real trainer: the daemon watches its root
-    assert trainer.returncode == 0, trainer.stderr
-    assert trainer.stdout.split() == ["committed", "1", "committed", "2"]
+    assert run_trainer(root, 1, 2) == [1, 2]  # a real trainer process: the daemon watches its root
 
     def promoted_twice() -> dict[Any, float] | None:
         samples = _samples(_get(process.http + "/metrics")[1].decode())

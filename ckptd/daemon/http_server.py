@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from aiohttp import web
+from aiohttp.abc import AbstractAccessLogger
 
 from ckptd.daemon.metrics import DaemonMetrics
 from ckptd.errors import CkptdError, ConfigError
@@ -121,7 +122,7 @@ class HttpServer:
 
     async def _bind(self) -> None:
         app = self.application()
-        runner = web.AppRunner(app, access_log=logging.getLogger("ckptd.daemon.http.access"),
+        runner = web.AppRunner(app, access_log_class=_AccessLog, access_log=logging.getLogger("ckptd.daemon.http.access"),
                                handle_signals=False, shutdown_timeout=_STOP_TIMEOUT_S / 2)
         await runner.setup()
         self._runner = runner
@@ -171,6 +172,15 @@ class HttpServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         body, content_type = self.daemon.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+class _AccessLog(AbstractAccessLogger):
+    """One debug line per request (probes and scrapes come every few seconds; headers, and so tokens, are
+    never logged)."""
+
+    def log(self, request: web.BaseRequest, response: web.StreamResponse, time: float) -> None:
+        self.logger.debug("%s %s %s %d %.1f ms", request.remote, request.method, request.path, response.status,
+                          time * 1000)
 
 
 @web.middleware
