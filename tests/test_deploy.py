@@ -300,8 +300,7 @@ def test_training_job_shares_the_daemons_directories_socket_and_uid() -> None:
     daemon_pod, job_pod = _pod_spec(_by_kind("DaemonSet")), _pod_spec(_by_kind("Job"))
     daemon = next(container for container in daemon_pod["containers"] if container["name"] == "daemon")
     (trainer,) = job_pod["containers"]
-    daemon_mounts, trainer_mounts = _host_mounts(daemon_pod, daemon), _host_mounts(job_pod, trainer)
-    shared = {host: path for host, path in trainer_mounts.items()}
+    daemon_mounts, shared = _host_mounts(daemon_pod, daemon), _host_mounts(job_pod, trainer)
     assert shared and shared.items() <= daemon_mounts.items(), \
         "the job must mount the daemon's host directories at the same paths"
     socket = Path(config["socket"])
