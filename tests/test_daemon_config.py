@@ -199,3 +199,22 @@ def test_token_is_never_in_a_repr(dirs):
                                 "peer_token": "very-secret", "listen": "0.0.0.0:0"}, {})
     assert config.peer_token == "very-secret"
     assert "very-secret" not in repr(config) + config.describe()
+
+
+def test_a_second_daemon_on_the_same_state_dir_or_root_is_refused(dirs, tmp_path):
+    from ckptd.testing.daemon_process import DaemonProcess
+
+    config = write_config(dirs["config"], [{"name": "run1", "local": str(dirs["root"])}],
+                          state_dir=str(dirs["state"]), listen="127.0.0.1:0")
+    with DaemonProcess(config, dirs["state"]) as first:
+        first.wait_ready()
+        for name, state in (("same-state", dirs["state"]), ("same-root", tmp_path / "other-state")):
+            second = write_config(tmp_path / f"{name}.toml", [{"name": "run1", "local": str(dirs["root"])}],
+                                  state_dir=str(state), listen="127.0.0.1:0")
+            result = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "daemon", "--config", str(second)],
+                                    capture_output=True, text=True, timeout=60, env=_CLEAN_ENV)
+            assert result.returncode == 1, (name, result.returncode, result.stderr)
+            lines = [line for line in result.stderr.splitlines() if line.startswith("ckptd: error: ")]
+            assert len(lines) == 1 and "another ckptd daemon" in lines[0], result.stderr
+        assert first.state() is not None, "the refused daemon touched the first one's state file"
+        assert first.terminate() == 0

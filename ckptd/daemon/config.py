@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import difflib
 import ipaddress
+import logging
 import os
 import re
 import socket as socket_module
@@ -34,6 +35,8 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
+
+log = logging.getLogger("ckptd.daemon")
 
 #: Prefix of the variables that set daemon options.
 ENV_PREFIX = "CKPTD_DAEMON_"
@@ -221,6 +224,7 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None,
         variable = ENV_PREFIX + key.upper()
         if variable in environ:
             single_root[key] = (environ[variable], variable)
+    _warn_unknown_variables(environ)
     for key, value in overrides.items():
         flag = "--" + key.replace("_", "-")
         if key in OPTIONS:
@@ -232,6 +236,21 @@ def load_config(path: Path | None, overrides: Mapping[str, Any] | None = None,
     values = {key: _convert(key, OPTIONS[key], *top[key]) for key in top}
     roots = _roots(root_tables, single_root, file_label)
     return _build(values, roots, {key: where for key, (_, where) in top.items()}, path)
+
+
+def _warn_unknown_variables(environ: Mapping[str, str]) -> None:
+    """A ``CKPTD_DAEMON_*`` variable that is no option (a typo) is warned about, not fatal: the library's own
+    settings (``CKPTD_DAEMON_REQUEST_TIMEOUT_S``) share the prefix."""
+    import dataclasses
+
+    from ckptd.config import Settings
+
+    known = {ENV_PREFIX + key.upper() for key in (*OPTIONS, *ROOT_OPTIONS, *_ROOT_FLAG_EXTRAS, "config")}
+    known |= {f"CKPTD_{item.name.upper()}" for item in dataclasses.fields(Settings)}
+    for variable in sorted(name for name in environ if name.startswith(ENV_PREFIX) and name not in known):
+        close = difflib.get_close_matches(variable, sorted(known), n=1)
+        suggestion = f" (did you mean {close[0]}?)" if close else ""
+        log.warning("ignoring %s: no daemon option has that name%s", variable, suggestion)
 
 
 def _read_file(path: Path) -> dict[str, Any]:

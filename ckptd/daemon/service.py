@@ -55,6 +55,7 @@ MAX_BACKOFF_S = 300.0
 STATE_FILE = "daemon.json"
 ROOT_FILE = ".ckptd-daemon.json"
 LOCK_FILE = "daemon.lock"
+ROOT_LOCK_FILE = ".ckptd-daemon.lock"
 #: How often the maintenance thread refreshes the tier listings of the status document.
 _REFRESH_S = 10.0
 _IDLE_WAIT_S = 0.5
@@ -123,6 +124,7 @@ class Daemon:
         self._errors: list[dict[str, Any]] = []
         self._started_at: float | None = None
         self._lock_fd: int | None = None
+        self._root_lock_fds: list[int] = []
         #: Most pinned steps (and bytes only pins hold) per root: the ``pin_max_*`` settings.
         self.pin_cap = PinCap.from_settings()
         self._ready = False
@@ -164,6 +166,18 @@ class Daemon:
                               hint="stop it, or give this daemon its own state_dir") from None
         self._lock_fd = fd
 
+    def _lock_root(self, root: RootConfig) -> None:
+        """One daemon per root (two would copy every step twice): an flock on its ``.ckptd-daemon.lock``."""
+        path = root.local / ROOT_LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LockedError(f"another ckptd daemon watches root {root.name!r}", path=str(path),
+                              hint="run one daemon per local root") from None
+        self._root_lock_fds.append(fd)
+
     def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         thread.start()
@@ -171,6 +185,7 @@ class Daemon:
 
     def _open_root(self, root: RootConfig) -> _Root:
         local = LocalTier(root.local, create=True)  # never takes the trainer's writer lock
+        self._lock_root(root)
         runtime = _Root(config=root, local=local, pins=PinnedSteps(local))
         if root.remote is not None:
             runtime.remote = open_tier(root.remote, storage_options=dict(root.storage_options) or None)
@@ -258,9 +273,11 @@ class Daemon:
         self._remove_state_files()
         if not left and self.journal is not None:
             self.journal.close()
-        if self._lock_fd is not None and not left:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if not left:
+            for fd in [self._lock_fd, *self._root_lock_fds]:
+                if fd is not None:
+                    os.close(fd)
+            self._lock_fd, self._root_lock_fds = None, []
         self._stopped.set()
         log.info("daemon %s stopped", self.config.node_id)
         return left
@@ -386,8 +403,13 @@ class Daemon:
     def _run_task(self, task: Task) -> None:
         assert self.journal is not None
         runtime = self._roots.get(task.root)
-        if runtime is None:
-            self.journal.skip(task.id, f"root {task.root!r} is no longer configured")
+        if runtime is None or (task.kind, task.target) not in self._targets(runtime, task.step):
+            where = "root" if runtime is None else f"{task.kind} target"
+            self.journal.skip(task.id, f"the {where} of this task is no longer configured ({task.target})")
+            log.warning("%s of step %d of root %s to %s skipped: no longer configured", task.kind, task.step,
+                        task.root, task.target)
+            if runtime is not None:
+                self._unpin_if_done(runtime, task.step)
             return
         self.on_event("task-start", {"kind": task.kind, "root": task.root, "step": task.step,
                                      "attempt": task.attempts})
