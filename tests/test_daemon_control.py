@@ -265,7 +265,7 @@ def test_ckptd_status_tables_and_no_daemon(node):
     shown = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "status", "--socket", str(node["socket"])],
                            capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
-    assert "node-a" in shown.stdout and "run1" in shown.stdout
+    assert "node-a" in shown.stdout and "root run1" in shown.stdout and "lag (steps)" in shown.stdout
     node["daemon"].kill()  # its .ckptd-daemon.json stays behind, naming a socket nobody serves
     gone = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "status", "--local", str(node["root"])],
                           capture_output=True, text=True)

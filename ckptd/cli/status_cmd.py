@@ -58,7 +58,8 @@ def status(ctx: click.Context, socket_path: str | None, local_root: str | None, 
 
 
 def _print_document(document: dict[str, Any]) -> None:
-    """The status document as rich tables: the daemon's own fields first, then one table per section."""
+    """The status document as rich tables: the daemon's own fields, each root's tiers (steps and lag), then
+    one table per other section."""
     from rich.console import Console
     from rich.table import Table
 
@@ -68,7 +69,24 @@ def _print_document(document: dict[str, Any]) -> None:
         if not isinstance(value, (dict, list)):
             overview.add_row(key, _cell(value))
     console.print(overview)
+    roots = document.get("roots")
+    by_tier = _has_tiers(roots)
+    if by_tier:
+        for name, root in roots.items():
+            table = Table("tier", "url", "steps", "newest", "lag (steps)", "lag (s)", title=f"root {name}")
+            for tier, about in root["tiers"].items():
+                about = about if isinstance(about, dict) else {}
+                steps = about.get("steps")
+                table.add_row(tier, _cell(about.get("url")), _steps(steps),
+                              _cell(max(steps) if isinstance(steps, list) and steps else None),
+                              _cell(about.get("lag_steps")), _cell(about.get("lag_seconds")))
+            console.print(table)
+            for key, value in root.items():
+                if key != "tiers":
+                    console.print(f"  {key}: {_cell(value)}")
     for key, value in document.items():
+        if key == "roots" and by_tier:
+            continue
         rows = _rows(value)
         if rows is None:
             continue
@@ -89,6 +107,21 @@ def _rows(value: Any) -> list[tuple[str, dict[str, Any]]] | None:
     if isinstance(value, list):
         return [(str(index), item if isinstance(item, dict) else {"value": item}) for index, item in enumerate(value)]
     return None
+
+
+def _has_tiers(roots: Any) -> bool:
+    """Whether ``roots`` is a dict of roots that each hold a ``tiers`` dict (shown as one table per root)."""
+    return isinstance(roots, dict) and bool(roots) and all(
+        isinstance(root, dict) and isinstance(root.get("tiers"), dict) for root in roots.values())
+
+
+def _steps(steps: Any) -> str:
+    """A step list in a few characters: all of them when short, else the first, the last and the count."""
+    if not isinstance(steps, list):
+        return _cell(steps)
+    if len(steps) <= 6:
+        return ", ".join(map(str, steps)) or "none"
+    return f"{steps[0]} ... {steps[-1]} ({len(steps)})"
 
 
 def _cell(value: Any) -> str:
