@@ -122,8 +122,9 @@ class HttpServer:
 
     async def _bind(self) -> None:
         app = self.application()
-        runner = web.AppRunner(app, access_log_class=_AccessLog, access_log=logging.getLogger("ckptd.daemon.http.access"),
-                               handle_signals=False, shutdown_timeout=_STOP_TIMEOUT_S / 2)
+        runner = web.AppRunner(app, access_log_class=_AccessLog,
+                               access_log=logging.getLogger("ckptd.daemon.http.access"), handle_signals=False,
+                               shutdown_timeout=_STOP_TIMEOUT_S / 2)
         await runner.setup()
         self._runner = runner
         site = web.TCPSite(runner, self.host, self.port, reuse_address=True)
