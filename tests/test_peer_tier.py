@@ -21,6 +21,9 @@ from ckptd.errors import ConfigError, IntegrityError, NotFoundError, StorageErro
     TierUnreachableError
 from ckptd.format.layout import step_dir, step_file
 from ckptd.manager.restoring import restore_state
+from ckptd.config import override
+from ckptd.promotion.replicate import replicate_step
+from ckptd.testing.fault_proxy import FaultProxy
 from ckptd.testing.peer_server import PeerServer, served_replica_tier
 from ckptd.tiers import open_tier
 from ckptd.tiers import peer as peer_module
@@ -224,3 +227,31 @@ def test_a_reader_that_leaves_mid_answer_harms_no_one(server: PeerServer, replic
                 raw.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # RST
         assert replica.read_bytes(path) == data
     assert not [record for record in caplog.records if record.levelno >= logging.ERROR], "no error logged"
+
+
+def test_resets_and_cut_answers_lose_nothing(tmp_path: Path, server: PeerServer) -> None:
+    saved = {step: _state(step) for step in (1, 2)}
+    with ckptd.CheckpointManager(tmp_path / "node-a", capture_rng=False,
+                                 policy=ckptd.Policy(keep_local=None)) as manager:
+        for step, state in saved.items():
+            manager.save(step, state)
+        manager.wait()
+    local = LocalTier(tmp_path / "node-a")
+    # one request in five is reset after it reached the server, or answered with half its body
+    with FaultProxy(f"http://127.0.0.1:{server.port}", fraction=0.2, kinds=("reset", "truncate"), seed=3) as proxy, \
+            override(io_threads=1, read_threads=1):  # one request at a time: the faults hit the same requests
+        port = int(proxy.endpoint_url.rpartition(":")[2])
+        flaky = PeerTier(f"peer://127.0.0.1:{port}/replicas/node-a/run1", token=TOKEN)
+        for step in saved:
+            replicate_step(local, flaky, step)
+        target = {name: torch.zeros_like(value) for name, value in saved[2].items()}
+        assert restore_state([flaky], target, rank=0, world_size=1).step == 2
+        flaky.close()
+    assert proxy.faults_injected >= 3, proxy.counts
+    assert all(torch.equal(target[name], saved[2][name]) for name in target)
+    replicas = tmp_path / "replicas" / "node-a" / "run1"
+    for step in saved:
+        names = sorted(os.listdir(local.root / step_dir(step)))
+        assert sorted(os.listdir(replicas / step_dir(step))) == names, "no temporary and nothing missing"
+        assert all((replicas / step_dir(step) / name).read_bytes() == (local.root / step_dir(step) / name).read_bytes()
+                   for name in names)

@@ -166,6 +166,8 @@ class _Handler(BaseHTTPRequestHandler):
             if name.lower() not in _HOP_BY_HOP:
                 self.send_header(name, value)
         declared = max(len(answer), 1) if fault == "truncate" else len(answer)
+        if self.command == "HEAD":  # a HEAD answer has no body and announces the size of the GET's
+            declared = int(dict((name.lower(), value) for name, value in headers).get("content-length", 0))
         self.send_header("Content-Length", str(declared))
         self.end_headers()
         if self.command == "HEAD":

@@ -57,9 +57,11 @@ DEFAULT_PEER_PORT = 9470
 READ_PIECE_BYTES = 32 * 1024 * 1024
 #: Environment variables that hold the peer token, or the path of a file holding it.
 TOKEN_ENV, TOKEN_FILE_ENV = "CKPTD_PEER_TOKEN", "CKPTD_PEER_TOKEN_FILE"
-#: Attempts of one request that could not reach the daemon, and the pauses between them.
-_ATTEMPTS = 3
-_BACKOFF_S = (0.05, 0.25)
+#: Attempts of one request whose connection failed midway (reset, cut short, a stale keep-alive), of one
+#: that could not connect at all (the daemon is down: known quickly), and the pauses between attempts.
+_ATTEMPTS = 4
+_CONNECT_ATTEMPTS = 2
+_BACKOFF_S = (0.05, 0.25, 0.5)
 #: Attempts when the daemon answers "busy" (503; about 20 s of waiting in all, so that a restore with many
 #: reader threads waits for a busy buddy instead of leaving it for a farther tier).
 _BUSY_ATTEMPTS = 24
@@ -101,9 +103,12 @@ class _Connection(http.client.HTTPConnection):
     def __init__(self, host: str, port: int, connect_timeout_s: float, read_timeout_s: float) -> None:
         super().__init__(host, port, timeout=connect_timeout_s)
         self.read_timeout_s = read_timeout_s
+        #: Whether a connection was ever made (a request that fails before is known to find no daemon).
+        self.reached = False
 
     def connect(self) -> None:
         self.sock = socket.create_connection((self.host, self.port), self.timeout)
+        self.reached = True
         self.sock.settimeout(self.read_timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -199,7 +204,7 @@ class PeerTier(StorageTier):
             except _TRANSPORT_ERRORS as failure:  # no answer: the daemon is gone, or the connection was stale
                 self._drop_connection()
                 attempt += 1
-                if attempt >= _ATTEMPTS:
+                if attempt >= (_ATTEMPTS if connection.reached else _CONNECT_ATTEMPTS):
                     raise TierUnreachableError(
                         f"the peer daemon cannot be reached while {what}: {failure or type(failure).__name__}",
                         path=path, tier=self.label,
@@ -288,8 +293,7 @@ class PeerTier(StorageTier):
         end = None if length is None else offset + length
         while end is None or position < end:
             wanted = READ_PIECE_BYTES if end is None else min(READ_PIECE_BYTES, end - position)
-            data, total = self._ranged(path, position, wanted, lambda response, count: response.read(count),
-                                       lambda: b"")
+            data, total = self._ranged(path, position, wanted, _read_exactly, lambda: b"")
             pieces.append(data)
             position += len(data)
             if total is None or position >= total or not data:
@@ -409,6 +413,14 @@ class PeerTier(StorageTier):
             connections, self._connections = self._connections, []
         for connection in connections:
             connection.close()
+
+
+def _read_exactly(response: http.client.HTTPResponse, count: int) -> bytes:
+    """``count`` bytes of a response body; a body cut short raises IncompleteRead (the request is retried)."""
+    data = response.read(count)
+    if len(data) != count:
+        raise http.client.IncompleteRead(data, count - len(data))
+    return data
 
 
 def _is_file_path(path: str) -> bool:
