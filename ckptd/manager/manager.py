@@ -382,7 +382,9 @@ class CheckpointManager:
         return self._remote_sync.uploader.promotion_lag()
 
     def wait_uploads(self) -> None:
-        """Block until every step queued for the object tier is promoted; re-raise an upload failure."""
+        """Block until every step queued for the object tier is promoted; re-raise an upload failure. While
+        the node's daemon promotes (:attr:`daemon_promotes`) nothing is queued here: it returns once the saves
+        are committed locally (and handed to the daemon); :attr:`promotion_lag` shows the daemon's progress."""
         self._check_open()
         self._saver.wait()
         if self._remote_sync is not None:
