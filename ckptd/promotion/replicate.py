@@ -76,14 +76,22 @@ def _zeros(count: int) -> Iterator[memoryview]:
 
 
 def _verified_data_file(local: StorageTier, share: RankShare, number: int) -> Iterator[Buffer]:
-    """The bytes of a (not packed) data file, chunk by chunk, each checked just before it is handed out;
-    the bytes no chunk covers come out as zeros."""
+    """The bytes of a (not packed) data file, chunk by chunk, each checked before it is handed out (the
+    next chunk is read and checked on a thread while this one is sent); the bytes no chunk covers come
+    out as zeros."""
     data_file = share.index.data_files[number]
+    chunks = share.index.packed_chunks(number)  # distinct chunks of file ``number``, by offset
     position = 0
-    for chunk in share.index.packed_chunks(number):  # distinct chunks of file ``number``, by offset
-        yield from _zeros(chunk.offset - position)
-        yield read_stored_chunk(local, share, chunk)  # raises IntegrityError before anything is sent
-        position = chunk.offset + chunk.length
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-replicate-read") as reader:
+        ahead = reader.submit(read_stored_chunk, local, share, chunks[0]) if chunks else None
+        for following, chunk in enumerate(chunks, start=1):
+            assert ahead is not None
+            stored = ahead.result()  # raises IntegrityError before any of the chunk's bytes is sent
+            ahead = reader.submit(read_stored_chunk, local, share, chunks[following]) \
+                if following < len(chunks) else None
+            yield from _zeros(chunk.offset - position)
+            yield stored
+            position = chunk.offset + chunk.length
     yield from _zeros(data_file.size - position)
 
 
