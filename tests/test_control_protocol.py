@@ -201,3 +201,28 @@ def test_too_many_connections_are_refused_with_a_reason(served, monkeypatch):
         for client, lines in opened:
             lines.close()
             client.close()
+
+
+@pytest.mark.parametrize("pin_directory", [None, ".daemon-pins"])
+def test_the_managers_pin_is_kept_for_a_daemon_that_shares_it_and_released_otherwise(served, monkeypatch,
+                                                                                     pin_directory):
+    import torch
+
+    import ckptd
+    from ckptd.promotion.pinning import PinnedSteps
+    from ckptd.tiers.local import LocalTier
+
+    server, stand_in, root = served
+    monkeypatch.delenv("CKPTD_DAEMON_SOCKET", raising=False)
+    described = stand_in.describe_root
+    if pin_directory is not None:
+        monkeypatch.setattr(stand_in, "describe_root", lambda name: {**described(name), "pin_directory": pin_directory})
+    with ckptd.CheckpointManager(root, capture_rng=False, policy=ckptd.Policy(keep_local=None)) as manager:
+        assert manager.daemon_promotes
+        for step in (1, 2):  # the stand-in takes even steps only
+            manager.save(step, {"weights": torch.full((1024,), float(step))})
+            manager.wait()
+    assert stand_in.commits == [("run1", 1), ("run1", 2)]
+    assert [report["step"] for _, report in stand_in.reports] == [1, 2]
+    pinned = PinnedSteps(LocalTier(root)).pinned()
+    assert pinned == ([2] if pin_directory is None else [])  # step 1, not taken, is released either way

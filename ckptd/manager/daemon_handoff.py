@@ -9,7 +9,10 @@ thread.
 
 The first request the daemon does not answer ends the hand-off: one warning, and ``on_lost`` (the manager
 starts its own uploader, which resumes the pinned steps). A daemon that answers it does not want a step
-(``wanted`` false) gets no pin for it: the pin is released at once.
+(``wanted`` false) gets no pin for it: the pin is released at once. A daemon whose hello names a
+``pin_directory`` other than ``.promoting`` pins the steps it takes there itself, before it answers: the
+manager's pin in ``.promoting`` only bridges until that answer and is released then too (so that the
+in-process uploader alone owns ``.promoting``).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 from ckptd.errors import CkptdError, ConfigError
 from ckptd.format.layout import MANIFEST_NAME, rank_files
 from ckptd.manager.daemon_link import DaemonLink
-from ckptd.promotion.pinning import PinnedSteps
+from ckptd.promotion.pinning import PIN_DIRECTORY, PinnedSteps
 from ckptd.tiers import StorageTier, open_tier
 from ckptd.tiers.local import LocalTier
 
@@ -83,6 +86,8 @@ class DaemonHandoff:
                  on_lost: Callable[[], None]) -> None:
         self.link, self.rank, self.world_size = link, rank, world_size
         self.pins = PinnedSteps(local) if pin else None
+        #: Whether the daemon pins into ``.promoting`` too (then a pin it took is its to drop).
+        self.shares_pins = link.info.get("pin_directory", PIN_DIRECTORY) == PIN_DIRECTORY
         self.on_lost = on_lost
         self._timings: deque[SaveTiming] = deque(maxlen=_MAX_QUEUED_REPORTS)
         self._lost = threading.Event()
@@ -116,7 +121,7 @@ class DaemonHandoff:
         if wanted is None and not self.link.alive:
             self._lose(step)
             return
-        if wanted is False and self.pins is not None:
+        if self.pins is not None and wanted is not None and not (wanted and self.shares_pins):
             self._release(step, own)
         while self._timings and self._timings[0].step <= step:
             timing = self._timings.popleft()
@@ -136,7 +141,8 @@ class DaemonHandoff:
         try:
             self.pins.release(step, None if self.world_size == 1 else own)
         except CkptdError as error:
-            log.warning("could not release the pin of step %d, which the ckptd daemon does not take: %s", step, error)
+            log.warning("could not release the pin of step %d, which the ckptd daemon has answered for: %s", step,
+                        error)
 
     def _lose(self, step: int) -> None:
         self._lost.set()
