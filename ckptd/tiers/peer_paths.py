@@ -20,7 +20,6 @@ digits, ``.``, ``_``, ``-``, not starting with a dot, no ``..``, at most 200 cha
 
 from __future__ import annotations
 
-import re
 import urllib.parse
 from dataclasses import dataclass
 
@@ -35,7 +34,6 @@ NAMESPACE_KINDS = {"roots": 1, "replicas": 2}
 STEPS_LISTING = "steps"
 #: The directory of content-addressed chunks inside a namespace.
 CHUNKS_DIRECTORY = "chunks"
-_SEGMENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
 @dataclass(frozen=True)
@@ -61,14 +59,16 @@ class PeerPath:
 
 def _refuse(why: str, shown: str) -> UnsafePathError:
     return UnsafePathError(f"refusing peer path {shown!r}: {why}",
-                           hint="name steps/, step-<12 digits>[/<file>] or chunks/<dir>/<file> inside "
+                           hint="name steps, step-<12 digits>[/<file>] or chunks/<dir>/<file> inside "
                                 "roots/<root> or replicas/<node>/<root>")
 
 
 def _segment(text: str, shown: str) -> str:
-    if not _SEGMENT.match(text) or ".." in text:
-        raise _refuse(f"segment {text[:80]!r} is not a safe name", shown)
-    return text
+    """``text`` if it is a safe name (:func:`ckptd.format.layout.safe_name`, the rule of names in an index)."""
+    try:
+        return safe_name(text)
+    except UnsafePathError:
+        raise _refuse(f"segment {text[:80]!r} is not a safe name", shown) from None
 
 
 def split_namespace(segments: list[str], shown: str) -> tuple[tuple[str, ...], list[str]]:
@@ -109,10 +109,7 @@ def parse_relative(segments: list[str], namespace: tuple[str, ...], shown: str) 
 def _file_name(text: str, shown: str) -> str:
     if TEMP_MARKER in text:
         raise _refuse("temporary files are never served", shown)
-    try:
-        return safe_name(_segment(text, shown))
-    except UnsafePathError:
-        raise _refuse(f"file name {text[:80]!r} is not safe", shown) from None
+    return _segment(text, shown)
 
 
 def parse_request_path(raw_path: str) -> PeerPath:
