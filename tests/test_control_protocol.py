@@ -219,6 +219,7 @@ def test_the_managers_pin_is_kept_for_a_daemon_that_shares_it_and_released_other
         monkeypatch.setattr(stand_in, "describe_root", lambda name: {**described(name), "pin_directory": pin_directory})
     with ckptd.CheckpointManager(root, capture_rng=False, policy=ckptd.Policy(keep_local=None)) as manager:
         assert manager.daemon_promotes
+        assert manager._pin_directories() == [".promoting"] + ([pin_directory] if pin_directory else [])
         for step in (1, 2):  # the stand-in takes even steps only
             manager.save(step, {"weights": torch.full((1024,), float(step))})
             manager.wait()

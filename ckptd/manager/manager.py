@@ -315,9 +315,10 @@ class CheckpointManager:
         try:
             if self.sharing.is_owner:
                 self._set_aside_in(self.local.root, sorted(committed), restored, report=True)
-                pins = self.local.root / PIN_DIRECTORY  # a pinned copy would be promoted instead of the new step
-                if pins.is_dir():
-                    self._set_aside_in(pins, LocalTier(pins).list_step_numbers(), restored, report=False)
+                for name in self._pin_directories():  # a pinned copy would be promoted instead of the new step
+                    pins = self.local.root / name
+                    if pins.is_dir():
+                        self._set_aside_in(pins, LocalTier(pins).list_step_numbers(), restored, report=False)
         except CkptdError as error:  # told to every rank, so that all leave the round together
             failure = f"rank {self.rank}: {error}"
         failures = [why for why in self.coordinator.exchange("newer-steps-set-aside", failure) if why]
@@ -325,6 +326,15 @@ class CheckpointManager:
             raise StorageError("newer steps could not be set aside after the restore: " + " | ".join(failures),
                                step=restored, tier=self.local.label,
                                hint="fix the directory's permissions; the restored state is loaded")
+
+    def _pin_directories(self) -> list[str]:
+        """The directories under the local root that hold pinned steps: the uploader's, and the daemon's own."""
+        names = [PIN_DIRECTORY]
+        theirs = self._handoff.link.info.get("pin_directory") if self._handoff is not None else None
+        if isinstance(theirs, str) and theirs.startswith(".") and theirs not in (".", "..", PIN_DIRECTORY) \
+                and "/" not in theirs and "\\" not in theirs:  # one hidden directory in the root, nothing else
+            names.append(theirs)
+        return names
 
     @staticmethod
     def _set_aside_in(root: Path, steps: list[int], restored: int, *, report: bool) -> None:

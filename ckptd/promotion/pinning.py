@@ -31,11 +31,15 @@ PIN_DIRECTORY = ".promoting"
 
 
 class PinnedSteps:
-    """The pinned copies of steps waiting for promotion, readable as a :class:`LocalTier`."""
+    """The pinned copies of steps waiting for promotion, readable as a :class:`LocalTier`.
 
-    def __init__(self, local: LocalTier) -> None:
+    ``directory`` (under the local root) is :data:`PIN_DIRECTORY` for the in-process uploader; another
+    consumer of the same root (the node daemon) may keep its pins apart, so that neither drops a pin the
+    other still reads."""
+
+    def __init__(self, local: LocalTier, directory: str = PIN_DIRECTORY) -> None:
         self.local = local
-        self.tier = LocalTier(local.root / PIN_DIRECTORY)
+        self.tier = LocalTier(local.root / directory)
 
     def pin(self, step: int, names: list[str], *, durable: bool = True) -> None:
         """Pin files of a committed step (the manifest is pinned last, so a pin is complete when it has one).
