@@ -35,12 +35,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptd.config import settings
 from ckptd.daemon.config import DaemonConfig, RootConfig
 from ckptd.daemon.journal import Journal, Task
 from ckptd.daemon.watcher import CommitWatcher
 from ckptd.errors import CkptdError, LockedError, NotFoundError
 from ckptd.promotion.lag import PromotionLag, promotion_lag
 from ckptd.promotion.pinning import PinCap, PinnedSteps, pins_over_cap
+from ckptd.stepio.rank_writer import lower_thread_priority
 from ckptd.stepio.step_reader import load_step_manifest
 from ckptd.tiers.atomicity import ranks_held
 from ckptd.tiers.base import StorageTier
@@ -60,6 +62,8 @@ ROOT_LOCK_FILE = ".ckptd-daemon.lock"
 _REFRESH_S = 10.0
 _IDLE_WAIT_S = 0.5
 _KEPT_ERRORS = 20
+#: Worker threads run this much below ``background_nice`` (the in-process uploader's offset).
+_EXTRA_NICE = 5
 
 #: Called with (event, fields) at each step of a task (tests and debug logs).
 EventHook = Callable[[str, dict[str, Any]], None]
@@ -381,6 +385,7 @@ class Daemon:
     # --- workers ------------------------------------------------------------------------------------
     def _work(self, kind: str) -> None:
         assert self.journal is not None
+        _lower_priority()
         wake = self._wake[kind]
         while not self._stopping.is_set():
             try:
@@ -497,6 +502,7 @@ class Daemon:
 
     # --- maintenance: listings, retention, scrub ------------------------------------------------------
     def _maintain(self) -> None:
+        _lower_priority()
         while not self._stopping.wait(min(_REFRESH_S, self.config.poll_interval_s * 10)):
             for runtime in list(self._roots.values()):
                 for kind in ("object", "peer"):
@@ -672,6 +678,14 @@ class Daemon:
                 "uptime_s": time.time() - started, "started": started, "roots": roots, "replicas": replicas,
                 "pending": depth, "running": running, "errors": errors, "recent_errors": recent,
                 "watch": self.watcher.mode if self.watcher is not None else None, "http": self._state_document()["http"]}
+
+
+def _lower_priority() -> None:
+    """Copies and scrubs yield the CPU to the trainers of the node (and to peer reads, on the HTTP thread):
+    the calling worker thread, and the copy threads it starts, run ``background_nice`` + 5 below normal,
+    as the library's own uploader does (``CKPTD_BACKGROUND_NICE``; 0 leaves them alone)."""
+    nice = settings().background_nice
+    lower_thread_priority(0 if nice <= 0 else nice + _EXTRA_NICE)
 
 
 def _write_json(path: Path, document: dict[str, Any]) -> None:
