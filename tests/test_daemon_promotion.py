@@ -8,6 +8,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +148,28 @@ def test_a_buddy_that_is_down_does_not_hold_promotion_and_replication_resumes(tm
             assert daemon_b.terminate() == 0
         daemon_a.wait_for(lambda: daemon_a.get_json("/status")["roots"]["run1"]["pinned"] == [], 30, "pins dropped")
         assert daemon_a.terminate() == 0
+
+
+def test_pins_are_capped_while_the_object_tier_is_down(tmp_path):
+    dead = {"key": "testing", "secret": "testing",
+            "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{_free_port()}", "region_name": "us-east-1"}}
+    config, state, root = _daemon_config(tmp_path, "node-a", "bucket-down", dead, retry_backoff_s=0.2)
+    env = {"CKPTD_PIN_MAX_STEPS": "2", "CKPTD_S3_RETRIES": "0", "CKPTD_S3_CONNECT_RETRIES": "0"}
+    with DaemonProcess(config, state, env=env) as daemon:
+        daemon.wait_ready()
+        assert run_trainer(root, 1, 5, seed=4, keep_local=1) == [1, 2, 3, 4, 5]
+        from ckptd.tiers.local import LocalTier
+        assert LocalTier(root).committed_steps() == [5]
+        # steps 1-4 are gone locally and held only by their pins: two of them (the oldest not being copied
+        # at that moment) are released, the newest two and step 5 (still local: free) stay pinned
+        rows = daemon.wait_for(lambda: (lambda tasks: tasks if sum(t["state"] == "skipped" for t in tasks) == 2
+                                        else None)(daemon.tasks()), 30, "two pins released")
+        skipped = sorted(task["step"] for task in rows if task["state"] == "skipped")
+        assert all("pin cap" in task["error"] for task in rows if task["state"] == "skipped")
+        assert not {4, 5} & set(skipped), skipped
+        pinned = daemon.get_json("/status")["roots"]["run1"]["pinned"]
+        assert pinned == sorted(set(range(1, 6)) - set(skipped)), (pinned, skipped)
+        time.sleep(2.5)  # a maintenance pass later: nothing more released
+        assert sum(task["state"] == "skipped" for task in daemon.tasks()) == 2
+        assert any(task["state"] == "failed" and task["error"] for task in daemon.tasks())
+        assert daemon.terminate() == 0

@@ -362,12 +362,15 @@ class Daemon:
             self._apply_pin_cap(runtime)
 
     def _apply_pin_cap(self, runtime: _Root) -> None:
-        """While a tier is behind, pins pile up: past :attr:`pin_cap` the oldest are released and their tasks
-        not yet running skipped (never a step being copied, never the newest), as the library's uploader
-        does."""
+        """While a tier is behind and local retention deletes steps, pins pile up: past :attr:`pin_cap` the
+        oldest pins of deleted steps are released and their tasks not yet running skipped (never a step being
+        copied, never the newest), as the library's uploader does."""
         assert self.journal is not None
         cap = self.pin_cap
-        pinned = runtime.pins.pinned()
+        # a pin whose step is still in the root is a second name of its files: it costs nothing, and is not
+        # counted (a daemon started on a root full of steps promotes them all)
+        local = set(runtime.local.committed_steps())
+        pinned = [step for step in runtime.pins.pinned() if step not in local]
         if len(pinned) <= 1:
             return
         with self._state_lock:
@@ -375,7 +378,7 @@ class Daemon:
         held = {step: runtime.pins.held_bytes(step) if cap.max_bytes else 0 for step in pinned}
         for step in pins_over_cap(held, cap, keep=busy):
             reason = (f"released by the pin cap (pin_max_steps={cap.max_steps}, pin_max_bytes={cap.max_bytes}): "
-                      "newer steps were committed while this one waited")
+                      "its local copy is gone and newer steps wait too")
             skipped = self.journal.skip_open(runtime.config.name, step, reason)
             if self.journal.open_tasks(runtime.config.name, step):
                 continue  # claimed meanwhile: it runs from its pin
