@@ -17,6 +17,7 @@ import torch
 
 import ckptd
 from ckptd.format.layout import MANIFEST_NAME, step_dir
+from ckptd.stepio.step_reader import verify_step
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.daemon_process import DaemonProcess, run_trainer, trainer_state, wait_until, write_config
 
@@ -173,3 +174,32 @@ def test_pins_are_capped_while_the_object_tier_is_down(tmp_path):
         assert sum(task["state"] == "skipped" for task in daemon.tasks()) == 2
         assert any(task["state"] == "failed" and task["error"] for task in daemon.tasks())
         assert daemon.terminate() == 0
+
+
+def test_the_daemon_applies_retention_on_each_tier(tmp_path, s3_bucket, s3_options):
+    from ckptd.tiers.local import LocalTier
+    from ckptd.tiers.object import ObjectTier
+
+    token = secrets.token_hex(16)
+    config_b, state_b, _ = _daemon_config(tmp_path, "node-b", None, None, peer_token=token, keep_peer=1)
+    with DaemonProcess(config_b, state_b) as daemon_b:
+        buddy = daemon_b.wait_ready()["http"]
+        root_a, state_a = tmp_path / "node-a-root", tmp_path / "node-a-state"
+        config_a = write_config(tmp_path / "node-a.toml", [{
+            "name": "run1", "local": str(root_a), "remote": f"s3://{s3_bucket}/run1", "storage_options": s3_options,
+            "keep_local": 1, "keep_remote": 1}], state_dir=str(state_a), node_id="node-a", listen="127.0.0.1:0",
+            poll_interval_s=0.2, peer_token=token, buddy=f"peer://{buddy}")
+        with DaemonProcess(config_a, state_a) as daemon_a:
+            daemon_a.wait_ready()
+            assert run_trainer(root_a, 1, 3, seed=6, keep_local=None) == [1, 2, 3]
+            daemon_a.wait_for(lambda: _done(daemon_a, "promote") == _done(daemon_a, "replicate") == [1, 2, 3], 60,
+                              "every step promoted and replicated")
+            local = LocalTier(root_a)
+            remote = ObjectTier(f"s3://{s3_bucket}/run1", storage_options=s3_options)
+            replicas = LocalTier(state_b / "replicas" / "node-a" / "run1")
+            daemon_a.wait_for(lambda: local.committed_steps() == [3] and remote.committed_steps() == [3], 30,
+                              "keep_local=1 and keep_remote=1 applied")
+            daemon_b.wait_for(lambda: replicas.committed_steps() == [3], 30, "keep_peer=1 applied on the buddy")
+            assert list(verify_step(remote, 3)) == [] and list(verify_step(replicas, 3)) == []
+            assert daemon_a.terminate() == 0
+        assert daemon_b.terminate() == 0

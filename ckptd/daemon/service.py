@@ -24,23 +24,24 @@ journaled.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from ckptd.config import settings
 from ckptd.daemon.config import DaemonConfig, RootConfig
 from ckptd.daemon.journal import Journal, Task
+from ckptd.daemon.roots import RootRuntime, exclusive_lock
+from ckptd.daemon.upkeep import Upkeep
 from ckptd.daemon.watcher import CommitWatcher
-from ckptd.errors import CkptdError, LockedError, NotFoundError
-from ckptd.promotion.lag import PromotionLag, promotion_lag
+from ckptd.errors import CkptdError, NotFoundError
+from ckptd.promotion.lag import promotion_lag
 from ckptd.promotion.pinning import PinCap, PinnedSteps, pins_over_cap
 from ckptd.stepio.rank_writer import lower_thread_priority
 from ckptd.stepio.step_reader import load_step_manifest
@@ -87,23 +88,6 @@ def _metrics() -> Any:
     return DaemonMetrics()
 
 
-@dataclass
-class _Root:
-    """One watched root at run time: its config and the tiers the daemon reads and writes."""
-
-    config: RootConfig
-    local: LocalTier
-    pins: PinnedSteps
-    remote: StorageTier | None = None
-    peer: StorageTier | None = None
-    peer_url: str | None = None
-    #: Steps whose tasks are journaled (or that need none), so repeated reports cost nothing.
-    seen: set[int] = field(default_factory=set)
-    #: tier kind ("object", "peer") -> (committed steps, lag) as last listed.
-    listings: dict[str, tuple[list[int], PromotionLag | None]] = field(default_factory=dict)
-    trainer_report: dict[str, Any] | None = None
-
-
 class Daemon:
     """One node's daemon over ``config`` (see the module docstring). Call order: :meth:`start` once, then
     :meth:`run_forever` (or your own wait), then :meth:`stop` once (any thread)."""
@@ -117,7 +101,7 @@ class Daemon:
         self.control: Any = None
         self.http_port: int | None = None
         self.on_event = on_event or (lambda event, fields: None)
-        self._roots: dict[str, _Root] = {}
+        self._roots: dict[str, RootRuntime] = {}
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._wake = {kind: threading.Event() for kind in ("promote", "replicate")}
@@ -127,8 +111,8 @@ class Daemon:
         self._state_lock = threading.Lock()
         self._errors: list[dict[str, Any]] = []
         self._started_at: float | None = None
-        self._lock_fd: int | None = None
-        self._root_lock_fds: list[int] = []
+        self._lock_fds: list[int] = []
+        self.upkeep = Upkeep(config, self.metrics, self._record_error)
         #: Most pinned steps (and bytes only pins hold) per root: the ``pin_max_*`` settings.
         self.pin_cap = PinCap.from_settings()
         self._ready = False
@@ -160,37 +144,25 @@ class Daemon:
 
     def _lock_state_dir(self) -> None:
         """One daemon per state_dir: an flock on ``daemon.lock``, held until the process ends."""
-        path = self.config.state_dir / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise LockedError("another ckptd daemon runs with this state_dir", path=str(path),
-                              hint="stop it, or give this daemon its own state_dir") from None
-        self._lock_fd = fd
+        self._lock_fds.append(exclusive_lock(self.config.state_dir / LOCK_FILE,
+                                             "another ckptd daemon runs with this state_dir",
+                                             "stop it, or give this daemon its own state_dir"))
 
     def _lock_root(self, root: RootConfig) -> None:
         """One daemon per root (two would copy every step twice): an flock on its ``.ckptd-daemon.lock``."""
-        path = root.local / ROOT_LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise LockedError(f"another ckptd daemon watches root {root.name!r}", path=str(path),
-                              hint="run one daemon per local root") from None
-        self._root_lock_fds.append(fd)
+        self._lock_fds.append(exclusive_lock(root.local / ROOT_LOCK_FILE,
+                                             f"another ckptd daemon watches root {root.name!r}",
+                                             "run one daemon per local root"))
 
     def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
         thread = threading.Thread(target=target, args=args, name=name, daemon=True)
         thread.start()
         self._workers.append(thread)
 
-    def _open_root(self, root: RootConfig) -> _Root:
+    def _open_root(self, root: RootConfig) -> RootRuntime:
         local = LocalTier(root.local, create=True)  # never takes the trainer's writer lock
         self._lock_root(root)
-        runtime = _Root(config=root, local=local, pins=PinnedSteps(local))
+        runtime = RootRuntime(config=root, local=local, pins=PinnedSteps(local))
         if root.remote is not None:
             runtime.remote = open_tier(root.remote, storage_options=dict(root.storage_options) or None)
         runtime.peer_url = self.config.peer_url(root)
@@ -278,10 +250,9 @@ class Daemon:
         if not left and self.journal is not None:
             self.journal.close()
         if not left:
-            for fd in [self._lock_fd, *self._root_lock_fds]:
-                if fd is not None:
-                    os.close(fd)
-            self._lock_fd, self._root_lock_fds = None, []
+            for fd in self._lock_fds:
+                os.close(fd)
+            self._lock_fds = []
         self._stopped.set()
         log.info("daemon %s stopped", self.config.node_id)
         return left
@@ -320,7 +291,7 @@ class Daemon:
         self._on_commit(root_name, step)
         return bool(self._targets(runtime, step))
 
-    def _targets(self, runtime: _Root, step: int) -> list[tuple[str, str]]:
+    def _targets(self, runtime: RootRuntime, step: int) -> list[tuple[str, str]]:
         """(kind, target URL) of the tasks a committed step of this root gets."""
         targets = []
         if runtime.config.promotes(step) and runtime.remote is not None:
@@ -361,7 +332,7 @@ class Daemon:
         if missing:
             self._apply_pin_cap(runtime)
 
-    def _apply_pin_cap(self, runtime: _Root) -> None:
+    def _apply_pin_cap(self, runtime: RootRuntime) -> None:
         """While a tier is behind and local retention deletes steps, pins pile up: past :attr:`pin_cap` the
         oldest pins of deleted steps are released and their tasks not yet running skipped (never a step being
         copied, never the newest), as the library's uploader does."""
@@ -441,7 +412,7 @@ class Daemon:
         self._unpin_if_done(runtime, task.step)
         self._refresh_listing(runtime, "object" if task.kind == "promote" else "peer")
 
-    def _source(self, runtime: _Root, step: int) -> StorageTier | None:
+    def _source(self, runtime: RootRuntime, step: int) -> StorageTier | None:
         """The tier to copy a step from: its pin, or the local root when the pin is gone."""
         if runtime.pins.tier.is_committed(step):
             return runtime.pins.tier
@@ -449,7 +420,7 @@ class Daemon:
             return runtime.local
         return None
 
-    def _promote(self, runtime: _Root, source: StorageTier, step: int) -> dict[str, Any]:
+    def _promote(self, runtime: RootRuntime, source: StorageTier, step: int) -> dict[str, Any]:
         from ckptd.promotion.promoter import Promoter
 
         assert runtime.remote is not None
@@ -464,7 +435,7 @@ class Daemon:
         self.metrics.promoted(runtime.config.name, report.bytes_uploaded, report.seconds)
         return asdict(report)
 
-    def _replicate(self, runtime: _Root, source: StorageTier, step: int) -> dict[str, Any]:
+    def _replicate(self, runtime: RootRuntime, source: StorageTier, step: int) -> dict[str, Any]:
         from ckptd.promotion.replicate import replicate_step
 
         if runtime.peer is None:
@@ -487,12 +458,12 @@ class Daemon:
         log.warning("%s of step %d of root %s failed (attempt %d, next in %.1fs): %s", task.kind, task.step,
                     task.root, task.attempts, delay, text, exc_info=not isinstance(error, CkptdError))
 
-    def _unpin_if_done(self, runtime: _Root, step: int) -> None:
+    def _unpin_if_done(self, runtime: RootRuntime, step: int) -> None:
         assert self.journal is not None
         if not self.journal.open_tasks(runtime.config.name, step):
             self._unpin(runtime, step)
 
-    def _unpin(self, runtime: _Root, step: int) -> None:
+    def _unpin(self, runtime: RootRuntime, step: int) -> None:
         try:
             runtime.pins.unpin(step)
         except CkptdError as error:
@@ -510,21 +481,21 @@ class Daemon:
             for runtime in list(self._roots.values()):
                 for kind in ("object", "peer"):
                     self._refresh_listing(runtime, kind)
-                self._apply_retention(runtime)
+                self.upkeep.apply_retention(runtime, self._protected(runtime))
                 self._apply_pin_cap(runtime)
-            self._apply_replica_retention()
+            self.upkeep.apply_replica_retention()
             self._publish_depth()
             interval = self.config.scrub_interval_s
             if interval > 0 and self.journal is not None:
                 last = self.journal.get_state("last_scrub", 0.0)  # kept across restarts
                 if time.time() - last >= interval:
                     self.journal.set_state("last_scrub", time.time())
-                    self._scrub()
+                    self.upkeep.scrub(list(self._roots.values()), self._stopping.is_set)
 
-    def _tier(self, runtime: _Root, kind: str) -> StorageTier | None:
+    def _tier(self, runtime: RootRuntime, kind: str) -> StorageTier | None:
         return runtime.remote if kind == "object" else runtime.peer
 
-    def _refresh_listing(self, runtime: _Root, kind: str) -> None:
+    def _refresh_listing(self, runtime: RootRuntime, kind: str) -> None:
         tier = self._tier(runtime, kind)
         if tier is None:
             return
@@ -543,78 +514,9 @@ class Daemon:
         for kind, states in self.journal.depth().items():
             self.metrics.journal_depth(kind, states["pending"] + states["running"] + states["failed"])
 
-    def _protected(self, runtime: _Root) -> set[int]:
+    def _protected(self, runtime: RootRuntime) -> set[int]:
         assert self.journal is not None
         return set(self.journal.open_steps(runtime.config.name)) | set(runtime.pins.pinned())
-
-    def _apply_retention(self, runtime: _Root) -> None:
-        config = runtime.config
-        wanted = [(runtime.local, config.keep_local), (runtime.remote, config.keep_remote)]
-        if not any(keep is not None and tier is not None for tier, keep in wanted):
-            return
-        try:
-            from ckptd.daemon.retention import apply_retention
-        except ImportError:
-            return
-        for tier, keep in wanted:
-            if tier is None or keep is None:
-                continue
-            try:
-                apply_retention(tier, keep=keep, protect=self._protected(runtime))
-            except CkptdError as error:
-                self._record_error("retention", config.name, None, str(error))
-                log.warning("retention on %s failed: %s", tier.label, error)
-
-    def _replica_tiers(self) -> list[LocalTier]:
-        """The replicas buddies sent here, one tier per ``<replica_dir>/<node id>/<root name>``."""
-        base = self.config.replica_path
-        if not base.is_dir():
-            return []
-        return [LocalTier(root, create=False) for node in sorted(base.iterdir()) if node.is_dir()
-                for root in sorted(node.iterdir()) if root.is_dir()]
-
-    def _apply_replica_retention(self) -> None:
-        try:
-            from ckptd.daemon.retention import apply_retention
-        except ImportError:
-            return
-        for tier in self._replica_tiers():
-            try:
-                apply_retention(tier, keep=self.config.keep_peer)
-            except CkptdError as error:
-                self._record_error("retention", tier.root.name, None, str(error))
-                log.warning("retention on %s failed: %s", tier.label, error)
-
-    def _scrub(self) -> None:
-        try:
-            from ckptd.daemon.scrub import Scrubber
-        except ImportError:
-            return
-        scrubber = Scrubber(bytes_per_s=self.config.scrub_bytes_per_s)
-        # this node's copies, each mended from the others; the buddy scrubs the replica it holds itself
-        work: list[tuple[str, StorageTier, list[StorageTier]]] = []
-        for runtime in list(self._roots.values()):
-            copies = [tier for tier in (runtime.local, runtime.remote, runtime.peer) if tier is not None]
-            work.extend((runtime.config.name, tier, [other for other in copies if other is not tier])
-                        for tier in (runtime.local, runtime.remote) if tier is not None)
-        work.extend((tier.root.name, tier, []) for tier in self._replica_tiers())
-        for name, tier, sources in work:
-            if self._stopping.is_set():
-                return
-            try:
-                report = scrubber.scrub_tier(tier, repair_from=sources, should_stop=self._stopping.is_set)
-            except CkptdError as error:
-                self.metrics.scrub_failure(tier.kind)
-                self._record_error("scrub", name, None, str(error))
-                continue
-            self.metrics.scrubbed(tier.kind, report.bytes)
-            for _ in report.bad:
-                self.metrics.verify_failure(tier.kind)
-            for _ in report.repaired:
-                self.metrics.repaired(tier.kind)
-            if report.bad:
-                self._record_error("scrub", name, None, f"{len(report.bad)} bad file(s) on {tier.label}, "
-                                   f"{len(report.repaired)} repaired")
 
     # --- for the HTTP server and the control socket ---------------------------------------------------
     def is_ready(self) -> bool:
@@ -669,7 +571,8 @@ class Daemon:
                                "lag_seconds": None if lag is None else lag.seconds_behind}
             roots[name] = {"local": str(runtime.local.root), "tiers": tiers, "pinned": runtime.pins.pinned(),
                            "trainer_report": runtime.trainer_report}
-        replicas = {f"{tier.root.parent.name}/{tier.root.name}": tier.committed_steps() for tier in self._replica_tiers()}
+        replicas = {f"{tier.root.parent.name}/{tier.root.name}": tier.committed_steps()
+                    for tier in self.upkeep.replica_tiers()}
         journal = self.journal
         depth = journal.depth() if journal is not None else {}
         errors = [asdict(error) for error in journal.recent_errors(10)] if journal is not None else []

@@ -1,0 +1,100 @@
+"""The daemon's upkeep of what it stores: retention per tier and scrub passes, on its maintenance thread.
+
+Both call H4's functions (:func:`ckptd.daemon.retention.apply_retention`,
+:meth:`ckptd.daemon.scrub.Scrubber.scrub_tier`). Retention never deletes a step with unfinished tasks or
+a pin; scrub checks this node's copies (the local root, mended from the object tier and the buddy; the
+object tier, mended from the others) and the replicas buddies sent here, never a buddy's copy over the
+network (the buddy scrubs that itself). Failures are counted in the metrics and handed to ``record_error``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Iterable
+from typing import Any
+
+from ckptd.daemon.config import DaemonConfig
+from ckptd.daemon.roots import RootRuntime
+from ckptd.errors import CkptdError
+from ckptd.tiers.base import StorageTier
+from ckptd.tiers.local import LocalTier
+
+log = logging.getLogger("ckptd.daemon")
+
+#: Called with (where, root name, step or None, error text).
+ErrorRecorder = Callable[[str, str, "int | None", str], None]
+
+
+class Upkeep:
+    """Retention and scrub for one daemon (see the module docstring); called from one thread."""
+
+    def __init__(self, config: DaemonConfig, metrics: Any, record_error: ErrorRecorder) -> None:
+        self.config, self.metrics, self.record_error = config, metrics, record_error
+
+    def replica_tiers(self) -> list[LocalTier]:
+        """The replicas buddies sent here, one tier per ``<replica_dir>/<node id>/<root name>``."""
+        base = self.config.replica_path
+        if not base.is_dir():
+            return []
+        return [LocalTier(root, create=False) for node in sorted(base.iterdir()) if node.is_dir()
+                for root in sorted(node.iterdir()) if root.is_dir()]
+
+    def apply_retention(self, runtime: RootRuntime, protected: Collection[int]) -> None:
+        """``keep_local`` on the root and ``keep_remote`` on its object tier, never a step in ``protected``."""
+        wanted = [(runtime.local, runtime.config.keep_local), (runtime.remote, runtime.config.keep_remote)]
+        self._retain([(runtime.name, tier, keep, protected) for tier, keep in wanted
+                      if tier is not None and keep is not None])
+
+    def apply_replica_retention(self) -> None:
+        """``keep_peer`` on every replica buddies sent here."""
+        self._retain([(_replica_name(tier), tier, self.config.keep_peer, ()) for tier in self.replica_tiers()])
+
+    def _retain(self, work: list[tuple[str, StorageTier, int, Collection[int]]]) -> None:
+        if not work:
+            return
+        try:
+            from ckptd.daemon.retention import apply_retention
+        except ImportError:
+            return
+        for name, tier, keep, protected in work:
+            try:
+                apply_retention(tier, keep=keep, protect=protected)
+            except CkptdError as error:
+                self.record_error("retention", name, None, str(error))
+                log.warning("retention on %s failed: %s", tier.label, error)
+
+    def scrub(self, runtimes: Iterable[RootRuntime], should_stop: Callable[[], bool]) -> None:
+        """One scrub pass over this node's copies and the replicas held here (bandwidth-limited)."""
+        try:
+            from ckptd.daemon.scrub import Scrubber
+        except ImportError:
+            return
+        scrubber = Scrubber(bytes_per_s=self.config.scrub_bytes_per_s)
+        work: list[tuple[str, StorageTier, list[StorageTier]]] = []
+        for runtime in runtimes:
+            copies = [tier for tier in (runtime.local, runtime.remote, runtime.peer) if tier is not None]
+            work.extend((runtime.name, tier, [other for other in copies if other is not tier])
+                        for tier in (runtime.local, runtime.remote) if tier is not None)
+        work.extend((_replica_name(tier), tier, []) for tier in self.replica_tiers())
+        for name, tier, sources in work:
+            if should_stop():
+                return
+            try:
+                report = scrubber.scrub_tier(tier, repair_from=sources, should_stop=should_stop)
+            except CkptdError as error:
+                self.metrics.scrub_failure(tier.kind)
+                self.record_error("scrub", name, None, str(error))
+                continue
+            self.metrics.scrubbed(tier.kind, report.bytes)
+            for _ in report.bad:
+                self.metrics.verify_failure(tier.kind)
+            for _ in report.repaired:
+                self.metrics.repaired(tier.kind)
+            if report.bad:
+                self.record_error("scrub", name, None,
+                                  f"{len(report.bad)} bad file(s) on {tier.label}, {len(report.repaired)} repaired")
+
+
+def _replica_name(tier: LocalTier) -> str:
+    """``<source node id>/<root name>`` of a replica directory."""
+    return f"{tier.root.parent.name}/{tier.root.name}"
