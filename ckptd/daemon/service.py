@@ -375,6 +375,12 @@ class Daemon:
                 self._running[kind] = task
             try:
                 self._run_task(task)
+            except Exception as error:  # noqa: BLE001 - e.g. the journal failed: the worker must live on
+                log.exception("the %s worker failed on step %d of root %s", kind, task.step, task.root)
+                try:
+                    self._failed(task, error)
+                except Exception:  # noqa: BLE001 - left running: requeued at the next start
+                    log.exception("could not journal the failure of %s of step %d", kind, task.step)
             finally:
                 with self._state_lock:
                     self._running.pop(kind, None)
@@ -478,19 +484,26 @@ class Daemon:
     def _maintain(self) -> None:
         _lower_priority()
         while not self._stopping.wait(min(_REFRESH_S, self.config.poll_interval_s * 10)):
-            for runtime in list(self._roots.values()):
-                for kind in ("object", "peer"):
-                    self._refresh_listing(runtime, kind)
-                self.upkeep.apply_retention(runtime, self._protected(runtime))
-                self._apply_pin_cap(runtime)
-            self.upkeep.apply_replica_retention()
-            self._publish_depth()
-            interval = self.config.scrub_interval_s
-            if interval > 0 and self.journal is not None:
-                last = self.journal.get_state("last_scrub", 0.0)  # kept across restarts
-                if time.time() - last >= interval:
-                    self.journal.set_state("last_scrub", time.time())
-                    self.upkeep.scrub(list(self._roots.values()), self._stopping.is_set)
+            try:
+                self._maintain_once()
+            except Exception:  # noqa: BLE001 - the next pass tries again
+                log.exception("a maintenance pass failed")
+                self.metrics.error("maintenance")
+
+    def _maintain_once(self) -> None:
+        for runtime in list(self._roots.values()):
+            for kind in ("object", "peer"):
+                self._refresh_listing(runtime, kind)
+            self.upkeep.apply_retention(runtime, self._protected(runtime))
+            self._apply_pin_cap(runtime)
+        self.upkeep.apply_replica_retention()
+        self._publish_depth()
+        interval = self.config.scrub_interval_s
+        if interval > 0 and self.journal is not None:
+            last = self.journal.get_state("last_scrub", 0.0)  # kept across restarts
+            if time.time() - last >= interval:
+                self.journal.set_state("last_scrub", time.time())
+                self.upkeep.scrub(list(self._roots.values()), self._stopping.is_set)
 
     def _tier(self, runtime: RootRuntime, kind: str) -> StorageTier | None:
         return runtime.remote if kind == "object" else runtime.peer
