@@ -4,6 +4,7 @@ and the sources stack file < CKPTD_DAEMON_* < flags."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -218,3 +219,18 @@ def test_a_second_daemon_on_the_same_state_dir_or_root_is_refused(dirs, tmp_path
             assert len(lines) == 1 and "another ckptd daemon" in lines[0], result.stderr
         assert first.state() is not None, "the refused daemon touched the first one's state file"
         assert first.terminate() == 0
+
+
+def test_every_option_is_a_flag_whose_help_names_its_variable():
+    from ckptd.daemon.config import OPTIONS, ROOT_OPTIONS
+
+    result = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "daemon", "--help"], capture_output=True,
+                            text=True, timeout=60, env={**_CLEAN_ENV, "COLUMNS": "400"})
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # click wraps long help lines
+    for key in [*OPTIONS, *ROOT_OPTIONS, "s3_endpoint_url"]:
+        flag = "--" + key.replace("_", "-")
+        match = re.search(rf"(?:^| ){re.escape(flag)} \S+ ((?:(?!\[env: ).)*)\[env: (CKPTD_DAEMON_[A-Z0-9_]+)\]", text)
+        assert match is not None, f"{flag} is not in `ckptd daemon --help`, or its help names no variable"
+        assert match.group(2) == f"CKPTD_DAEMON_{key.upper()}", (flag, match.group(2))
+    assert "--check-config" in text

@@ -100,7 +100,9 @@ class Daemon:
         self.http: Any = None
         self.control: Any = None
         self.http_port: int | None = None
-        self.on_event = on_event or (lambda event, fields: None)
+        #: Called at each step of a task (journaled, task-start, promote-phase, task-done, task-failed); by
+        #: default a debug log line.
+        self.on_event = on_event or (lambda event, fields: log.debug("%s %s", event, fields))
         self._roots: dict[str, RootRuntime] = {}
         self._stopping = threading.Event()
         self._stopped = threading.Event()
