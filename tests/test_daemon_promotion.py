@@ -83,9 +83,12 @@ def test_trainer_killed_right_after_its_commit_is_still_promoted(tmp_path, s3_se
         daemon.wait_for(lambda: _done(daemon, "promote") == [1, 2, 3], 60, "steps 1-3 promoted after the trainer died")
         assert daemon.terminate() == 0
     assert (root / step_dir(3) / MANIFEST_NAME).is_file()
+    assert not (root / step_dir(1)).exists(), "keep_local=2 deleted step 1: it was promoted from its pin"
+    assert not [entry for entry in (root / ".promoting").iterdir() if entry.name.startswith("step-")]
     result = _verify_cli(f"s3://{s3_bucket}/run1", s3_server.endpoint_url)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert_same_state(_restored(tmp_path, f"s3://{s3_bucket}/run1", s3_options, 3), trainer_state(3))
+    for step in (1, 3):
+        assert_same_state(_restored(tmp_path, f"s3://{s3_bucket}/run1", s3_options, step), trainer_state(step))
 
 
 def _tree(directory: Path) -> dict[str, bytes]:
