@@ -41,7 +41,7 @@ from ckptd.daemon.roots import RootRuntime, exclusive_lock
 from ckptd.daemon.upkeep import Upkeep
 from ckptd.daemon.watcher import CommitWatcher
 from ckptd.errors import CkptdError, NotFoundError
-from ckptd.promotion.lag import promotion_lag
+from ckptd.promotion.lag import lag_between, promotion_lag
 from ckptd.promotion.pinning import PinCap, PinnedSteps, pins_over_cap
 from ckptd.stepio.rank_writer import lower_thread_priority
 from ckptd.stepio.step_reader import load_step_manifest
@@ -417,8 +417,8 @@ class Daemon:
             return
         self.journal.finish(task.id, result)
         self.on_event("task-done", {"kind": task.kind, "root": task.root, "step": task.step})
+        self._note_copied(runtime, "object" if task.kind == "promote" else "peer", task.step, source)
         self._unpin_if_done(runtime, task.step)
-        self._refresh_listing(runtime, "object" if task.kind == "promote" else "peer")
 
     def _source(self, runtime: RootRuntime, step: int) -> StorageTier | None:
         """The tier to copy a step from: its pin, or the local root when the pin is gone."""
@@ -523,6 +523,22 @@ class Daemon:
         runtime.listings[kind] = (steps, lag)
         self.metrics.lag(runtime.config.name, kind, lag.steps_behind, lag.seconds_behind)
 
+    def _note_copied(self, runtime: RootRuntime, kind: str, step: int, source: StorageTier) -> None:
+        """Add a step just committed on a tier to its listing and lag without asking the tier (the maintenance
+        pass lists it again); the copy's manifest is the local one, so its creation time is known here."""
+        listed, _ = runtime.listings.get(kind, ([], None))
+        steps = sorted(set(listed) | {step})
+        try:
+            local_steps = runtime.local.committed_steps()
+            local_newest = local_steps[-1] if local_steps else None
+            local_created = _created(runtime.local, local_newest) if local_newest is not None else None
+            remote_created = _created(source, steps[-1]) if steps[-1] == step else None
+        except CkptdError:
+            return
+        lag = lag_between(local_newest, steps[-1], local_created=local_created, remote_created=remote_created)
+        runtime.listings[kind] = (steps, lag)
+        self.metrics.lag(runtime.config.name, kind, lag.steps_behind, lag.seconds_behind)
+
     def _publish_depth(self) -> None:
         if self.journal is None:
             return
@@ -599,6 +615,13 @@ class Daemon:
                 "uptime_s": time.time() - started, "started": started, "roots": roots, "replicas": replicas,
                 "pending": depth, "running": running, "errors": errors, "recent_errors": recent,
                 "watch": self.watcher.mode if self.watcher is not None else None, "http": self._state_document()["http"]}
+
+
+def _created(tier: StorageTier, step: int) -> float | None:
+    try:
+        return load_step_manifest(tier, step).created
+    except CkptdError:
+        return None
 
 
 def _lower_priority() -> None:
