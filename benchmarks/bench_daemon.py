@@ -163,10 +163,14 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=40)
     parser.add_argument("--compute-ms", type=float, default=100.0)
     parser.add_argument("--store-nice", type=int, default=19)
+    parser.add_argument("--compute-threads", type=int, default=0,
+                        help="torch threads of the training loop's compute (0: torch's default, every core)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    if args.compute_threads > 0:
+        torch.set_num_threads(args.compute_threads)
     results: dict[str, Any] = {"steps": args.steps, "mib_per_step": args.mib, "rounds": args.rounds}
     with tempfile.TemporaryDirectory(prefix="ckptd-bench-daemon-") as temporary, EmbeddedS3() as s3:
         _renice_children(args.store_nice)
