@@ -1,0 +1,93 @@
+"""Node loss, tier by tier: two "nodes" (two daemons, two roots) and one object store.
+
+Node A's daemon promotes its root to S3 and replicates it to node B's daemon. Node A's local root is then
+wiped and a fresh process restores on A: it reads from B's daemon (the peer tier), bytes equal. B is then
+SIGKILLed too and another fresh process restores on A from S3, bytes equal, naming the peer tier it could not
+reach. Every restore runs in a new process into new memory, as after a real node replacement.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd.testing.daemon_process import DaemonProcess, run_trainer, wait_until, write_config
+from ckptd.tiers import open_tier
+from ckptd.tiers.local import LocalTier
+
+pytestmark = pytest.mark.s3
+
+#: A fresh process restoring ``root`` with the given object tier and peer URL; prints what it restored.
+RESTORER = """
+import json, sys, ckptd
+from ckptd.testing.daemon_process import trainer_state
+root, remote, peer, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
+state = {key: value.new_zeros(value.shape) for key, value in trainer_state(0).items()}
+with ckptd.CheckpointManager(root, remote=remote, peer=peer, storage_options=options, daemon="off",
+                             capture_rng=False) as manager:
+    step = manager.restore(state)
+    expected = trainer_state(step)
+    print(json.dumps({"step": step, "tier": manager.last_restore.tier,
+                      "kinds": [tier.kind for tier in manager.tiers],
+                      "equal": all(state[key].equal(expected[key]) for key in expected)}))
+"""
+
+
+def _restore_in_fresh_process(root: Path, remote: str, peer: str, options: dict[str, Any], token: str) -> dict[str, Any]:
+    environment = {**os.environ, "CKPTD_PEER_TOKEN": token}
+    done = subprocess.run([sys.executable, "-c", RESTORER, str(root), remote, peer, json.dumps(options)],
+                          capture_output=True, text=True, timeout=120, env=environment)
+    assert done.returncode == 0, done.stderr
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "log": done.stderr}
+
+
+def test_a_lost_node_restores_from_its_buddy_then_from_s3_when_the_buddy_is_gone_too(
+        tmp_path: Path, s3_bucket: str, s3_options: dict[str, Any]) -> None:
+    token = "peer-token-of-this-test"
+    remote = f"s3://{s3_bucket}/run1"
+    b_state = tmp_path / "b-state"
+    (tmp_path / "b-root").mkdir()
+    b_config = write_config(tmp_path / "b.toml", [{"name": "other", "local": str(tmp_path / "b-root")}],
+                            state_dir=str(b_state), listen="127.0.0.1:0", node_id="node-b", peer_token=token,
+                            scrub_interval_s=0)
+    a_root, a_state = tmp_path / "a-root", tmp_path / "a-state"
+    a_root.mkdir()
+    with DaemonProcess(b_config, b_state) as buddy:
+        buddy_address = buddy.wait_ready()["http"]
+        a_config = write_config(tmp_path / "a.toml", [{"name": "run1", "local": str(a_root), "remote": remote,
+                                                       "storage_options": s3_options}],
+                                state_dir=str(a_state), listen="127.0.0.1:0", node_id="node-a", peer_token=token,
+                                buddy=f"peer://{buddy_address}", poll_interval_s=0.2, retry_backoff_s=0.2,
+                                scrub_interval_s=0)
+        with DaemonProcess(a_config, a_state) as daemon:
+            daemon.wait_ready()
+            assert run_trainer(a_root, 1, 3, keep_local=None) == [1, 2, 3]
+            replicas = b_state / "replicas" / "node-a" / "run1"
+            object_tier = open_tier(remote, storage_options=s3_options)
+            wait_until(lambda: object_tier.committed_steps() == [1, 2, 3]
+                       and replicas.is_dir() and LocalTier(replicas).committed_steps() == [1, 2, 3],
+                       90, "steps 1-3 promoted to S3 and replicated to node-b")
+            daemon.kill()  # node A is lost: its daemon and its NVMe
+        shutil.rmtree(a_root)
+        a_root.mkdir()
+        peer = f"peer://{buddy_address}/replicas/node-a/run1"
+
+        from_peer = _restore_in_fresh_process(a_root, remote, peer, s3_options, token)
+        assert from_peer["kinds"] == ["local", "peer", "object"]
+        assert from_peer["step"] == 3 and from_peer["equal"], from_peer
+        assert from_peer["tier"].startswith("peer "), from_peer
+
+        buddy.kill()  # node B is gone too
+    shutil.rmtree(a_root)
+    a_root.mkdir()
+    from_s3 = _restore_in_fresh_process(a_root, remote, peer, s3_options, token)
+    assert from_s3["step"] == 3 and from_s3["equal"], from_s3
+    assert from_s3["tier"].startswith("object "), from_s3
+    assert "peer" in from_s3["log"] and "cannot be used for this restore" in from_s3["log"], from_s3["log"]
