@@ -120,11 +120,6 @@ class ScrubReport:
         return asdict(self)
 
 
-class _Stopped(Exception):
-    """Raised from the pacing hook to leave verify_step between two chunks (not a CkptdError, so the
-    verifier does not take it for a bad chunk)."""
-
-
 @dataclass
 class _Pass:
     chunks: int = 0
@@ -158,22 +153,20 @@ class Scrubber:
         stopped = False
 
         def paced(raw_bytes: int) -> None:
+            nonlocal stopped
             found.chunks += 1
             found.bytes += raw_bytes
             self.limiter.spend(raw_bytes)
-            if should_stop():
-                raise _Stopped
+            stopped = stopped or should_stop()
 
         for step in wanted:
             if should_stop():
                 stopped = True
                 break
             problems: list[VerifyProblem] = []
-            try:
-                for problem in verify_step(tier, step, progress=paced, checked=checked):
+            try:  # verify_step ends between two chunks once paced saw should_stop (the step is then unfinished)
+                for problem in verify_step(tier, step, progress=paced, checked=checked, should_stop=lambda: stopped):
                     problems.append(problem)
-            except _Stopped:
-                stopped = True
             except OSError as error:  # a read the tier did not translate (EIO from a failing disk): next step
                 problems.append(VerifyProblem(step, None, step_dir(step), f"reading the step failed: {error}"))
             found.problems.extend(problems)

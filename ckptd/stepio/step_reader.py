@@ -308,12 +308,15 @@ class VerifyProblem:
 
 
 def verify_step(tier: StorageTier, step: int, progress: Callable[[int], None] | None = None, *,
-                checked: set[str] | None = None) -> Iterator[VerifyProblem]:
+                checked: set[str] | None = None,
+                should_stop: Callable[[], bool] | None = None) -> Iterator[VerifyProblem]:
     """Re-hash every chunk of every rank a step holds on one tier (:func:`~ckptd.tiers.atomicity.
     ranks_held`), yielding each problem found. ``progress`` is called with each chunk's raw length after
-    the chunk was read (a caller may pace the reads there, or stop them by raising). ``checked``: paths
-    of content-addressed chunk objects the caller already read (a scrub over many steps sharing chunks):
-    they are skipped, and every such object read here is added."""
+    the chunk was read (a caller may pace the reads there). ``should_stop`` is asked after each chunk:
+    when it answers True the verification ends there (the step is then only partly verified; the caller
+    knows, since it answered). ``checked``: paths of content-addressed chunk objects the caller already
+    read (a scrub over many steps sharing chunks): they are skipped, and every such object read here is
+    added."""
     try:
         manifest = load_step_manifest(tier, step)
     except CkptdError as error:
@@ -347,3 +350,5 @@ def verify_step(tier: StorageTier, step: int, progress: Callable[[int], None] | 
                                         chunk=chunk)
                 if progress is not None:
                     progress(chunk.raw_length)
+                if should_stop is not None and should_stop():
+                    return
