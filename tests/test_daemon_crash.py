@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from ckptd.daemon.roots import DAEMON_PIN_DIRECTORY
 from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
 from ckptd.promotion.pinning import PIN_DIRECTORY
 from ckptd.stepio.step_reader import verify_step
@@ -92,9 +93,9 @@ def _check_journal_once(daemon: DaemonProcess, kind: str, killed: list[dict[str,
 
 
 def _check_no_pins(root: Path) -> None:
-    pins = root / PIN_DIRECTORY
-    assert not pins.exists() or not [entry for entry in pins.iterdir() if entry.name.startswith("step-")], \
-        f"pins left: {sorted(p.name for p in pins.iterdir())}"
+    for pins in (root / PIN_DIRECTORY, root / DAEMON_PIN_DIRECTORY):
+        assert not pins.exists() or not [entry for entry in pins.iterdir() if entry.name.startswith("step-")], \
+            f"pins left: {sorted(p.name for p in pins.iterdir())}"
 
 
 @pytest.mark.parametrize("seed", [11, 12, 13])

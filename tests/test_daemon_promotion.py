@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import ckptd
+from ckptd.daemon.roots import DAEMON_PIN_DIRECTORY
 from ckptd.format.layout import MANIFEST_NAME, step_dir
 from ckptd.stepio.step_reader import verify_step
 from ckptd.testing.compare import assert_same_state
@@ -84,7 +85,7 @@ def test_trainer_killed_right_after_its_commit_is_still_promoted(tmp_path, s3_se
         assert daemon.terminate() == 0
     assert (root / step_dir(3) / MANIFEST_NAME).is_file()
     assert not (root / step_dir(1)).exists(), "keep_local=2 deleted step 1: it was promoted from its pin"
-    assert not [entry for entry in (root / ".promoting").iterdir() if entry.name.startswith("step-")]
+    assert not [entry for entry in (root / DAEMON_PIN_DIRECTORY).iterdir() if entry.name.startswith("step-")]
     result = _verify_cli(f"s3://{s3_bucket}/run1", s3_server.endpoint_url)
     assert result.returncode == 0, result.stdout + result.stderr
     for step in (1, 3):

@@ -15,6 +15,11 @@ from ckptd.promotion.pinning import PinnedSteps
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.local import LocalTier
 
+#: The daemon's own pin directory under each root, apart from the in-process uploader's ``.promoting`` (a
+#: trainer that falls back to in-process promotion and the daemon never drop each other's pins); the hello
+#: answer names it (``pin_directory``) so that the manager sets aside newer steps there too.
+DAEMON_PIN_DIRECTORY = ".ckptd-daemon-pins"
+
 
 @dataclass
 class RootRuntime:

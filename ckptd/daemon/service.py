@@ -37,7 +37,7 @@ from typing import Any
 from ckptd.config import settings
 from ckptd.daemon.config import DaemonConfig, RootConfig
 from ckptd.daemon.journal import Journal, Task
-from ckptd.daemon.roots import RootRuntime, exclusive_lock
+from ckptd.daemon.roots import DAEMON_PIN_DIRECTORY, RootRuntime, exclusive_lock
 from ckptd.daemon.upkeep import Upkeep
 from ckptd.daemon.watcher import CommitWatcher
 from ckptd.errors import CkptdError, NotFoundError
@@ -164,7 +164,7 @@ class Daemon:
     def _open_root(self, root: RootConfig) -> RootRuntime:
         local = LocalTier(root.local, create=True)  # never takes the trainer's writer lock
         self._lock_root(root)
-        runtime = RootRuntime(config=root, local=local, pins=PinnedSteps(local))
+        runtime = RootRuntime(config=root, local=local, pins=PinnedSteps(local, DAEMON_PIN_DIRECTORY))
         if root.remote is not None:
             runtime.remote = open_tier(root.remote, storage_options=dict(root.storage_options) or None)
         runtime.peer_url = self.config.peer_url(root)
@@ -574,7 +574,8 @@ class Daemon:
         return {"root_name": config.name, "promotes": runtime.remote is not None,
                 "replicates": runtime.peer_url is not None, "remote": config.remote, "peer_url": runtime.peer_url,
                 "remote_every_steps": config.remote_every_steps,
-                "replicate_every_steps": config.replicate_every_steps, "node_id": self.config.node_id}
+                "replicate_every_steps": config.replicate_every_steps, "node_id": self.config.node_id,
+                "pin_directory": DAEMON_PIN_DIRECTORY}
 
     def record_trainer_report(self, root_name: str, report: dict[str, Any]) -> None:
         """Keep a trainer's save-stall and step-time report for the status document and metrics."""

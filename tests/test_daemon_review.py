@@ -1,0 +1,88 @@
+"""Review fixes of the daemon core, each against a real :class:`~ckptd.daemon.service.Daemon` in this process
+(moto's S3 server over HTTP for the object tier): the daemon keeps its pins apart from the in-process
+uploader's, a task that can never succeed ends failed for good (not retried forever), and the scrub is wired
+to the daemon's stop event and metrics."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptd
+from ckptd.daemon.config import load_config
+from ckptd.daemon.roots import DAEMON_PIN_DIRECTORY
+from ckptd.daemon.service import Daemon
+from ckptd.format.layout import step_dir
+from ckptd.promotion.pinning import PIN_DIRECTORY, PinnedSteps
+from ckptd.tiers.local import LocalTier
+from ckptd.tiers.object import ObjectTier
+from ckptd.testing.daemon_process import trainer_state, wait_until
+
+pytestmark = pytest.mark.s3
+
+
+def _commit(root: Path, steps: list[int]) -> None:
+    """Commit ``steps`` in ``root`` with the library (no object tier, no daemon)."""
+    with ckptd.CheckpointManager(root, capture_rng=False) as manager:
+        for step in steps:
+            manager.save(step, trainer_state(step))
+            manager.wait()
+
+
+def _config(tmp_path: Path, root: Path, remote: str | None, s3_options: dict[str, Any] | None,
+            **options: Any) -> Any:
+    overrides = {"state_dir": str(tmp_path / "state"), "node_id": "node-a", "listen": "127.0.0.1:0", "watch": "poll",
+                 "poll_interval_s": 0.1, "retry_backoff_s": 0.05, "scrub_interval_s": 0, "name": "run1",
+                 "local": str(root), "remote": remote, **options}
+    if s3_options is not None:
+        overrides["s3_endpoint_url"] = s3_options["client_kwargs"]["endpoint_url"]
+    return load_config(None, overrides, {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"})
+
+
+@pytest.fixture
+def running(monkeypatch) -> Iterator[list[Daemon]]:
+    """Daemons a test started, stopped at the end whatever happened (s3fs reads the test server's keys from
+    the environment, as a deployed daemon would)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    daemons: list[Daemon] = []
+    yield daemons
+    for daemon in daemons:
+        daemon.stop(5.0)
+
+
+def _start(daemons: list[Daemon], config: Any) -> Daemon:
+    daemon = Daemon(config)
+    daemons.append(daemon)
+    daemon.start()
+    return daemon
+
+
+def _states(daemon: Daemon, kind: str) -> dict[int, tuple[str, int, float | None]]:
+    assert daemon.journal is not None
+    return {task.step: (task.state, task.attempts, task.retry_at) for task in daemon.journal.tasks(kind=kind)}
+
+
+def test_daemon_pins_are_apart_from_the_in_process_uploaders(tmp_path, s3_bucket, s3_options, running):
+    root = tmp_path / "root"
+    _commit(root, [1, 2])
+    local = LocalTier(root)
+    uploader_pins = PinnedSteps(local)  # a trainer that fell back to in-process promotion pinned step 2
+    uploader_pins.pin(2, local.list_files(2))
+    daemon = _start(running, _config(tmp_path, root, f"s3://{s3_bucket}/run1", s3_options))
+    assert daemon.describe_root("run1")["pin_directory"] == DAEMON_PIN_DIRECTORY != PIN_DIRECTORY
+    wait_until(lambda: [state for state, _, _ in _states(daemon, "promote").values()] == ["done", "done"], 60,
+               "steps 1 and 2 promoted")
+    assert ObjectTier(f"s3://{s3_bucket}/run1", storage_options=s3_options).committed_steps() == [1, 2]
+    assert uploader_pins.pinned() == [2], "the daemon dropped the in-process uploader's pin of step 2"
+    assert sorted(name for name in local.list_files(2)) == sorted(uploader_pins.tier.list_files(2))
+    daemon_pins = PinnedSteps(local, DAEMON_PIN_DIRECTORY)
+    assert daemon_pins.pinned() == [], "the daemon left its own pins"
+    uploader_pins.unpin(2)  # the uploader finishing never touches a pin of the daemon's either
+    assert (root / step_dir(2)).is_dir() and daemon_pins.tier.root.name == DAEMON_PIN_DIRECTORY
