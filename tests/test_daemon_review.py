@@ -86,3 +86,34 @@ def test_daemon_pins_are_apart_from_the_in_process_uploaders(tmp_path, s3_bucket
     assert daemon_pins.pinned() == [], "the daemon left its own pins"
     uploader_pins.unpin(2)  # the uploader finishing never touches a pin of the daemon's either
     assert (root / step_dir(2)).is_dir() and daemon_pins.tier.root.name == DAEMON_PIN_DIRECTORY
+
+
+def _flip_a_data_byte(root: Path, step: int) -> None:
+    data = [path for path in (root / step_dir(step)).iterdir()
+            if not path.name.endswith((".idx", ".json")) and path.stat().st_size > 0]
+    assert data, sorted(path.name for path in (root / step_dir(step)).iterdir())
+    with open(data[0], "r+b") as handle:
+        handle.seek(data[0].stat().st_size // 2)
+        byte = handle.read(1)
+        handle.seek(-1, 1)
+        handle.write(bytes([byte[0] ^ 0x01]))
+
+
+def test_a_corrupt_local_step_fails_for_good_and_the_next_steps_go_on(tmp_path, s3_bucket, s3_options, running):
+    root = tmp_path / "root"
+    _commit(root, [1, 2])
+    _flip_a_data_byte(root, 1)
+    daemon = _start(running, _config(tmp_path, root, f"s3://{s3_bucket}/run1", s3_options))
+    wait_until(lambda: _states(daemon, "promote").get(2, ("",))[0] == "done", 60, "step 2 promoted")
+    wait_until(lambda: _states(daemon, "promote")[1][0] == "failed", 30, "step 1 failed")
+    state, attempts, retry_at = _states(daemon, "promote")[1]
+    assert retry_at is None and attempts == 1, f"a corrupt step is retried: {attempts} attempts, next at {retry_at}"
+    errors = daemon.status()["errors"]
+    assert [(error["step"], error["retry_at"]) for error in errors] == [(1, None)], errors
+    assert "failed for good" in errors[0]["error"] and "step 1" in errors[0]["error"], errors[0]
+    assert ObjectTier(f"s3://{s3_bucket}/run1", storage_options=s3_options).committed_steps() == [2]
+    assert daemon.stop(5.0) == []
+    running.remove(daemon)
+    again = _start(running, _config(tmp_path, root, f"s3://{s3_bucket}/run1", s3_options))
+    wait_until(lambda: _states(again, "promote")[1] == ("failed", 2, None), 30,
+               "one more attempt at the restart, failed for good again")

@@ -5,7 +5,12 @@ URL of the tier it writes to. States::
 
     pending --claim--> running --finish--> done
                                --fail----> failed (retry_at) --claim, once due--> running
+                               --give_up-> failed for good (retry_at NULL: never claimed again)
                                --skip----> skipped (reason)
+
+A task failed for good (its source copy is corrupt, its tier holds a different step with its number) keeps
+its error for the status document and its step's pin; a restarted daemon gives it one more attempt
+(:meth:`Journal.retry_given_up`), the operator may have mended the cause.
 
 Every change is a transaction with ``synchronous=FULL``: once :meth:`Journal.enqueue` returns, the task
 survives a power loss. A daemon killed while a task ran finds it ``running`` at the next start;
@@ -182,6 +187,17 @@ class Journal:
         """Mark a running task failed; it becomes runnable again at ``retry_at`` (seconds since the epoch)."""
         self._write("UPDATE tasks SET state = 'failed', error = ?, retry_at = ?, updated = ? WHERE id = ?",
                     (error, retry_at, time.time(), task_id))
+
+    def give_up(self, task_id: int, error: str) -> None:
+        """Mark a running task failed for good: kept with ``error``, never claimed again by this run."""
+        self._write("UPDATE tasks SET state = 'failed', error = ?, retry_at = NULL, updated = ? WHERE id = ?",
+                    (error, time.time(), task_id))
+
+    def retry_given_up(self) -> int:
+        """At start: tasks failed for good get one more attempt now; returns how many."""
+        now = time.time()
+        return self._write("UPDATE tasks SET retry_at = ?, updated = ? WHERE state = 'failed' AND retry_at IS NULL",
+                           (now, now)).rowcount
 
     def skip(self, task_id: int, reason: str) -> None:
         """Mark a task skipped for good (its step is gone from every copy, or its tier was removed)."""

@@ -40,7 +40,7 @@ from ckptd.daemon.journal import Journal, Task
 from ckptd.daemon.roots import DAEMON_PIN_DIRECTORY, RootRuntime, exclusive_lock
 from ckptd.daemon.upkeep import Upkeep
 from ckptd.daemon.watcher import CommitWatcher
-from ckptd.errors import CkptdError, NotFoundError
+from ckptd.errors import CkptdError, CommitError, IntegrityError, NotFoundError
 from ckptd.promotion.lag import lag_between, promotion_lag
 from ckptd.promotion.pinning import PinCap, PinnedSteps, pins_over_cap
 from ckptd.stepio.rank_writer import lower_thread_priority
@@ -130,6 +130,9 @@ class Daemon:
         requeued = self.journal.requeue_running()
         if requeued:
             log.info("%d task(s) were running when the daemon last stopped: they run again", requeued)
+        given_up = self.journal.retry_given_up()
+        if given_up:
+            log.info("%d task(s) that had failed for good get one more attempt", given_up)
         for root in config.roots:
             self._roots[root.name] = self._open_root(root)
         self._resume_pins()
@@ -400,6 +403,7 @@ class Daemon:
             return
         self.on_event("task-start", {"kind": task.kind, "root": task.root, "step": task.step,
                                      "attempt": task.attempts})
+        source: StorageTier | None = None
         try:
             source = self._source(runtime, task.step)
             if source is None:
@@ -413,7 +417,7 @@ class Daemon:
             else:
                 result = self._replicate(runtime, source, task.step)
         except Exception as error:  # noqa: BLE001 - every failure is journaled and retried
-            self._failed(task, error)
+            self._failed(task, error, source)
             return
         self.journal.finish(task.id, result)
         self.on_event("task-done", {"kind": task.kind, "root": task.root, "step": task.step})
@@ -453,14 +457,22 @@ class Daemon:
         self.metrics.replicated(runtime.config.name, report.bytes_sent, report.seconds)
         return asdict(report)
 
-    def _failed(self, task: Task, error: BaseException) -> None:
+    def _failed(self, task: Task, error: BaseException, source: StorageTier | None = None) -> None:
         assert self.journal is not None
         delay = min(self.config.retry_backoff_s * 2 ** max(task.attempts - 1, 0), MAX_BACKOFF_S)
         text = str(error) if isinstance(error, CkptdError) else f"{type(error).__name__}: {error}"
-        self.journal.fail(task.id, text, time.time() + delay)
         tier = "object" if task.kind == "promote" else "peer"
-        self.metrics.retry(tier, task.kind)
         self.metrics.error(task.kind)
+        if _never_succeeds(error, source):
+            text = f"failed for good (a restart tries once more): {text}"
+            self.journal.give_up(task.id, text)
+            self._record_error(task.kind, task.root, task.step, text)
+            self.on_event("task-failed", {"kind": task.kind, "root": task.root, "step": task.step, "error": text,
+                                          "for_good": True})
+            log.error("%s of step %d of root %s %s", task.kind, task.step, task.root, text)
+            return
+        self.journal.fail(task.id, text, time.time() + delay)
+        self.metrics.retry(tier, task.kind)
         self._record_error(task.kind, task.root, task.step, text)
         self.on_event("task-failed", {"kind": task.kind, "root": task.root, "step": task.step, "error": text})
         log.warning("%s of step %d of root %s failed (attempt %d, next in %.1fs): %s", task.kind, task.step,
@@ -616,6 +628,14 @@ class Daemon:
                 "uptime_s": time.time() - started, "started": started, "roots": roots, "replicas": replicas,
                 "pending": depth, "running": running, "errors": errors, "recent_errors": recent,
                 "watch": self.watcher.mode if self.watcher is not None else None, "http": self._state_document()["http"]}
+
+
+def _never_succeeds(error: BaseException, source: StorageTier | None) -> bool:
+    """Whether retrying cannot help: the copy read from is corrupt, or the target holds a different step
+    with this number (transient failures of the target are retried)."""
+    if isinstance(error, IntegrityError):
+        return source is not None and error.tier == source.label
+    return type(error) is CommitError and "different step" in error.message
 
 
 def _created(tier: StorageTier, step: int) -> float | None:
