@@ -227,3 +227,102 @@ def test_the_managers_pin_is_kept_for_a_daemon_that_shares_it_and_released_other
     assert [report["step"] for _, report in stand_in.reports] == [1, 2]
     pinned = PinnedSteps(LocalTier(root)).pinned()
     assert pinned == ([2] if pin_directory is None else [])  # step 1, not taken, is released either way
+
+
+class _TricklingDaemon:
+    """A real AF_UNIX server that reads a request and answers it one byte at a time, never finishing the line
+    (or, with ``answer``, sends that answer at once)."""
+
+    def __init__(self, path: Path, answer: bytes | None = None) -> None:
+        self.path, self.answer = path, answer
+        self.finished = threading.Event()  # set once it stopped trickling (after 20 s, or at close)
+        self._stop = threading.Event()
+        self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._server.bind(str(path))
+        self._server.listen(4)
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            connection, _ = self._server.accept()
+        except OSError:
+            return
+        with connection:
+            connection.recv(65536)
+            if self.answer is not None:
+                connection.sendall(self.answer)
+                self._stop.wait(20)
+            else:
+                for _ in range(400):
+                    if self._stop.wait(0.05):
+                        break
+                    connection.sendall(b" ")
+        self.finished.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._server.close()
+        self._thread.join(10)
+
+
+def test_a_daemon_that_answers_a_byte_at_a_time_is_gone_within_the_deadline(tmp_path):
+    directory = Path(tempfile.mkdtemp(prefix="ckptd-trickle-"))
+    daemon = _TricklingDaemon(directory / "t.sock")
+    try:
+        link = DaemonLink(daemon.path, tmp_path, timeout_s=0.5)
+        assert link.committed(2) is None
+        assert not daemon.finished.is_set(), "the link waited for the daemon to stop trickling"
+        assert not link.alive and "timed out" in (link.failure or "").lower()
+    finally:
+        daemon.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_an_answer_nested_too_deep_is_no_answer_not_an_exception(tmp_path):
+    directory = Path(tempfile.mkdtemp(prefix="ckptd-nested-"))
+    daemon = _TricklingDaemon(directory / "n.sock", answer=b"[" * 200_000 + b"\n")
+    try:
+        link = DaemonLink(daemon.path, tmp_path, timeout_s=1)
+        assert link.hello() is None and not link.alive  # asked again once, on a connection never answered
+    finally:
+        daemon.close()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_forked_child_talks_on_its_own_connection_while_the_parent_waits_for_an_answer(served):
+    import time
+
+    server, stand_in, root = served
+    link = DaemonLink(server.path, root, timeout_s=30)
+    assert link.hello()["ok"]
+    stand_in.hold.set()  # the parent's next request waits inside the daemon, holding the link's lock
+    answers: list[bool | None] = []
+    parent = threading.Thread(target=lambda: answers.append(link.committed(2)))
+    parent.start()
+    while not stand_in.hold.is_set() or not link._lock.locked():
+        threading.Event().wait(0.01)
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker forked while the writer thread waits for the daemon
+        try:
+            os._exit(0 if link.report(7, save_stall_s=0.25, step_s=1.0) else 1)
+        finally:
+            os._exit(2)
+    try:
+        deadline = time.monotonic() + 30
+        status = None
+        while status is None and time.monotonic() < deadline:
+            done, code = os.waitpid(pid, os.WNOHANG)
+            status = code if done else None
+            threading.Event().wait(0.05)
+        if status is None:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        assert status is not None and os.waitstatus_to_exitcode(status) == 0, "the child's request got no answer"
+        assert [report["step"] for _, report in stand_in.reports] == [7]
+    finally:
+        stand_in.release.set()
+        parent.join(30)
+    assert answers == [True], "the parent's own answer reached the parent"
+    assert link.alive
+    link.close()

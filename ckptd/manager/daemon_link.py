@@ -5,8 +5,11 @@
 it watches. It connects with a short deadline and says ``hello``; it returns None when no daemon answers or
 the daemon does not watch that root. Every call of a link has a deadline and never raises: a daemon that
 goes away makes the call return None (or False) and :attr:`DaemonLink.alive` False, once, with the reason in
-:attr:`DaemonLink.failure`. One request is in flight at a time (calls from several threads take turns). The
-protocol is described in :mod:`ckptd.daemon.control_socket`.
+:attr:`DaemonLink.failure`. The deadline bounds the whole request (connecting, sending and the answer), so a
+daemon that answers a byte at a time is gone too. One request is in flight at a time (calls from several
+threads take turns). A forked child (a DataLoader worker) never uses its parent's connection nor waits on
+its parent's lock: its first request connects on its own. The protocol is described in
+:mod:`ckptd.daemon.control_socket`.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -62,6 +66,7 @@ class DaemonLink:
         self._socket: socket.socket | None = None
         self._buffer = b""
         self._lock = threading.Lock()
+        self._pid = os.getpid()
 
     @classmethod
     def find(cls, local_root: str | os.PathLike[str], *, environ: Mapping[str, str] | None = None,
@@ -140,10 +145,11 @@ class DaemonLink:
         """Send one request and read its answer; on a broken connection, reconnect once and send it again
         (every request is idempotent). None, with :attr:`failure` set, when the daemon does not answer."""
         line = (json.dumps(request, separators=(",", ":")) + "\n").encode()
+        self._after_fork()
         with self._lock:
             for attempt in (1, 2):
                 try:
-                    return self._exchange(line)
+                    return self._exchange(line, time.monotonic() + self.timeout_s)
                 except OSError as error:  # refused, closed, timed out, or an unreadable answer
                     self._disconnect()
                     if attempt == 2 or isinstance(error, TimeoutError):
@@ -151,18 +157,31 @@ class DaemonLink:
                         return None
         return None  # pragma: no cover
 
-    def _exchange(self, line: bytes) -> dict[str, Any]:
+    def _after_fork(self) -> None:
+        """In a forked child: forget the parent's connection and lock (a parent's thread may hold it)."""
+        if self._pid != os.getpid():
+            self._pid, self._lock = os.getpid(), threading.Lock()
+            if self._socket is not None:  # closes this process's copy of the fd only: the parent's stays open
+                try:
+                    self._socket.close()
+                except OSError:
+                    pass
+            self._socket, self._buffer = None, b""
+
+    def _exchange(self, line: bytes, deadline: float) -> dict[str, Any]:
         if self._socket is None:
             connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            connection.settimeout(self.timeout_s)
+            connection.settimeout(_remaining(deadline))
             try:
                 connection.connect(str(self.socket_path))
             except OSError:
                 connection.close()
                 raise
             self._socket, self._buffer = connection, b""
+        self._socket.settimeout(_remaining(deadline))
         self._socket.sendall(line)
         while b"\n" not in self._buffer:
+            self._socket.settimeout(_remaining(deadline))
             received = self._socket.recv(65536)
             if not received:
                 raise ConnectionError("the daemon closed the connection")
@@ -172,7 +191,7 @@ class DaemonLink:
         answer, _, self._buffer = self._buffer.partition(b"\n")
         try:
             decoded = json.loads(answer)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:  # RecursionError: nested too deep
             raise ConnectionError(f"unreadable answer: {error}") from error
         if not isinstance(decoded, dict):
             raise ConnectionError("the answer is not a JSON object")
@@ -190,3 +209,11 @@ class DaemonLink:
     def __repr__(self) -> str:
         root = None if self.local_root is None else str(self.local_root)
         return f"DaemonLink({str(self.socket_path)!r}, root={root!r})"
+
+
+def _remaining(deadline: float) -> float:
+    """Seconds left until ``deadline`` (``time.monotonic``); TimeoutError once it passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("timed out")
+    return left
