@@ -132,6 +132,7 @@ def test_a_bad_request_is_answered_and_the_connection_stays(served, request_, wo
 @pytest.mark.parametrize(("payload", "words"), [
     (b"x" * (MAX_LINE_BYTES + 10) + b"\n", "longer than"),
     (b"{not json\n", "one JSON object per line"),
+    (b"[" * 60_000 + b"\n", "one JSON object per line"),  # nested past the decoder's recursion limit
 ])
 def test_a_line_too_long_or_not_json_closes_the_connection(served, payload, words):
     server, stand_in, _ = served

@@ -219,7 +219,7 @@ class ControlSocket:
                         return
                     try:
                         request = json.loads(line)
-                    except ValueError:
+                    except (ValueError, RecursionError):  # RecursionError: nested too deep
                         connection.sendall(_encode(_refusal("a request is one JSON object per line")))
                         return
                     connection.sendall(_encode(self.answer(request)))
