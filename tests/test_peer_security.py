@@ -162,6 +162,28 @@ def test_an_uncommitted_step_is_not_served(node: _Node) -> None:
         assert status == 404 and b"UNCOMMITTED" not in body
 
 
+def test_bytes_of_an_uncommitted_replica_step_are_never_served(node: _Node) -> None:
+    """On replicas/ the writer sees what it has put in an uncommitted step (listings, sizes), never the bytes;
+    a chunk, in no step, is never served either. The bytes come once the step is committed."""
+    namespace = node.replicas / "node-a" / "run1"
+    directory = namespace / step_dir(UNCOMMITTED)
+    directory.mkdir()
+    (directory / "rank-00000.data").write_bytes(b"UNCOMMITTED-REPLICA-BYTES")
+    (namespace / "chunks" / "ab").mkdir(parents=True)
+    (namespace / "chunks" / "ab" / "chunk.raw").write_bytes(b"UNCOMMITTED-CHUNK-BYTES")
+    file = f"/v1/peer/replicas/node-a/run1/{step_dir(UNCOMMITTED)}/rank-00000.data"
+    for path in (file, "/v1/peer/replicas/node-a/run1/chunks/ab/chunk.raw"):
+        for headers in ({}, {"Range": "bytes=0-5"}):
+            status, body = node.request("GET", path, headers=headers)
+            assert status == 404 and b"UNCOMMITTED-" not in body and b"committed steps" in body, (path, status)
+    assert node.request("HEAD", file)[0] == 200, "the writer may check what it wrote"
+    status, body = node.request("GET", f"/v1/peer/replicas/node-a/run1/{step_dir(UNCOMMITTED)}")
+    assert status == 200 and json.loads(body) == {"files": ["rank-00000.data"]}
+    assert UNCOMMITTED in json.loads(node.request("GET", "/v1/peer/replicas/node-a/run1/steps")[1])["steps"]
+    (directory / MANIFEST_NAME).write_bytes(b"{}")
+    assert node.request("GET", file) == (200, b"UNCOMMITTED-REPLICA-BYTES"), "served once committed"
+
+
 def test_writes_to_roots_are_refused(node: _Node) -> None:
     target = f"/v1/peer/roots/run1/{step_dir(7)}/rank-00000.data"
     status, body = node.request("PUT", target, body=b"new bytes")

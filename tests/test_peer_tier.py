@@ -19,7 +19,7 @@ from ckptd.daemon.peer_api import PeerLimits
 from ckptd.daemon.peer_store import PeerNamespaces
 from ckptd.errors import ConfigError, IntegrityError, NotFoundError, StorageError, TierMisconfiguredError, \
     TierUnreachableError
-from ckptd.format.layout import step_dir, step_file
+from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
 from ckptd.manager.restoring import restore_state
 from ckptd.config import override
 from ckptd.promotion.replicate import replicate_step
@@ -53,6 +53,11 @@ def _closed_port() -> int:
         return probe.getsockname()[1]
 
 
+def _commit(tier: PeerTier, step: int) -> None:
+    """Commit a step with a stand-in manifest: the daemon serves the bytes of committed steps only."""
+    tier.write_bytes(step_file(step, MANIFEST_NAME), b"{}")
+
+
 def _state(seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return {"weights": torch.randn(300_000, generator=generator), "bias": torch.randn(7, generator=generator)}
@@ -63,6 +68,7 @@ def test_ranged_reads_across_request_pieces(replica: PeerTier, monkeypatch: pyte
     data = os.urandom(1024 * 1024 + 333)
     path = step_file(1, "rank-00000.data")
     replica.write_bytes(path, data)
+    _commit(replica, 1)
     assert replica.read_bytes(path) == data
     for offset, length in [(0, 64 * 1024), (64 * 1024 - 1, 2), (100, 300_000), (1024 * 1024, 10_000),
                            (len(data) - 1, 1), (len(data), 5), (12345, None)]:
@@ -133,7 +139,7 @@ def test_unreachable_peer_raises_quickly_and_restore_skips_it(tmp_path: Path,
 
 def test_a_peer_that_stops_is_unreachable(server: PeerServer, replica: PeerTier) -> None:
     replica.write_bytes(step_file(2, "rank-00000.data"), b"abc")
-    assert replica.read_bytes(step_file(2, "rank-00000.data")) == b"abc"  # a kept-alive connection exists
+    assert replica.size(step_file(2, "rank-00000.data")) == 3  # a kept-alive connection exists
     server.stop()
     with pytest.raises(TierUnreachableError):
         replica.exists(step_file(2, "rank-00000.data"))
@@ -187,8 +193,9 @@ def test_a_body_that_fails_midway_stores_nothing(replica: PeerTier, tmp_path: Pa
     while len(os.listdir(directory)) > 1 and time.monotonic() < deadline:  # the server notices the cut body
         time.sleep(0.02)
     assert os.listdir(directory) == ["rank-00000.data"], "no temporary left"
-    assert replica.read_bytes(path) == b"earlier version"
+    assert (directory / "rank-00000.data").read_bytes() == b"earlier version"
     replica.write_bytes(path, b"next version")  # the connection after the cut one works
+    _commit(replica, 4)
     assert replica.read_bytes(path) == b"next version"
 
 
@@ -198,6 +205,7 @@ def test_files_larger_than_one_range_keep_their_size_and_reads(tmp_path: Path, m
         data = os.urandom(300_000)
         path = step_file(1, "rank-00000.data")
         tier.write_bytes(path, data)
+        _commit(tier, 1)
         assert tier.size(path) == len(data) and tier.exists(path)
         assert tier.read_bytes(path) == data and tier.read_bytes(path, 1000, 200_000) == data[1000:201_000]
 
@@ -210,6 +218,7 @@ def test_a_write_past_the_servers_limit_is_refused_clearly(tmp_path: Path) -> No
         assert "413" in str(caught.value) and not isinstance(caught.value, TierUnreachableError)
         assert not tier.exists(path)
         tier.write_bytes(path, b"small")  # the tier goes on working
+        _commit(tier, 1)
         assert tier.read_bytes(path) == b"small"
 
 
@@ -218,6 +227,7 @@ def test_a_reader_that_leaves_mid_answer_harms_no_one(server: PeerServer, replic
     data = os.urandom(24 * 1024 * 1024)
     path = step_file(3, "rank-00000.data")
     replica.write_bytes(path, data)
+    _commit(replica, 3)
     with caplog.at_level(logging.ERROR):
         for _ in range(3):
             with socket.create_connection(("127.0.0.1", server.port), timeout=30) as raw:

@@ -5,7 +5,8 @@ grammar is :mod:`ckptd.tiers.peer_paths`. Methods:
 
 - ``GET .../steps`` -> ``{"steps": [...]}``; ``GET .../step-<N>`` -> ``{"files": [...]}``;
 - ``GET`` / ``HEAD .../<file>``: the file, or one ``Range: bytes=a-b`` of it (206; 416 when the range
-  starts at or past the end);
+  starts at or past the end). ``GET`` serves only files of committed steps (404 otherwise, on every
+  namespace); ``HEAD`` of a file of an uncommitted step answers on ``replicas/`` (its writer checks it);
 - ``PUT .../<file>[?if_absent=1]``: the body (``Content-Length`` required) is streamed to a temporary
   file and renamed into place (201); 409 when the step is committed or the file exists;
 - ``DELETE .../<file>`` and ``DELETE .../step-<N>`` on replica namespaces.
@@ -154,7 +155,8 @@ class _PeerEndpoints:
         return _refusal(405, f"{method} is not allowed here", Allow="GET, HEAD, PUT, DELETE")
 
     async def _read(self, request: web.Request, asked: PeerPath, namespace: Namespace) -> web.StreamResponse:
-        fd, size = await _in_thread(self.namespaces.open_for_read, namespace, asked)
+        fd, size = await _in_thread(self.namespaces.open_for_read, namespace, asked,
+                                    content=request.method == "GET")
         try:
             span = _requested_range(request.headers.get("Range"), size)
             if span == "malformed":

@@ -9,8 +9,12 @@ Namespaces (see :mod:`ckptd.tiers.peer_paths` for the request grammar):
   temporary name and renamed into place by a :class:`~ckptd.tiers.local.LocalTier` opened on the
   namespace directory, and only into a step that is not committed (the manifest comes last; a write of
   a committed step's file is refused unless it is an ``if_absent`` write of the very same bytes, which
-  is what a retried request finds). Its writer may read back files of a step it has not committed yet
-  (to check its own upload); other readers use committed steps only, as everywhere.
+  is what a retried request finds). The writer may see what it has put in a step it has not committed
+  yet (the step in listings, a file's size): the metadata a commit checks.
+
+On every namespace the **bytes** of a file are served only when the file is in a committed step: a read
+of a file of an uncommitted step, or of anything outside a step directory (``chunks/``), is refused as
+not found, whoever asks.
 
 Safety, on top of the grammar (which already refuses ``..``, separators, NUL and absolute paths after
 exactly one percent-decoding): every directory and file on the way must be what it claims, not a
@@ -107,7 +111,8 @@ class PeerNamespaces:
             return None
         return self._inside(namespace, directory, step_dir(step))
 
-    def _readable_step(self, namespace: Namespace, step: int) -> bool:
+    def _visible_step(self, namespace: Namespace, step: int) -> bool:
+        """Whether a peer may see the step in listings and the sizes of its files (not their bytes)."""
         return namespace.writable or self._committed(namespace, step)
 
     # --- listings ------------------------------------------------------------------------------
@@ -123,12 +128,12 @@ class PeerNamespaces:
             raise StorageError(f"cannot list the namespace: {exc.strerror}", path=namespace.name) from exc
         steps = [step for step in map(parse_step_dir, names) if step is not None]
         return sorted(step for step in steps
-                      if self._step_directory(namespace, step) is not None and self._readable_step(namespace, step))
+                      if self._step_directory(namespace, step) is not None and self._visible_step(namespace, step))
 
     def list_files(self, namespace: Namespace, step: int) -> list[str]:
         """Regular files of a step a peer may see (temporary files excluded); NotFoundError for a step
         that is not committed in a read-only namespace."""
-        if not self._readable_step(namespace, step):
+        if not self._visible_step(namespace, step):
             raise NotFoundError("step is not committed", step=step, path=namespace.name)
         directory = self._step_directory(namespace, step)
         if directory is None:
@@ -144,17 +149,25 @@ class PeerNamespaces:
         return sorted(names)
 
     # --- reading -------------------------------------------------------------------------------
-    def _file(self, namespace: Namespace, asked: PeerPath) -> Path:
+    def _check_readable(self, namespace: Namespace, asked: PeerPath, *, content: bool) -> None:
+        """Refuse (NotFoundError) a file whose bytes (``content``) or size a peer may not have."""
         assert asked.relative is not None
-        if asked.is_chunk and not namespace.writable:
-            raise NotFoundError("file not found", path=asked.relative)
-        if asked.step is not None and not self._readable_step(namespace, asked.step):
-            raise NotFoundError("step is not committed", step=asked.step, path=asked.relative)
-        return self._inside(namespace, namespace.directory / asked.relative, asked.relative)
+        if asked.step is None:  # a chunk: in no step, so never committed
+            if content or not namespace.writable:
+                raise NotFoundError("file not found: only files of committed steps are served", path=asked.relative)
+        elif not (self._committed(namespace, asked.step) if content else self._visible_step(namespace, asked.step)):
+            raise NotFoundError("step is not committed; only files of committed steps are served", step=asked.step,
+                                path=asked.relative)
 
-    def open_for_read(self, namespace: Namespace, asked: PeerPath) -> tuple[int, int]:
-        """An open descriptor of a file a peer may read and its size (the caller closes it)."""
-        path = self._file(namespace, asked)
+    def open_for_read(self, namespace: Namespace, asked: PeerPath, *, content: bool = True) -> tuple[int, int]:
+        """An open descriptor of a file a peer may read and its size (the caller closes it). ``content``:
+        its bytes are to be sent (only files of committed steps); False: only its size is (a HEAD)."""
+        self._check_readable(namespace, asked, content=content)
+        return self._open(namespace, asked)
+
+    def _open(self, namespace: Namespace, asked: PeerPath) -> tuple[int, int]:
+        assert asked.relative is not None
+        path = self._inside(namespace, namespace.directory / asked.relative, asked.relative)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -214,8 +227,7 @@ class PeerNamespaces:
 
     def _holds(self, namespace: Namespace, asked: PeerPath, size: int, digest: bytes) -> bool:
         try:
-            fd, found = self.open_for_read(namespace, PeerPath(asked.namespace, "file", step=None,
-                                                               relative=asked.relative))
+            fd, found = self._open(namespace, asked)
         except NotFoundError:
             return False
         try:

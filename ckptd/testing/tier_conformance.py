@@ -22,6 +22,10 @@ The read contract the suite checks: ``read_bytes(path, offset, length)`` returns
 starts at or past the end is empty; ``read_into`` raises :class:`~ckptd.errors.IntegrityError` when
 the file cannot fill the whole buffer. A file is listed (``exists``, ``list_files``) only once it is
 complete, and a write that fails leaves nothing listed and an earlier version of the file intact.
+
+A tier whose :attr:`~ckptd.tiers.base.TierCapabilities.reads_committed_only` is set (the peer tier)
+runs the same tests: before a file is read back the suite checks that its bytes are refused
+(NotFoundError) and then commits its step with a manifest, so the reads are of a committed step.
 """
 
 from __future__ import annotations
@@ -38,12 +42,29 @@ import pytest
 from ckptd.config import override
 from ckptd.errors import AlreadyCommittedError, CkptdError, IntegrityError, NotFoundError
 from ckptd.format.layout import TEMP_MARKER
-from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
+from ckptd.format.layout import MANIFEST_NAME, parse_step_dir, step_dir, step_file
 from ckptd.tiers.base import StorageTier
 
 
 def _payload(size: int, seed: int = 0) -> bytes:
     return bytes((index * 31 + seed) % 251 for index in range(size)) if size < 4096 else os.urandom(size)
+
+
+def _readable(tier: StorageTier, path: str) -> bool:
+    """Prepare to read ``path`` back; returns whether its bytes can be read at all. On a tier that reads
+    only committed steps its bytes are refused first (NotFoundError, though the file exists), then its
+    step is committed with a manifest; a file in no step (a chunk) is never readable there."""
+    if not tier.capabilities.reads_committed_only:
+        return True
+    assert tier.exists(path), f"{path} was written"
+    with pytest.raises(NotFoundError):
+        tier.read_bytes(path)
+    step = parse_step_dir(path.split("/")[0])
+    if step is None:
+        return False
+    if not tier.is_committed(step):
+        tier.write_bytes(step_file(step, MANIFEST_NAME), b"{}")
+    return True
 
 
 class ReadWriteConformance:
@@ -52,12 +73,14 @@ class ReadWriteConformance:
     def test_round_trip(self, tier: StorageTier) -> None:
         data = _payload(1000)
         tier.write_bytes(step_file(1, "rank-00000.data"), data)
+        assert _readable(tier, step_file(1, "rank-00000.data"))
         assert tier.read_bytes(step_file(1, "rank-00000.data")) == data
 
     def test_ranged_reads(self, tier: StorageTier) -> None:
         data = _payload(1000, seed=3)
         path = step_file(1, "rank-00000.data")
         tier.write_bytes(path, data)
+        assert _readable(tier, path)
         assert tier.read_bytes(path, 10, 100) == data[10:110]
         assert tier.read_bytes(path, 900) == data[900:]
         assert tier.read_bytes(path, 990, 50) == data[990:]
@@ -67,6 +90,7 @@ class ReadWriteConformance:
         data = _payload(300, seed=5)
         path = step_file(2, "rank-00000.data")
         tier.write_bytes(path, data)
+        assert _readable(tier, path)
         buffer = bytearray(100)
         tier.read_into(path, 50, memoryview(buffer))
         assert bytes(buffer) == data[50:150]
@@ -74,12 +98,14 @@ class ReadWriteConformance:
     def test_empty_file(self, tier: StorageTier) -> None:
         path = step_file(1, "empty.json")
         tier.write_bytes(path, b"")
-        assert tier.exists(path) and tier.size(path) == 0 and tier.read_bytes(path) == b""
+        assert tier.exists(path) and tier.size(path) == 0 and _readable(tier, path)
+        assert tier.read_bytes(path) == b""
 
     def test_overwrite_replaces_whole_file(self, tier: StorageTier) -> None:
         path = step_file(1, "rank-00000.index.json")
         tier.write_bytes(path, b"a much longer first version")
         tier.write_bytes(path, b"short")
+        assert _readable(tier, path)
         assert tier.read_bytes(path) == b"short"
         assert tier.size(path) == 5
 
@@ -88,7 +114,7 @@ class ReadWriteConformance:
         path = step_file(1, "rank-00001.data")
         with override(s3_part_bytes=5 * 1024 * 1024, s3_concurrency=3):
             tier.write_bytes(path, data)
-        assert tier.size(path) == len(data)
+        assert tier.size(path) == len(data) and _readable(tier, path)
         assert tier.read_bytes(path) == data
         assert tier.read_bytes(path, 6 * 1024 * 1024, 1024) == data[6 * 1024 * 1024:6 * 1024 * 1024 + 1024]
         with override(s3_part_bytes=5 * 1024 * 1024, s3_concurrency=3):  # reads split into parts, too
@@ -99,6 +125,7 @@ class ReadWriteConformance:
     def test_memoryview_input(self, tier: StorageTier) -> None:
         path = step_file(1, "view.data")
         tier.write_bytes(path, memoryview(bytearray(b"0123456789"))[2:6])
+        assert _readable(tier, path)
         assert tier.read_bytes(path) == b"2345"
 
 
@@ -171,7 +198,10 @@ class ChunkStoreConformance:
         path = tier.chunk_path(key)
         assert path.startswith("chunks/") and path.endswith(key)
         tier.write_bytes(path, b"chunk bytes")
-        assert tier.read_bytes(path) == b"chunk bytes"
+        if _readable(tier, path):
+            assert tier.read_bytes(path) == b"chunk bytes"
+        else:  # its bytes are refused (checked by _readable), its size is not
+            assert tier.size(path) == len(b"chunk bytes")
         assert tier.list_step_numbers() == []
 
     def test_chunks_are_listed_with_their_sizes(self, tier: StorageTier) -> None:
@@ -190,7 +220,8 @@ class ChunkStoreConformance:
         tier.write_bytes(hinted[0], b"12345")
         tier.write_bytes(hinted[1], b"")
         tier.read_ahead(hinted)
-        assert [tier.read_bytes(path) for path in hinted[:2]] == [b"12345", b""]
+        if all([_readable(tier, path) for path in hinted[:2]]):
+            assert [tier.read_bytes(path) for path in hinted[:2]] == [b"12345", b""]
         with pytest.raises(NotFoundError):
             tier.read_bytes(hinted[2])
         tier.read_ahead([])
@@ -226,6 +257,7 @@ class ConditionalWriteConformance:
             tier.write_bytes(path, data, if_absent=True)
             with pytest.raises(AlreadyCommittedError):
                 tier.write_bytes(path, os.urandom(len(data)), if_absent=True)
+        assert _readable(tier, path)
         assert tier.read_bytes(path) == data
 
     def test_racing_writers_exactly_one_wins(self, tier: StorageTier) -> None:
@@ -296,6 +328,7 @@ class AtomicVisibilityConformance:
                 done.set()
                 watcher.join(timeout=60)
         assert all(size == len(data) for size in seen_sizes), f"listed before complete: sizes {set(seen_sizes)}"
+        assert _readable(tier, path)
         assert tier.read_bytes(path) == data
 
     def test_a_file_written_piece_by_piece_appears_at_commit(self, tier: StorageTier) -> None:
@@ -303,6 +336,7 @@ class AtomicVisibilityConformance:
         pieces = [os.urandom(256 * 1024) for _ in range(4)]
         if not tier.capabilities.node_local:  # object stores take whole objects: one PUT or a multipart upload
             tier.write_bytes(path, b"".join(pieces))
+            assert _readable(tier, path)
             assert tier.read_bytes(path) == b"".join(pieces)
             return
         handle = getattr(tier, "open_file")(path)
@@ -335,8 +369,10 @@ class AtomicVisibilityConformance:
         tier.write_bytes(path, b"version one")
         with write_fault(tier), pytest.raises(CkptdError):
             tier.write_bytes(path, b"version two, longer than the first")
+        assert _readable(tier, path)
         assert tier.read_bytes(path) == b"version one"
-        assert tier.list_files(7) == ["rank-00000.index.json"] and _leftovers(tier, 7) == []
+        committed = [MANIFEST_NAME] if tier.capabilities.reads_committed_only else []  # by _readable
+        assert tier.list_files(7) == [*committed, "rank-00000.index.json"] and _leftovers(tier, 7) == []
 
     def test_a_failed_conditional_write_leaves_nothing(self, tier: StorageTier, write_fault: WriteFault) -> None:
         path = step_file(7, MANIFEST_NAME)
@@ -354,6 +390,7 @@ class ShortReadConformance:
         data = _payload(1000, seed=7)
         path = step_file(1, "rank-00000.data")
         tier.write_bytes(path, data)
+        assert _readable(tier, path)
         assert tier.read_bytes(path, 990, 50) == data[990:]
         assert tier.read_bytes(path, 1000, 10) == b""
         assert tier.read_bytes(path, 1000) == b""
@@ -363,12 +400,14 @@ class ShortReadConformance:
     def test_ranges_of_an_empty_file(self, tier: StorageTier) -> None:
         path = step_file(1, "empty.data")
         tier.write_bytes(path, b"")
+        assert _readable(tier, path)
         assert tier.read_bytes(path, 0, 10) == b"" and tier.read_bytes(path, 3) == b""
 
     @pytest.mark.parametrize(("offset", "length"), [(950, 100), (1000, 1), (4096, 4096)])
     def test_read_into_past_the_end_raises(self, tier: StorageTier, offset: int, length: int) -> None:
         path = step_file(1, "rank-00000.data")
         tier.write_bytes(path, _payload(1000, seed=9))
+        assert _readable(tier, path)
         with pytest.raises(IntegrityError) as caught:
             tier.read_into(path, offset, memoryview(bytearray(length)))
         assert "rank-00000.data" in str(caught.value)
@@ -387,6 +426,7 @@ class ConcurrentReadConformance:
         data = os.urandom(3 * 1024 * 1024 + 11)
         path = step_file(2, "rank-00000.data")
         tier.write_bytes(path, data)
+        assert _readable(tier, path)
         step = 97 * 1024 + 3
         ranges = [(offset, min(step * 2, len(data) - offset)) for offset in range(0, len(data), step)]
 
@@ -401,6 +441,7 @@ class ConcurrentReadConformance:
         data = os.urandom(2 * 1024 * 1024)
         path = step_file(2, "rank-00000.data")
         tier.write_bytes(path, data)
+        assert _readable(tier, path)
         piece = 256 * 1024
         target = bytearray(len(data))
 

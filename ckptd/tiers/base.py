@@ -52,6 +52,11 @@ class TierCapabilities:
     #: Large writes go up in parts that can be left behind by a crash; the tier lists and aborts them
     #: (``incomplete_uploads`` / ``abort_incomplete_uploads``).
     multipart_uploads: bool = False
+    #: The bytes of a file are read back only once its step is committed (its manifest exists): reads of
+    #: a file of an uncommitted step, or of one outside every step (``chunks/``), raise NotFoundError,
+    #: while ``exists``, ``size`` and the listings still see it (the peer tier: a daemon serves only
+    #: committed steps).
+    reads_committed_only: bool = False
 
 
 class StorageTier(abc.ABC):

@@ -118,7 +118,7 @@ class PeerTier(StorageTier):
     tier (per-rank data files), so the tier keeps no chunk store."""
 
     kind = "peer"
-    capabilities = TierCapabilities(conditional_put=True, ranged_reads=True)
+    capabilities = TierCapabilities(conditional_put=True, ranged_reads=True, reads_committed_only=True)
 
     def __init__(self, url: str, *, token: str | None = None) -> None:
         super().__init__(url)
