@@ -117,3 +117,35 @@ def test_a_corrupt_local_step_fails_for_good_and_the_next_steps_go_on(tmp_path, 
     again = _start(running, _config(tmp_path, root, f"s3://{s3_bucket}/run1", s3_options))
     wait_until(lambda: _states(again, "promote")[1] == ("failed", 2, None), 30,
                "one more attempt at the restart, failed for good again")
+
+
+def _metric(daemon: Daemon, name: str, tier: str) -> float:
+    body, _ = daemon.metrics.render()
+    for line in body.decode().splitlines():
+        if line.startswith(f'{name}{{tier="{tier}"}} '):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_bad_chunk_no_tier_can_mend_is_a_scrub_failure(tmp_path, running):
+    root = tmp_path / "root"
+    _commit(root, [1])
+    _flip_a_data_byte(root, 1)
+    daemon = _start(running, _config(tmp_path, root, None, None, scrub_interval_s=0.5))
+    wait_until(lambda: _metric(daemon, "ckptd_scrub_failures_total", "local") >= 1, 60,
+               "the unrepaired chunk counted as a scrub failure")
+    assert _metric(daemon, "ckptd_repairs_total", "local") == 0.0
+    assert any(error["where"] == "scrub" for error in daemon.status()["recent_errors"])
+
+
+def test_sigterm_ends_a_scrub_pause_at_once(tmp_path, running):
+    root = tmp_path / "root"
+    _commit(root, [1])
+    # one byte per second: the pass would pause for longer than any drain deadline
+    daemon = _start(running, _config(tmp_path, root, None, None, scrub_interval_s=0.5, scrub_bytes_per_s=1.0))
+    assert daemon.journal is not None
+    wait_until(lambda: daemon.journal.get_state("last_scrub", 0.0) > 0, 60, "a scrub pass to start")
+    maintainer = next(thread for thread in threading.enumerate() if thread.name == "ckptd-daemon-maintain")
+    assert daemon.stop(3.0) == []
+    running.remove(daemon)
+    assert not maintainer.is_alive(), "the scrub's pacing pause held the daemon past its drain deadline"

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.config import settings
+from ckptd.daemon.buddy import BuddyDiscovery, Resolver
 from ckptd.daemon.config import DaemonConfig, RootConfig
 from ckptd.daemon.journal import Journal, Task
 from ckptd.daemon.roots import DAEMON_PIN_DIRECTORY, RootRuntime, exclusive_lock
@@ -92,7 +93,8 @@ class Daemon:
     """One node's daemon over ``config`` (see the module docstring). Call order: :meth:`start` once, then
     :meth:`run_forever` (or your own wait), then :meth:`stop` once (any thread)."""
 
-    def __init__(self, config: DaemonConfig, *, on_event: EventHook | None = None) -> None:
+    def __init__(self, config: DaemonConfig, *, on_event: EventHook | None = None,
+                 resolver: Resolver | None = None) -> None:
         self.config = config
         self.metrics: Any = _metrics()
         self.journal: Journal | None = None
@@ -114,10 +116,12 @@ class Daemon:
         self._errors: list[dict[str, Any]] = []
         self._started_at: float | None = None
         self._lock_fds: list[int] = []
-        self.upkeep = Upkeep(config, self.metrics, self._record_error)
+        self.upkeep = Upkeep(config, self.metrics, self._record_error, sleep=self._stopping.wait)
         #: Most pinned steps (and bytes only pins hold) per root: the ``pin_max_*`` settings.
         self.pin_cap = PinCap.from_settings()
         self._ready = False
+        #: The buddy replicated to: the configured peer:// one, or a dns:// ring's pick (``resolver``: tests).
+        self.buddy = BuddyDiscovery.for_config(config, resolver=resolver, on_change=self._buddy_changed)
 
     # --- lifecycle ----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -135,6 +139,7 @@ class Daemon:
             log.info("%d task(s) that had failed for good get one more attempt", given_up)
         for root in config.roots:
             self._roots[root.name] = self._open_root(root)
+        self.buddy.start()
         self._resume_pins()
         self._start_servers()
         self._write_state_files()
@@ -170,7 +175,7 @@ class Daemon:
         runtime = RootRuntime(config=root, local=local, pins=PinnedSteps(local, DAEMON_PIN_DIRECTORY))
         if root.remote is not None:
             runtime.remote = open_tier(root.remote, storage_options=dict(root.storage_options) or None)
-        runtime.peer_url = self.config.peer_url(root)
+        runtime.peer_url = self.config.peer_url(root, self.buddy.current)
         if runtime.peer_url is not None:
             try:
                 runtime.peer = open_tier(runtime.peer_url, storage_options={"token": self.config.peer_token})
@@ -233,6 +238,7 @@ class Daemon:
         drain = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         self._ready = False
         self._stopping.set()
+        self.buddy.stop()
         for event in self._wake.values():
             event.set()
         if self.watcher is not None:
@@ -283,6 +289,25 @@ class Daemon:
                     path.unlink()
             except (OSError, ValueError):
                 pass
+
+    def _buddy_changed(self, buddy: str | None) -> None:
+        """A dns:// buddy moved (a node joined or left): new steps replicate to ``buddy`` (None: to none; tasks
+        for the former buddy are skipped as no longer configured), and each root's newest step is journaled for
+        it at once, so that the new buddy holds a step to restore from."""
+        newest: list[tuple[str, int]] = []
+        with self._commit_lock:
+            for name, runtime in self._roots.items():
+                runtime.peer_url, runtime.peer = self.config.peer_url(runtime.config, buddy), None
+                runtime.listings.pop("peer", None)
+                try:
+                    wanted = [step for step in runtime.local.committed_steps() if runtime.config.replicates(step)]
+                except CkptdError:
+                    wanted = []
+                if wanted and runtime.peer_url is not None:
+                    runtime.seen.discard(wanted[-1])
+                    newest.append((name, wanted[-1]))
+        for name, step in newest:
+            self._on_commit(name, step)
 
     # --- commits ------------------------------------------------------------------------------------
     def notice_commit(self, root_name: str, step: int) -> bool:
@@ -627,6 +652,7 @@ class Daemon:
         return {"node_id": self.config.node_id, "pid": os.getpid(), "ready": self.is_ready(),
                 "uptime_s": time.time() - started, "started": started, "roots": roots, "replicas": replicas,
                 "pending": depth, "running": running, "errors": errors, "recent_errors": recent,
+                "buddy": self.buddy.describe(),
                 "watch": self.watcher.mode if self.watcher is not None else None, "http": self._state_document()["http"]}
 
 

@@ -10,6 +10,7 @@ network (the buddy scrubs that itself). Failures are counted in the metrics and 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
@@ -26,10 +27,17 @@ ErrorRecorder = Callable[[str, str, "int | None", str], None]
 
 
 class Upkeep:
-    """Retention and scrub for one daemon (see the module docstring); called from one thread."""
+    """Retention and scrub for one daemon (see the module docstring); called from one thread.
 
-    def __init__(self, config: DaemonConfig, metrics: Any, record_error: ErrorRecorder) -> None:
+    ``sleep`` paces the scrub (the daemon passes its stop event's ``wait``, so that SIGTERM ends a pause at
+    once); one :class:`~ckptd.daemon.scrub.Scrubber` serves the daemon's life, so its bandwidth budget spans
+    passes."""
+
+    def __init__(self, config: DaemonConfig, metrics: Any, record_error: ErrorRecorder, *,
+                 sleep: Callable[[float], object] = time.sleep) -> None:
         self.config, self.metrics, self.record_error = config, metrics, record_error
+        self._sleep = sleep
+        self._scrubber: Any = None
 
     def replica_tiers(self) -> list[LocalTier]:
         """The replicas buddies sent here, one tier per ``<replica_dir>/<node id>/<root name>``."""
@@ -69,10 +77,14 @@ class Upkeep:
             from ckptd.daemon.scrub import Scrubber
         except ImportError:
             return
-        scrubber = Scrubber(bytes_per_s=self.config.scrub_bytes_per_s)
+        if self._scrubber is None:
+            self._scrubber = Scrubber(bytes_per_s=self.config.scrub_bytes_per_s, sleep=self._sleep)
+        scrubber = self._scrubber
         work: list[tuple[str, StorageTier, list[StorageTier]]] = []
         for runtime in runtimes:
-            copies = [tier for tier in (runtime.local, runtime.remote, runtime.peer) if tier is not None]
+            # the root's pins hold steps retention deleted from the root: a copy to mend the other tiers from
+            copies = [tier for tier in (runtime.local, runtime.pins.tier, runtime.remote, runtime.peer)
+                      if tier is not None]
             work.extend((runtime.name, tier, [other for other in copies if other is not tier])
                         for tier in (runtime.local, runtime.remote) if tier is not None)
         work.extend((_replica_name(tier), tier, []) for tier in self.replica_tiers())
@@ -90,6 +102,8 @@ class Upkeep:
                 self.metrics.verify_failure(tier.kind)
             for _ in report.repaired:
                 self.metrics.repaired(tier.kind)
+            for _ in report.unrepaired:
+                self.metrics.scrub_failure(tier.kind)
             if report.bad:
                 self.record_error("scrub", name, None,
                                   f"{len(report.bad)} bad file(s) on {tier.label}, {len(report.repaired)} repaired")
