@@ -33,7 +33,9 @@ _TOP_FLAGS = (
     ("control_allowed_uids", "UID,...", "User ids allowed on the control socket (default: the daemon's own)."),
     ("peer_token", "TOKEN", "Bearer token of peer traffic (also CKPTD_PEER_TOKEN; prefer --peer-token-file)."),
     ("peer_token_file", "FILE", "File holding the peer token (also CKPTD_PEER_TOKEN_FILE)."),
-    ("buddy", "peer://HOST:PORT", "The buddy daemon this node replicates to."),
+    ("buddy", "peer://HOST:PORT|dns://NAME:PORT", "The buddy daemon this node replicates to, or a name listing "
+     "every node's daemon (the next address after this node's own is the buddy)."),
+    ("advertise", "ADDRESS", "This node's address in a dns:// buddy's ring (default: listen's host)."),
     ("replica_dir", "DIR", "Where replicas from buddies are kept (default <state_dir>/replicas)."),
     ("watch", "auto|inotify|poll", "How commits are noticed (default auto)."),
     ("poll_interval_s", "SECONDS", "Rescan interval when polling (default 1.0; x10 with inotify)."),

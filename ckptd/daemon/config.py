@@ -43,6 +43,7 @@ ENV_PREFIX = "CKPTD_DAEMON_"
 #: AF_UNIX path limit on Linux (``sun_path`` is 108 bytes with its terminating NUL).
 MAX_SOCKET_PATH_BYTES = 107
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*\.?")
 _WATCH_MODES = ("auto", "inotify", "poll")
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -65,6 +66,7 @@ OPTIONS: dict[str, _Option] = {
     "peer_token": _Option("str"),
     "peer_token_file": _Option("path"),
     "buddy": _Option("str"),
+    "advertise": _Option("str"),
     "replica_dir": _Option("path"),
     "watch": _Option("choice", "auto", _WATCH_MODES),
     "poll_interval_s": _Option("float", 1.0, minimum=0.01),
@@ -140,6 +142,8 @@ class DaemonConfig:
     peer_token: str | None = field(default=None, repr=False)
     peer_token_file: Path | None = None
     buddy: str | None = None
+    #: This node's address in a ``dns://`` buddy's ring (default: listen's host), see ckptd.daemon.buddy.
+    advertise: str | None = None
     replica_dir: Path | None = None
     watch: str = "auto"
     poll_interval_s: float = 1.0
@@ -177,11 +181,14 @@ class DaemonConfig:
         """The root called ``name``, or None."""
         return next((root for root in self.roots if root.name == name), None)
 
-    def peer_url(self, root: RootConfig) -> str | None:
-        """Where ``root`` is replicated: ``<buddy>/replicas/<node_id>/<root name>`` (None without a buddy)."""
-        if self.buddy is None:
+    def peer_url(self, root: RootConfig, buddy: str | None = None) -> str | None:
+        """Where ``root`` is replicated: ``<buddy>/replicas/<node_id>/<root name>``, ``buddy`` being the
+        ``peer://`` URL of the buddy daemon (default: the configured one; a ``dns://`` one names none until
+        :mod:`ckptd.daemon.buddy` resolves it); None without a buddy."""
+        buddy = buddy or self.buddy
+        if buddy is None or not buddy.startswith("peer://"):
             return None
-        return f"{self.buddy.rstrip('/')}/replicas/{self.node_id}/{root.name}"
+        return f"{buddy.rstrip('/')}/replicas/{self.node_id}/{root.name}"
 
     def describe(self) -> str:
         """One line for ``--check-config`` and the start log (never a secret)."""
@@ -380,6 +387,13 @@ def _build(values: dict[str, Any], roots: list[dict[str, Any]], where: dict[str,
         if token is None:
             raise ConfigError(f"{where['buddy']}: replication to a buddy needs a peer token, and none is set",
                               hint="set peer_token_file (or CKPTD_PEER_TOKEN) to the token both daemons share")
+    advertise = values.get("advertise")
+    if advertise is not None:
+        _check_advertise(advertise, where["advertise"])
+    if buddy is not None and buddy.startswith("dns://") and advertise is None and _is_unspecified(host):
+        raise ConfigError(f"{where['buddy']}: a dns:// buddy is the daemon after this node's own address, and "
+                          f"listen {listen!r} names no address", hint="set advertise (CKPTD_DAEMON_ADVERTISE) to "
+                          "this node's address as the name resolves it, e.g. the pod IP")
     socket_path = values.get("socket") or state_dir / "daemon.sock"
     if len(os.fsencode(str(socket_path))) > MAX_SOCKET_PATH_BYTES:
         raise ConfigError(f"{where.get('socket', 'socket (under state_dir)')}: the control socket path {socket_path} "
@@ -409,8 +423,8 @@ def _build(values: dict[str, Any], roots: list[dict[str, Any]], where: dict[str,
                                             "peer_max_put_bytes", "log_level", "keep_peer") if key in values}
     return DaemonConfig(node_id=node_id, state_dir=state_dir, roots=built_roots, listen=listen,
                         socket=socket_path, control_allowed_uids=uids, peer_token=token,
-                        peer_token_file=values.get("peer_token_file"), buddy=buddy, replica_dir=replica_dir,
-                        source=source, **options)
+                        peer_token_file=values.get("peer_token_file"), buddy=buddy, advertise=advertise,
+                        replica_dir=replica_dir, source=source, **options)
 
 
 def _root(raw: dict[str, Any]) -> RootConfig:
@@ -485,10 +499,27 @@ def _check_remote(url: str, where: str) -> None:
 
 def _check_buddy(url: str, where: str) -> str:
     scheme, separator, rest = url.partition("://")
-    if scheme != "peer" or not separator:
-        raise ConfigError(f"{where}: {url!r} is not a buddy URL", hint="write it as peer://HOST:PORT")
-    _split_host_port(rest.rstrip("/"), where, "peer://HOST:PORT")
-    return f"peer://{rest.rstrip('/')}"
+    if scheme not in ("peer", "dns") or not separator:
+        raise ConfigError(f"{where}: {url!r} is not a buddy URL", hint="write it as peer://HOST:PORT (one buddy) or "
+                          "dns://NAME:PORT (a name listing every node's daemon, e.g. a headless Service)")
+    _split_host_port(rest.rstrip("/"), where, f"{scheme}://HOST:PORT")
+    return f"{scheme}://{rest.rstrip('/')}"
+
+
+def _is_unspecified(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def _check_advertise(host: str, where: str) -> None:
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        if not _HOST_NAME.fullmatch(host):
+            raise ConfigError(f"{where}: {host!r} is not an IP address nor a host name",
+                              hint="set advertise to the address other nodes reach this daemon at") from None
 
 
 def _token(values: dict[str, Any], where: dict[str, str]) -> str | None:
