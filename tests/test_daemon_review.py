@@ -18,7 +18,7 @@ import ckptd
 from ckptd.daemon.config import load_config
 from ckptd.daemon.roots import DAEMON_PIN_DIRECTORY
 from ckptd.daemon.service import Daemon
-from ckptd.format.layout import step_dir
+from ckptd.format.layout import MANIFEST_NAME, step_dir
 from ckptd.promotion.pinning import PIN_DIRECTORY, PinnedSteps
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
@@ -149,3 +149,17 @@ def test_sigterm_ends_a_scrub_pause_at_once(tmp_path, running):
     assert daemon.stop(3.0) == []
     running.remove(daemon)
     assert not maintainer.is_alive(), "the scrub's pacing pause held the daemon past its drain deadline"
+
+
+def test_a_pin_a_crash_left_half_dropped_is_removed_at_start(tmp_path, running):
+    root = tmp_path / "root"
+    _commit(root, [1, 2])
+    local = LocalTier(root)
+    pins = PinnedSteps(local, DAEMON_PIN_DIRECTORY)
+    pins.pin(1, local.list_files(1))
+    local.delete_step(1)  # retention deleted the step; the pin alone holds its bytes
+    (pins.tier.root / step_dir(1) / MANIFEST_NAME).unlink()  # killed while unpinning: manifest gone first
+    assert pins.pinned() == [] and pins.held_bytes(1) > 0
+    _start(running, _config(tmp_path, root, None, None))
+    assert not (pins.tier.root / step_dir(1)).exists(), "a half-dropped pin was left holding disk"
+    assert local.committed_steps() == [2]

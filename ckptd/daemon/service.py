@@ -185,14 +185,25 @@ class Daemon:
 
     def _resume_pins(self) -> None:
         """Pins left by an earlier run: journal the tasks of those whose step has none, drop those whose
-        tasks all finished."""
+        tasks all finished, complete or drop incomplete ones."""
         assert self.journal is not None
         for name, runtime in self._roots.items():
-            for step in runtime.pins.pinned():
+            pinned = runtime.pins.pinned()
+            for step in pinned:
                 if not self.journal.tasks(root=name, step=step):
                     self._on_commit(name, step)
                 elif not self.journal.open_tasks(name, step):
                     self._unpin(runtime, step)
+            for step in sorted(set(runtime.pins.tier.list_step_numbers()) - set(pinned)):
+                # a pin a crash left half made or half dropped: completed while its step is still in the root
+                # and has work left, else dropped (its files would hold disk for ever)
+                try:
+                    if self.journal.open_tasks(name, step) and runtime.local.is_committed(step):
+                        runtime.pins.pin(step, runtime.local.list_files(step), durable=True)
+                        continue
+                except (CkptdError, OSError) as error:
+                    log.warning("could not complete the pin of step %d of root %s: %s", step, name, error)
+                self._unpin(runtime, step)
 
     def _start_servers(self) -> None:
         config = self.config
