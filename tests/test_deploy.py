@@ -295,6 +295,21 @@ def test_daemonset_is_locked_down_and_probed() -> None:
     assert env["CKPTD_DAEMON_LISTEN"].endswith(f":{port}")
 
 
+def test_one_daemonset_finds_buddies_through_the_headless_service() -> None:
+    """Every node runs the same config: its buddy is the daemon after its own pod IP among the addresses of
+    the headless Service (ckptd.daemon.buddy), so the name and port must be that Service's."""
+    service = _by_kind("Service", "ckptd-peer")
+    assert service["spec"]["clusterIP"] == "None", "only a headless Service lists every daemon's address"
+    namespace = service["metadata"]["namespace"]
+    port = {entry["name"]: entry["port"] for entry in service["spec"]["ports"]}["http"]
+    assert _configmap_toml()["buddy"] == f"dns://{service['metadata']['name']}.{namespace}.svc:{port}"
+    (daemon,) = [container for container in _pod_spec(_by_kind("DaemonSet"))["containers"]
+                 if container["name"] == "daemon"]
+    env = _env(daemon)
+    assert "CKPTD_DAEMON_BUDDY" not in env, "a per-node buddy in the one DaemonSet pairs every node with one"
+    assert env["CKPTD_DAEMON_LISTEN"] == f"$(POD_IP):{port}", "the ring's own address is the listen host"
+
+
 def test_training_job_shares_the_daemons_directories_socket_and_uid() -> None:
     config = _configmap_toml()
     daemon_pod, job_pod = _pod_spec(_by_kind("DaemonSet")), _pod_spec(_by_kind("Job"))
