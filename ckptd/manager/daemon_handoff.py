@@ -13,6 +13,11 @@ starts its own uploader, which resumes the pinned steps). A daemon that answers 
 ``pin_directory`` other than ``.promoting`` pins the steps it takes there itself, before it answers: the
 manager's pin in ``.promoting`` only bridges until that answer and is released then too (so that the
 in-process uploader alone owns ``.promoting``).
+
+With several ranks the loss is the whole job's (:class:`SharedLoss`, a key in the job's c10d store): the rank
+that loses its daemon sets it, and every other rank gives up its daemon at its next commit, so that all ranks
+promote in-process together (rank 0 decides and the others follow: a rank still handing its steps to a
+daemon would leave the ranks following rank 0 waiting for decisions that never come).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 from typing import Any
 
 from ckptd.errors import CkptdError, ConfigError
@@ -30,6 +36,9 @@ from ckptd.manager.daemon_link import DaemonLink
 from ckptd.promotion.pinning import PIN_DIRECTORY, PinnedSteps
 from ckptd.tiers import StorageTier, open_tier
 from ckptd.tiers.local import LocalTier
+
+if TYPE_CHECKING:
+    from ckptd.manager.commit import StoreCoordinator
 
 log = logging.getLogger("ckptd.manager")
 #: Reports kept while the writer thread has not sent them (the oldest are dropped past it).
@@ -65,6 +74,38 @@ def open_peer_tier(url: str | None, link: DaemonLink | None, options: dict[str, 
         return None
 
 
+class SharedLoss:
+    """Whether some rank of the job lost its daemon: the key ``<coordinator prefix>/daemon-lost`` in the job's
+    store (set once, by the first rank that lost it; its value says which rank and why). A store that does
+    not answer reads as not set (this rank's own link still decides for it)."""
+
+    def __init__(self, coordinator: StoreCoordinator) -> None:
+        self.coordinator = coordinator
+
+    @property
+    def key(self) -> str:
+        """The store key (under the coordinator's current generation)."""
+        return f"{self.coordinator.prefix}/daemon-lost"
+
+    def is_set(self) -> str | None:
+        """Who lost the daemon and why, or None while no rank did."""
+        store = self.coordinator.store
+        try:
+            if not store.check([self.key]):
+                return None
+            return store.get(self.key).decode(errors="replace")
+        except Exception as error:  # noqa: BLE001 - c10d raises plain RuntimeErrors; never into training
+            log.debug("could not read %s from the job's store: %s", self.key, error)
+            return None
+
+    def set(self, rank: int, why: str) -> None:
+        """Tell every rank that ``rank`` lost its daemon."""
+        try:
+            self.coordinator.store.set(self.key, f"rank {rank}: {why}")
+        except Exception as error:  # noqa: BLE001 - the other ranks then notice their own loss, or never
+            log.warning("could not tell the other ranks that the ckptd daemon is lost: %s", error)
+
+
 @dataclass(frozen=True)
 class SaveTiming:
     """One save as the training thread saw it: its stall (time inside ``save()``) and the step time (since the
@@ -80,11 +121,13 @@ class DaemonHandoff:
 
     ``pin``: pin this rank's files of each committed step (the daemon promotes or replicates from the pin when
     the step is gone). Every rank tells the daemon (which takes a step once), so that each learns whether
-    to keep its pin. ``on_lost`` is called once, on the writer thread, when the daemon stops answering."""
+    to keep its pin. ``on_lost`` is called once, on the writer thread, when the daemon stops answering, or when
+    ``shared`` (several ranks) says another rank's did."""
 
     def __init__(self, link: DaemonLink, local: LocalTier, *, rank: int, world_size: int, pin: bool,
-                 on_lost: Callable[[], None]) -> None:
+                 on_lost: Callable[[], None], shared: SharedLoss | None = None) -> None:
         self.link, self.rank, self.world_size = link, rank, world_size
+        self.shared = shared
         self.pins = PinnedSteps(local) if pin else None
         #: Whether the daemon pins into ``.promoting`` too (then a pin it took is its to drop).
         self.shares_pins = link.info.get("pin_directory", PIN_DIRECTORY) == PIN_DIRECTORY
@@ -117,6 +160,10 @@ class DaemonHandoff:
                 self.pins.pin(step, own, durable=False)
             except CkptdError as error:  # the daemon still has the step while the local tier keeps it
                 log.warning("could not pin step %d for the ckptd daemon: %s", step, error)
+        elsewhere = self.shared.is_set() if self.shared is not None else None
+        if elsewhere is not None:  # the pin just taken hands this step to the uploader on_lost starts
+            self._lose(step, f"{elsewhere}; every rank promotes in-process")
+            return
         wanted = self.link.committed(step)
         if wanted is None and not self.link.alive:
             self._lose(step)
@@ -144,10 +191,16 @@ class DaemonHandoff:
             log.warning("could not release the pin of step %d, which the ckptd daemon has answered for: %s", step,
                         error)
 
-    def _lose(self, step: int) -> None:
+    def _lose(self, step: int, elsewhere: str | None = None) -> None:
         self._lost.set()
         self._timings.clear()
-        log.warning("the ckptd daemon on %s stopped answering (%s) at step %d: this process promotes its own steps "
-                    "from now on", self.link.socket_path, self.link.failure, step)
+        if elsewhere is None:
+            why = f"stopped answering ({self.link.failure})"
+            if self.shared is not None:
+                self.shared.set(self.rank, f"its ckptd daemon {why} at step {step}")
+        else:
+            why = f"is given up because a rank lost its own ({elsewhere})"
+        log.warning("the ckptd daemon on %s %s at step %d: this process promotes its own steps from now on",
+                    self.link.socket_path, why, step)
         self.link.close()
         self.on_lost()

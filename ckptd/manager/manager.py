@@ -21,7 +21,7 @@ from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, rank_file_prefix
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator, StoreCoordinator
 from ckptd.manager.directories import DirectorySharing, directory_identity, set_aside_step
 from ckptd.policy import Policy
-from ckptd.manager.daemon_handoff import DaemonHandoff, open_peer_tier, split_peer_options
+from ckptd.manager.daemon_handoff import DaemonHandoff, SharedLoss, open_peer_tier, split_peer_options
 from ckptd.manager.daemon_link import DaemonLink
 from ckptd.promotion.lag import PromotionLag, promotion_lag
 from ckptd.promotion.pinning import PIN_DIRECTORY
@@ -189,8 +189,10 @@ class CheckpointManager:
                      self.local.root)
             link.info["promotes"] = False
         pin = link.promotes or (link.replicates and remote is None)  # else the uploader pins, or nothing needs it
+        shared = SharedLoss(self.coordinator) if link.promotes and isinstance(self.coordinator, StoreCoordinator) \
+            else None  # one rank losing its daemon turns every rank to in-process promotion
         return DaemonHandoff(link, self.local, rank=self.rank, world_size=self.world_size, pin=pin,
-                             on_lost=self._daemon_lost)
+                             on_lost=self._daemon_lost, shared=shared)
 
     def _daemon_lost(self) -> None:
         """Writer thread: the daemon stopped answering; promote in-process from now on."""

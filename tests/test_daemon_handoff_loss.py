@@ -1,0 +1,117 @@
+"""One rank of a real two-rank gloo job loses its node daemon: every rank promotes in-process from then on.
+
+Each rank has a local directory of its own (two "nodes"); one daemon stand-in in this process serves the real
+:class:`~ckptd.daemon.control_socket.ControlSocket` for both, and stops answering rank 1's commits from step 2
+on (it holds them, as a daemon that accepts and never answers). Rank 1 gives its daemon up after its request
+deadline; rank 0, whose daemon still answers, must give its own up too (rank 0 decides the promotions and
+rank 1 follows it). Every step from the loss on reaches S3 with both ranks' files, byte-checked, and no
+rank's ``wait_uploads`` or ``close`` raises.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptd.daemon.control_socket import ControlSocket
+from ckptd.daemon.metrics import DaemonMetrics
+from ckptd.stepio.step_reader import load_step_manifest, verify_step
+from ckptd.testing import run_multirank
+from ckptd.tiers import open_tier
+from ckptd.tiers.atomicity import ranks_held
+
+pytestmark = [pytest.mark.s3, pytest.mark.multirank]
+
+
+@dataclass(frozen=True)
+class _Root:
+    name: str
+
+
+class _TwoNodes:
+    """Answers for roots ``a`` (rank 0) and ``b`` (rank 1); holds every commit of ``b`` from step 2 on."""
+
+    def __init__(self, roots: dict[str, Path], remote: str) -> None:
+        self.roots = {name: path.resolve() for name, path in roots.items()}
+        self.remote, self.metrics = remote, DaemonMetrics()
+        self.commits: list[tuple[str, int]] = []
+        self.release = threading.Event()
+
+    def root_for(self, path: Path) -> _Root | None:
+        return next((_Root(name) for name, root in self.roots.items() if root == Path(path).resolve()), None)
+
+    def describe_root(self, root_name: str) -> dict[str, Any]:
+        return {"root_name": root_name, "promotes": True, "replicates": False, "remote": self.remote,
+                "peer_url": None}
+
+    def notice_commit(self, root_name: str, step: int) -> bool:
+        if root_name == "b" and step >= 2:
+            self.release.wait(60)
+        self.commits.append((root_name, step))
+        return True
+
+    def record_trainer_report(self, root_name: str, report: dict[str, Any]) -> None:
+        pass
+
+    def status(self) -> dict[str, Any]:
+        return {}
+
+
+def _train(rank: int, world_size: int, roots: list[str], remote: str, options: dict[str, Any]) -> dict[str, Any]:
+    import ckptd
+
+    with ckptd.CheckpointManager(roots[rank], remote=remote, storage_options=options, capture_rng=False,
+                                 policy=ckptd.Policy(keep_local=None)) as manager:
+        took = manager.daemon_promotes
+        for step in range(1, 6):
+            manager.save(step, {f"rank{rank}": torch.full((16 * 1024,), float(rank * 100 + step))})
+            manager.wait()
+        manager.wait_uploads()
+        return {"took": took, "promotes_at_end": manager.daemon_promotes,
+                "uploaded": [report.step for report in manager.upload_reports]}
+
+
+@pytest.fixture
+def nodes(tmp_path: Path, s3_bucket: str, s3_options: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    directory = Path(tempfile.mkdtemp(prefix="ckptd-loss-"))
+    roots = {"a": tmp_path / "a", "b": tmp_path / "b"}
+    for root in roots.values():
+        root.mkdir()
+    remote = f"s3://{s3_bucket}/run1"
+    stand_in = _TwoNodes(roots, remote)
+    server = ControlSocket(stand_in, directory / "c.sock", allowed_uids=frozenset({os.geteuid()}))
+    server.start()
+    try:
+        yield {"roots": roots, "remote": remote, "options": s3_options, "socket": server.path, "daemon": stand_in}
+    finally:
+        stand_in.release.set()
+        server.stop()
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_rank_that_loses_its_daemon_turns_every_rank_to_in_process_promotion(nodes, monkeypatch):
+    monkeypatch.setenv("CKPTD_DAEMON_SOCKET", str(nodes["socket"]))
+    monkeypatch.setenv("CKPTD_DAEMON_REQUEST_TIMEOUT_S", "1")
+    monkeypatch.setenv("CKPTD_COMMIT_TIMEOUT_S", "30")  # bounds a follower's wait for rank 0's decisions
+    roots = [str(nodes["roots"]["a"]), str(nodes["roots"]["b"])]
+    results = run_multirank(_train, 2, roots, nodes["remote"], nodes["options"], timeout_s=150)
+    assert [result["took"] for result in results] == [True, True], results
+    assert [result["promotes_at_end"] for result in results] == [False, False], results  # both gave it up
+    assert results[0]["uploaded"] == results[1]["uploaded"] and 5 in results[0]["uploaded"], results
+    remote = open_tier(nodes["remote"], storage_options=nodes["options"])
+    assert 5 in remote.committed_steps()
+    for step in results[0]["uploaded"]:
+        manifest = load_step_manifest(remote, step)
+        assert set(ranks_held(remote, step, manifest)) == {0, 1}
+        assert list(verify_step(remote, step)) == []
+    assert ("a", 1) in nodes["daemon"].commits and not [step for root, step in nodes["daemon"].commits
+                                                        if root == "a" and step >= 4]
