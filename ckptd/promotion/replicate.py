@@ -44,7 +44,6 @@ from ckptd.promotion.contents import RankShare, read_step_contents, read_stored_
 from ckptd.stepio.step_reader import load_step_manifest
 from ckptd.tiers.atomicity import ranks_held, step_commit
 from ckptd.tiers.base import StorageTier
-from ckptd.tiers.peer import PeerTier
 
 log = logging.getLogger("ckptd.replicate")
 
@@ -96,10 +95,9 @@ def _verified_data_file(local: StorageTier, share: RankShare, number: int) -> It
 
 
 def _write(target: StorageTier, path: str, size: int, pieces: _Pieces) -> None:
-    """Write one file of ``size`` bytes to the target, streamed where the target can take a stream."""
-    if isinstance(target, PeerTier):
-        target.write_stream(path, size, pieces)
-    elif target.capabilities.node_local:
+    """Write one file of ``size`` bytes to the target, streamed where the target can take a stream (a
+    directory's temporary file, or the tier's :meth:`~ckptd.tiers.base.StorageTier.write_stream`)."""
+    if target.capabilities.node_local:
         handle = target.open_file(path)  # type: ignore[attr-defined]
         try:
             for piece in pieces():
@@ -109,7 +107,7 @@ def _write(target: StorageTier, path: str, size: int, pieces: _Pieces) -> None:
             raise
         handle.commit()
     else:
-        target.write_bytes(path, b"".join(bytes(piece) for piece in pieces()))
+        target.write_stream(path, size, pieces)
 
 
 class _Sender:

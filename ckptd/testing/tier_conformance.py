@@ -122,6 +122,18 @@ class ReadWriteConformance:
             assert tier.read_bytes(path, 1000, 7 * 1024 * 1024) == data[1000:1000 + 7 * 1024 * 1024]
             assert tier.read_bytes(path, 10 * 1024 * 1024) == data[10 * 1024 * 1024:]
 
+    def test_write_stream(self, tier: StorageTier) -> None:
+        for wrong in ([b"0123456789", b"extra"], [b"01234"]):  # longer, shorter than announced
+            with pytest.raises(IntegrityError):
+                tier.write_stream(step_file(1, "rank-00001.data"), 10, lambda wrong=wrong: iter(wrong))
+        pieces = [_payload(1000, seed=1), b"", memoryview(_payload(3000, seed=2)), _payload(17, seed=3)]
+        path = step_file(1, "rank-00000.data")
+        tier.write_stream(path, 4017, lambda: iter(pieces))
+        assert _readable(tier, path)
+        assert tier.read_bytes(path) == b"".join(bytes(piece) for piece in pieces)
+        assert not tier.exists(step_file(1, "rank-00001.data")), "a wrong-sized stream stores nothing"
+        assert "rank-00001.data" not in tier.list_files(1)
+
     def test_memoryview_input(self, tier: StorageTier) -> None:
         path = step_file(1, "view.data")
         tier.write_bytes(path, memoryview(bytearray(b"0123456789"))[2:6])

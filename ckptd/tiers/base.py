@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -132,6 +133,21 @@ class StorageTier(abc.ABC):
         :class:`~ckptd.errors.AlreadyCommittedError` naming the path and tier instead, unless the file
         already holds exactly ``data`` (then the write counts as done: that is what a retried request
         whose first attempt landed finds)."""
+
+    def write_stream(self, path: str, size: int, pieces: Callable[[], Iterable[Buffer]], *,
+                     if_absent: bool = False) -> None:
+        """Write a file of ``size`` bytes made of the pieces ``pieces()`` yields; same contract as
+        :meth:`write_bytes`. ``pieces`` may be called again when the write is retried; an error it raises
+        stops the write and nothing is stored, and so do pieces that do not add up to ``size``
+        (IntegrityError). This default joins the pieces and writes them whole; a tier that can send pieces
+        as they come (the peer tier) overrides it."""
+        data = b"".join(bytes(piece) for piece in pieces())
+        if len(data) != size:
+            from ckptd.errors import IntegrityError
+
+            raise IntegrityError("the pieces of a write do not add up to its size", path=path, tier=self.label,
+                                 expected=str(size), actual=str(len(data)))
+        self.write_bytes(path, data, if_absent=if_absent)
 
     def _refuse_unless_identical(self, path: str, data: Buffer) -> None:
         """For ``if_absent`` writes that found ``path`` taken: return when it holds exactly ``data`` (a

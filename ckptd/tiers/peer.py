@@ -227,12 +227,18 @@ class PeerTier(StorageTier):
         connection.endheaders()
         if body is not None:
             sent = 0
-            for piece in body():
+            pieces = iter(body())
+            for piece in pieces:
                 view = memoryview(piece).cast("B")
+                if sent + len(view) == length:  # the piece that completes the body: only if nothing follows
+                    sent += sum(len(memoryview(more).cast("B")) for more in pieces)
+                if sent + len(view) > length:  # the daemon never gets a whole body, so it stores nothing
+                    raise IntegrityError("the body of a peer write is longer than announced", path=target,
+                                         tier=self.label, expected=str(length), actual=f"more than {length}")
                 connection.send(view)
                 sent += len(view)
             if sent != length:
-                raise IntegrityError("the body of a peer write has the wrong length", path=target,
+                raise IntegrityError("the body of a peer write is shorter than announced", path=target,
                                      tier=self.label, expected=str(length), actual=str(sent))
             if connection.sock is not None:  # the answer comes once the daemon has the file on its disk
                 connection.sock.settimeout(self._read_timeout_s + length / _SLOWEST_DISK_BYTES_PER_S)
