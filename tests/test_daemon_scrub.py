@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from ckptd.cli.main import cli
@@ -19,7 +20,7 @@ from ckptd.daemon.scrub import ByteRateLimiter, Scrubber
 from ckptd.errors import ConfigError, StorageError
 from ckptd.format.layout import step_dir
 from ckptd.promotion import promote_step
-from ckptd.stepio.step_reader import load_rank_index, load_step_manifest
+from ckptd.stepio.step_reader import load_rank_index, load_step_manifest, verify_step
 from ckptd.testing.tamper import chunk_location, flip_bit
 from ckptd.tiers.chunk_health import bad_chunk_paths
 from ckptd.tiers.local import LocalTier
@@ -395,3 +396,31 @@ def test_a_read_the_store_fails_once_is_no_bad_object(tiers, s3_server, s3_bucke
     assert report.repaired == () and report.unrepaired == ()
     assert writes == [], "nothing recorded bad, nothing rewritten"
     assert _objects(s3_server, s3_bucket) == stored_before
+
+
+def test_a_step_saved_again_during_the_pass_is_never_written_with_the_old_steps_bytes(local_only, tmp_path):
+    local = local_only
+    source = LocalTier(tmp_path / "copy")  # an intact copy of the first step 2: what a repair would take
+    shutil.copytree(local.root / step_dir(2), source.root / step_dir(2))
+    data_file, offset, _ = chunk_location(local.root, 2, "trained")
+    flip_bit(data_file, offset + 3)
+    chunks = len(load_rank_index(local, load_step_manifest(local, 2), 0).chunks)
+    asked = []
+
+    def should_stop() -> bool:  # once the pass has read step 2: the trainer deletes it and saves step 2 anew
+        asked.append(1)
+        if len(asked) == 1 + chunks:
+            local.delete_step(2)
+            save_local(local.root, {2: model_state(99)})
+        return False
+
+    report = Scrubber(bytes_per_s=math.inf).scrub_tier(local, repair_from=[source], steps=[2], should_stop=should_stop)
+
+    assert len(asked) == 1 + chunks and report.bad and report.repaired == ()
+    assert "saved again" in dict(report.reasons)[report.unrepaired[0]]
+    assert list(verify_step(local, 2)) == [], "the new step 2 is intact"
+    restored = {name: torch.zeros_like(tensor) for name, tensor in model_state(99).items()}
+    import ckptd
+    with ckptd.CheckpointManager(local.root, capture_rng=False) as manager:
+        assert manager.restore(restored) == 2
+    assert all(torch.equal(restored[name], tensor) for name, tensor in model_state(99).items())

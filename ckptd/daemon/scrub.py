@@ -301,6 +301,8 @@ def _mend_chunk_in_place(tier: StorageTier, step: int, rank: int, chunk: ChunkRe
         share = copies.share(tier, step, rank)
     except (CkptdError, OSError) as error:
         return _UNREPAIRED, f"the step's metadata cannot be read here: {error}"
+    if chunk not in share.index.chunks:  # deleted and saved again (after a restore) since the pass read it
+        return _UNREPAIRED, "the step was saved again since the pass read it: nothing written (scrub it again)"
     try:
         read_stored_chunk(tier, share, chunk)
         return _INTACT, ""
