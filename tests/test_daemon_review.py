@@ -5,6 +5,7 @@ to the daemon's stop event and metrics."""
 
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ import ckptd
 from ckptd.daemon.config import load_config
 from ckptd.daemon.roots import DAEMON_PIN_DIRECTORY
 from ckptd.daemon.service import Daemon
+from ckptd.errors import StorageError
 from ckptd.format.layout import MANIFEST_NAME, step_dir
 from ckptd.promotion.pinning import PIN_DIRECTORY, PinnedSteps
 from ckptd.tiers.local import LocalTier
@@ -163,3 +165,22 @@ def test_a_pin_a_crash_left_half_dropped_is_removed_at_start(tmp_path, running):
     _start(running, _config(tmp_path, root, None, None))
     assert not (pins.tier.root / step_dir(1)).exists(), "a half-dropped pin was left holding disk"
     assert local.committed_steps() == [2]
+
+
+def test_a_commit_the_daemon_could_not_pin_is_not_answered_as_taken(tmp_path, s3_bucket, s3_options, running):
+    root, other = tmp_path / "root", tmp_path / "other"
+    _commit(root, [1])
+    _commit(other, [1, 2])
+    daemon = _start(running, _config(tmp_path, root, f"s3://{s3_bucket}/run1", s3_options))
+    wait_until(lambda: _states(daemon, "promote").get(1, ("",))[0] == "done", 60, "step 1 promoted")
+    pins = root / DAEMON_PIN_DIRECTORY
+    pins.rmdir()
+    pins.write_text("not a directory\n")  # every pin now fails
+    shutil.copytree(other / step_dir(2), tmp_path / "incoming")
+    (tmp_path / "incoming").rename(root / step_dir(2))
+    with pytest.raises(StorageError, match="could not pin"):
+        daemon.notice_commit("run1", 2)  # the trainer must keep its own pin of step 2
+    assert 2 not in _states(daemon, "promote")
+    pins.unlink()
+    assert daemon.notice_commit("run1", 2) is True
+    wait_until(lambda: _states(daemon, "promote").get(2, ("",))[0] == "done", 60, "step 2 promoted")

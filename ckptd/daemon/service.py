@@ -41,7 +41,7 @@ from ckptd.daemon.journal import Journal, Task
 from ckptd.daemon.roots import DAEMON_PIN_DIRECTORY, RootRuntime, exclusive_lock
 from ckptd.daemon.upkeep import Upkeep
 from ckptd.daemon.watcher import CommitWatcher
-from ckptd.errors import CkptdError, CommitError, IntegrityError, NotFoundError
+from ckptd.errors import CkptdError, CommitError, IntegrityError, NotFoundError, StorageError
 from ckptd.promotion.lag import lag_between, promotion_lag
 from ckptd.promotion.pinning import PinCap, PinnedSteps, pins_over_cap
 from ckptd.stepio.rank_writer import lower_thread_priority
@@ -323,14 +323,27 @@ class Daemon:
     # --- commits ------------------------------------------------------------------------------------
     def notice_commit(self, root_name: str, step: int) -> bool:
         """A trainer says it committed ``step`` in root ``root_name``; returns whether the daemon promotes or
-        replicates it. Raises NotFoundError when the step is not committed there."""
+        replicates it (True only once its tasks are journaled and the step pinned: the trainer then drops its
+        own pin). Raises NotFoundError when the step is not committed there, StorageError when the daemon
+        could not take it (stopping, or pinning failed): the trainer keeps its pin."""
         runtime = self._roots.get(root_name)
         if runtime is None:
             raise NotFoundError(f"this daemon watches no root named {root_name!r}")
         if not runtime.local.is_committed(step) and step not in runtime.pins.pinned():
             raise NotFoundError("the step is not committed in the local root", step=step, tier=runtime.local.label)
         self._on_commit(root_name, step)
-        return bool(self._targets(runtime, step))
+        targets = self._targets(runtime, step)
+        if not targets:
+            return False
+        journal = self.journal
+        journaled = {(task.kind, task.target) for task in journal.tasks(root=root_name, step=step)} if journal else set()
+        if not set(targets) <= journaled or (journal is not None and journal.open_tasks(root_name, step)
+                                             and step not in runtime.pins.pinned()):
+            why = "the daemon is stopping" if self._stopping.is_set() else "the daemon could not pin it"
+            raise StorageError(f"{why}: the step is not journaled", step=step, tier=runtime.local.label,
+                               hint="keep promoting it in-process; the daemon's next rescan finds it if it is still "
+                                    "in the root")
+        return True
 
     def _targets(self, runtime: RootRuntime, step: int) -> list[tuple[str, str]]:
         """(kind, target URL) of the tasks a committed step of this root gets."""
