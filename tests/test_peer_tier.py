@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -265,3 +266,55 @@ def test_resets_and_cut_answers_lose_nothing(tmp_path: Path, server: PeerServer)
         assert sorted(os.listdir(replicas / step_dir(step))) == names, "no temporary and nothing missing"
         assert all((replicas / step_dir(step) / name).read_bytes() == (local.root / step_dir(step) / name).read_bytes()
                    for name in names)
+
+
+def _client_sockets_to(port: int) -> int:
+    """Open sockets of this process connected to ``port`` on loopback (from /proc: no timing involved)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return sum(1 for row in rows if int(row[2].rpartition(":")[2], 16) == port and row[9] in inodes)
+
+
+def test_connections_of_ended_threads_are_closed(server: PeerServer, replica: PeerTier) -> None:
+    path = step_file(2, "rank-00000.data")
+    replica.write_bytes(path, b"abc")
+    sizes: list[int] = []
+    for _ in range(20):  # a daemon runs each replication on a fresh pool of threads
+        thread = threading.Thread(target=lambda: sizes.append(replica.size(path)))
+        thread.start()
+        thread.join()
+    assert sizes == [3] * 20
+    assert _client_sockets_to(server.port) <= 2, "one connection per live thread, not per thread ever"
+    replica.close()
+    assert _client_sockets_to(server.port) == 0
+
+
+def test_a_forked_child_uses_its_own_connection(server: PeerServer, replica: PeerTier) -> None:
+    path = step_file(2, "rank-00000.data")
+    replica.write_bytes(path, b"abc")
+    _commit(replica, 2)
+    assert replica.read_bytes(path) == b"abc"  # the parent holds a kept-alive connection
+    with replica._lock:  # another thread of the parent is inside the tier when the fork happens
+        pid = os.fork()
+        if pid == 0:  # the child: its own connection, and a lock that is not held
+            code = 1
+            try:
+                code = 0 if replica.read_bytes(path) == b"abc" else 3
+            finally:
+                os._exit(code)
+    deadline = time.monotonic() + HANG_GUARD_S
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the child read without a hang"
+    assert replica.read_bytes(path) == b"abc", "the parent's connection was not disturbed"

@@ -25,7 +25,9 @@ Reads are ranged GETs of at most :data:`READ_PIECE_BYTES` each (the server bound
 is streamed (:meth:`PeerTier.write_stream` sends pieces as they are produced); the server writes to a
 temporary file and renames it into place, and ``if_absent`` is decided there atomically.
 
-Thread safety: every method may be called from several threads; each thread uses its own connection.
+Thread safety: every method may be called from several threads; each thread uses its own connection,
+closed when a later connection is opened after that thread has ended (so that short-lived pools of a
+long-running daemon do not pile up sockets). A forked child opens its own connections.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import socket
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -143,7 +146,8 @@ class PeerTier(StorageTier):
         self._connect_timeout_s = options.peer_connect_timeout_s
         self._read_timeout_s = options.peer_read_timeout_s
         self._local = threading.local()
-        self._connections: list[_Connection] = []
+        #: Every open connection and the thread that uses it.
+        self._connections: list[tuple[weakref.ref[threading.Thread], _Connection]] = []
         self._pid = os.getpid()
         self._lock = threading.Lock()
 
@@ -157,14 +161,22 @@ class PeerTier(StorageTier):
 
     # --- transport -----------------------------------------------------------------------------
     def _connection(self) -> _Connection:
-        if self._pid != os.getpid():  # a forked child never shares its parent's sockets
-            self._local, self._connections, self._pid = threading.local(), [], os.getpid()
+        if self._pid != os.getpid():  # a forked child never shares its parent's sockets, nor its lock's state
+            self._local, self._connections, self._lock = threading.local(), [], threading.Lock()
+            self._pid = os.getpid()
         connection = getattr(self._local, "connection", None)
         if connection is None:
             connection = _Connection(self.host, self.port, self._connect_timeout_s, self._read_timeout_s)
             self._local.connection = connection
-            with self._lock:
-                self._connections.append(connection)
+            with self._lock:  # close the connections of threads that have ended (pools come and go)
+                kept = []
+                for owner, other in self._connections:
+                    thread = owner()
+                    if thread is None or not thread.is_alive():
+                        other.close()
+                    else:
+                        kept.append((owner, other))
+                self._connections = [*kept, (weakref.ref(threading.current_thread()), connection)]
         return connection
 
     def _drop_connection(self) -> None:
@@ -173,8 +185,7 @@ class PeerTier(StorageTier):
             connection.close()
             self._local.connection = None
             with self._lock:
-                if connection in self._connections:
-                    self._connections.remove(connection)
+                self._connections = [entry for entry in self._connections if entry[1] is not connection]
 
     def _request(self, method: str, relative: str, *, what: str, path: str | None,
                  handle: Callable[[http.client.HTTPResponse], T], headers: Mapping[str, str] | None = None,
@@ -417,7 +428,7 @@ class PeerTier(StorageTier):
     def close(self) -> None:
         with self._lock:
             connections, self._connections = self._connections, []
-        for connection in connections:
+        for _, connection in connections:
             connection.close()
 
 
