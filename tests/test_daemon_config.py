@@ -234,3 +234,10 @@ def test_every_option_is_a_flag_whose_help_names_its_variable():
         assert match is not None, f"{flag} is not in `ckptd daemon --help`, or its help names no variable"
         assert match.group(2) == f"CKPTD_DAEMON_{key.upper()}", (flag, match.group(2))
     assert "--check-config" in text
+
+
+def test_a_peer_token_of_the_wrong_kind_is_refused_without_showing_it(dirs):
+    config = write_config(dirs["config"], [{"name": "run1", "local": str(dirs["root"])}],
+                          state_dir=str(dirs["state"]), peer_token=918273645546372819)
+    line = _refused(_check(config), "peer_token", str(dirs["config"]))
+    assert "918273645546372819" not in line

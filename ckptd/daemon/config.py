@@ -45,6 +45,8 @@ MAX_SOCKET_PATH_BYTES = 107
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*\.?")
 _WATCH_MODES = ("auto", "inotify", "poll")
+#: Options whose value is a secret: an error about them never shows it.
+_SECRET_KEYS = frozenset({"peer_token"})
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -291,7 +293,8 @@ def _convert(key: str, option: _Option, value: Any, where: str) -> Any:
         expected = _KIND_WORDS[option.kind]
         if option.kind == "choice":
             expected = f"one of {', '.join(option.choices)}"
-        return ConfigError(f"{where}: expected {expected}, got {value!r}")
+        shown = "a value of another kind" if key in _SECRET_KEYS else repr(value)  # never echo a secret
+        return ConfigError(f"{where}: expected {expected}, got {shown}")
 
     try:
         if option.kind in ("str", "path", "choice"):
