@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from ckptd.daemon.service import Daemon
 from ckptd.errors import ConfigError
 from ckptd.format.layout import step_dir
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.daemon_process import trainer_state, wait_until
+from ckptd.testing.daemon_process import DaemonProcess, trainer_state, wait_until, write_config
 from ckptd.tiers.local import LocalTier
 
 NAME = "ckptd-peer.ckptd.svc"
@@ -276,3 +277,22 @@ def test_two_daemons_find_each_other_in_dns_and_a_committed_step_reaches_the_bud
     dns.records[NAME] = ["127.0.0.1"]  # node B leaves
     assert daemon_a.buddy.refresh() is None
     assert daemon_a.describe_root("run1")["peer_url"] is None and daemon_a.is_ready()
+
+
+def test_a_real_daemon_whose_buddy_name_does_not_resolve_is_ready_says_why_and_stops_cleanly(tmp_path: Path) -> None:
+    """The ``ckptd daemon`` process with the system resolver: ``.invalid`` never resolves (RFC 6761)."""
+    state = tmp_path / "state"
+    config = write_config(tmp_path / "daemon.toml", [{"name": "run1", "local": str(tmp_path / "root")}],
+                          state_dir=str(state), listen="127.0.0.1:0", node_id="node-a", peer_token=TOKEN,
+                          buddy="dns://ckptd-peer.invalid:9470", scrub_interval_s=0)
+    with DaemonProcess(config, state) as daemon:
+        daemon.wait_ready()
+        daemon.wait_for(lambda: "buddy: cannot resolve dns://ckptd-peer.invalid:9470" in daemon.log()
+                        or "buddy: looking up dns://ckptd-peer.invalid:9470 takes more" in daemon.log(), 30,
+                        "the failed lookup in the log")
+        with urllib.request.urlopen(daemon.http + "/readyz", timeout=10) as response:
+            assert response.status == 200
+        status = daemon.get_json("/status")
+        assert status["buddy"]["url"] == "dns://ckptd-peer.invalid:9470" and status["buddy"]["current"] is None
+        assert "peer" not in status["roots"]["run1"]["tiers"]
+        assert daemon.terminate() == 0, daemon.log()
