@@ -80,7 +80,8 @@ def test_a_node_joining_or_leaving_moves_the_buddy_and_each_change_is_logged(cap
     changes: list[str | None] = []
     discovery = _discovery(dns, "10.0.0.1", changes)
     assert discovery.refresh() == f"peer://10.0.0.5:{PORT}"
-    assert discovery.refresh() == f"peer://10.0.0.5:{PORT}" and len(changes) == 1, "an unchanged ring was handed on as a change"
+    assert discovery.refresh() == f"peer://10.0.0.5:{PORT}"
+    assert len(changes) == 1, "an unchanged ring was handed on as a change"
     dns.records[NAME] = ["10.0.0.1", "10.0.0.3", "10.0.0.5"]  # a node joins between this one and its buddy
     assert discovery.refresh() == f"peer://10.0.0.3:{PORT}"
     dns.records[NAME] = ["10.0.0.1", "10.0.0.5"]  # and leaves again
