@@ -318,3 +318,12 @@ def test_a_forked_child_uses_its_own_connection(server: PeerServer, replica: Pee
         os.waitpid(pid, 0)
     assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the child read without a hang"
     assert replica.read_bytes(path) == b"abc", "the parent's connection was not disturbed"
+
+
+@pytest.mark.parametrize("token", ["k9SECRET-one\nk9SECRET-two", "k9SECRET one", "k9SECRET\tk9SECRET", "k9SECRET-ü"],
+                         ids=["newline", "space", "tab", "non-ascii"])
+def test_a_token_a_header_cannot_carry_is_a_config_error_that_never_shows_it(server: PeerServer, token: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        PeerTier(server.url("replicas/node-a/run1"), token=token).list_step_numbers()
+    shown = str(caught.value) + repr(caught.value)
+    assert "HTTP header" in shown and "k9SECRET" not in shown

@@ -36,6 +36,7 @@ import http.client
 import json
 import os
 import random
+import re
 import socket
 import threading
 import time
@@ -75,6 +76,9 @@ _SLOWEST_DISK_BYTES_PER_S = 50e6
 _TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
 _TOKEN_HINT = (f"set {TOKEN_ENV} (or {TOKEN_FILE_ENV}, or storage_options token / token_file) to the "
                "peer_token of the buddy's daemon")
+
+#: What a token may hold: visible ASCII, which an HTTP header carries as it is.
+_TOKEN_CHARACTERS = re.compile(r"[\x21-\x7e]+")
 
 T = TypeVar("T")
 
@@ -141,6 +145,10 @@ class PeerTier(StorageTier):
         self.url = f"peer://{parsed.netloc}/{'/'.join(self.namespace)}"
         if not token:
             raise ConfigError("no token for the peer tier", tier=self.label, hint=_TOKEN_HINT)
+        if not _TOKEN_CHARACTERS.fullmatch(token):  # http.client would raise an error that shows the token
+            raise ConfigError("the peer token holds characters an HTTP header cannot carry (spaces, line breaks, "
+                              "control or non-ASCII characters)", tier=self.label,
+                              hint="use a token of visible ASCII characters, e.g. the output of `openssl rand -hex 32`")
         self._authorization = f"Bearer {token}"
         options = settings()
         self._connect_timeout_s = options.peer_connect_timeout_s
