@@ -97,6 +97,9 @@ def test_a_daemon_alone_has_no_buddy_and_one_not_listed_yet_still_takes_its_plac
     alone = _discovery(FakeDns({NAME: ["10.0.0.1"]}), "10.0.0.1", changes)
     assert alone.refresh() is None and alone.current is None
     assert changes == [], "no buddy before, none after: nothing changed"
+    assert [record.getMessage() for record in caplog.records if "only daemon behind" in record.getMessage()], \
+        "a daemon that starts alone does not say why it replicates nowhere"
+    caplog.clear()
     dns = FakeDns({NAME: ["10.0.0.1", "10.0.0.2"]})
     pair = _discovery(dns, "10.0.0.1", changes)
     assert pair.refresh() == f"peer://10.0.0.2:{PORT}"

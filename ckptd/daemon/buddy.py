@@ -112,6 +112,7 @@ class BuddyDiscovery:
         #: The error of the last lookup, None when it worked.
         self.last_error: str | None = None
         self._current = url if self.spec is not None and self.spec.scheme == "peer" else None
+        self._resolved = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -165,7 +166,8 @@ class BuddyDiscovery:
             self.members = ring_of(addresses, own)
             successor = ring_successor(addresses, own)
             new = peer_address(successor, self.spec.port) if successor is not None else None
-            if new == self._current:
+            first, self._resolved = not self._resolved, True
+            if new == self._current and not first:
                 return new
             old, self._current = self._current, new
             if new is None:
@@ -174,7 +176,7 @@ class BuddyDiscovery:
             else:
                 log.info("buddy: %s lists %d daemon(s) [%s]; this node (%s) now replicates to %s (before: %s)",
                          self.url, len(self.members), ", ".join(self.members), own, new, old or "none")
-            if self.on_change is not None:
+            if self.on_change is not None and new != old:
                 try:
                     self.on_change(new)
                 except Exception:  # noqa: BLE001 - the refresh thread must live on
