@@ -16,6 +16,7 @@ import pytest
 
 from ckptd.daemon.peer_api import PeerLimits
 from ckptd.daemon.peer_store import PeerNamespaces
+from ckptd.errors import ConfigError
 from ckptd.format.layout import MANIFEST_NAME, step_dir
 from ckptd.testing.peer_server import PeerServer
 
@@ -260,3 +261,18 @@ def test_a_body_that_stops_coming_is_dropped(tmp_path: Path) -> None:
         assert served.request("HEAD", target)[0] == 404, "nothing stored, and the slot is free again"
         directory = served.replicas / "node-a" / "run1" / step_dir(8)
         assert not directory.exists() or os.listdir(directory) == []
+
+
+@pytest.mark.parametrize("layout", ["replicas-in-root", "root-in-replicas", "same", "through-a-link"])
+def test_a_replica_directory_overlapping_a_root_is_refused(tmp_path: Path, layout: str) -> None:
+    """With replica_dir above a root, replicas/<a>/<b> would be that root: a token holder could write (and
+    commit) steps the trainer restores. Refused when the namespaces are built, before anything is served."""
+    root = tmp_path / "data" / "run1"
+    root.mkdir(parents=True)
+    os.symlink(tmp_path / "data", tmp_path / "link")
+    replica_dir = {"replicas-in-root": root / "replicas", "root-in-replicas": tmp_path,
+                   "same": root, "through-a-link": tmp_path / "link"}[layout]
+    with pytest.raises(ConfigError) as caught:
+        PeerNamespaces({"run1": root}, replica_dir)
+    assert "overlap" in str(caught.value) and "run1" in str(caught.value)
+    PeerNamespaces({"run1": root}, tmp_path / "state" / "replicas")  # apart: fine

@@ -60,6 +60,12 @@ class PeerNamespaces:
     def __init__(self, roots: dict[str, Path], replica_dir: Path | None) -> None:
         self._roots = {name: Path(os.path.realpath(path)) for name, path in roots.items()}
         self._replicas = Path(os.path.realpath(replica_dir)) if replica_dir is not None else None
+        for name, root in self._roots.items():
+            if self._replicas is not None and (_within(root, self._replicas) or _within(self._replicas, root)):
+                raise ConfigError(f"the replica directory and local root {name!r} overlap: peers that write "
+                                  "replicas could write steps into the root (or read it through replicas/)",
+                                  path=str(replica_dir), hint="put replica_dir outside every local root, and no "
+                                  "root inside it (the default is <state_dir>/replicas)")
 
     # --- namespaces ----------------------------------------------------------------------------
     def namespace(self, parts: tuple[str, ...]) -> Namespace:
@@ -264,6 +270,11 @@ class PeerNamespaces:
                                         hint="delete its manifest first")
         if self._step_directory(namespace, step) is not None:
             tier.remove_step_dir(step)
+
+
+def _within(path: Path, directory: Path) -> bool:
+    """Whether ``path`` is ``directory`` or lies under it (both real paths)."""
+    return path == directory or directory in path.parents
 
 
 __all__ = ["Namespace", "PeerNamespaces"]
