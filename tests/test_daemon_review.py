@@ -5,6 +5,7 @@ to the daemon's stop event and metrics."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 import time
@@ -184,3 +185,44 @@ def test_a_commit_the_daemon_could_not_pin_is_not_answered_as_taken(tmp_path, s3
     pins.unlink()
     assert daemon.notice_commit("run1", 2) is True
     wait_until(lambda: _states(daemon, "promote").get(2, ("",))[0] == "done", 60, "step 2 promoted")
+
+
+def test_a_pin_no_tier_wants_any_more_is_dropped_at_start(tmp_path, running):
+    root = tmp_path / "root"
+    _commit(root, [1])
+    local = LocalTier(root)
+    pins = PinnedSteps(local, DAEMON_PIN_DIRECTORY)
+    pins.pin(1, local.list_files(1))  # journaled for a tier the new config no longer has (journal lost too)
+    daemon = _start(running, _config(tmp_path, root, None, None))
+    assert daemon.journal is not None and daemon.journal.tasks() == []
+    assert pins.pinned() == [], "a pin with no task to wait for was kept"
+    assert local.committed_steps() == [1]
+
+
+def test_a_trainer_after_a_daemon_was_sigkilled_promotes_in_process(tmp_path, s3_bucket, s3_options):
+    from ckptd.manager.daemon_link import DaemonLink
+    from ckptd.testing.daemon_process import DaemonProcess, write_config
+
+    root, state = tmp_path / "root", tmp_path / "state"
+    config = write_config(tmp_path / "daemon.toml", [{"name": "run1", "local": str(root),
+                                                      "remote": f"s3://{s3_bucket}/run1", "storage_options": s3_options}],
+                          state_dir=str(state), listen="127.0.0.1:0", node_id="node-a", scrub_interval_s=0)
+    with DaemonProcess(config, state) as daemon:
+        killed = daemon.wait_ready()["pid"]
+        daemon.kill()
+    assert (root / ".ckptd-daemon.json").is_file(), "the SIGKILL left no stale state file to test with"
+    assert DaemonLink.find(root) is None
+    with ckptd.CheckpointManager(root, remote=f"s3://{s3_bucket}/run1", storage_options=s3_options,
+                                 capture_rng=False) as manager:
+        manager.save(1, trainer_state(1))
+        manager.wait()
+        manager.wait_uploads()
+        assert not manager.daemon_promotes
+    assert ObjectTier(f"s3://{s3_bucket}/run1", storage_options=s3_options).committed_steps() == [1]
+    with DaemonProcess(config, state) as daemon:  # a restarted daemon replaces the stale files
+        started = daemon.wait_ready()["pid"]
+        assert started != killed and json.loads((root / ".ckptd-daemon.json").read_text())["pid"] == started
+        link = DaemonLink.find(root)
+        assert link is not None and link.promotes
+        link.close()
+        assert daemon.terminate() == 0

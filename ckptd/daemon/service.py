@@ -192,7 +192,7 @@ class Daemon:
             for step in pinned:
                 if not self.journal.tasks(root=name, step=step):
                     self._on_commit(name, step)
-                elif not self.journal.open_tasks(name, step):
+                if not self.journal.open_tasks(name, step):  # finished, or no tier wants it any more
                     self._unpin(runtime, step)
             for step in sorted(set(runtime.pins.tier.list_step_numbers()) - set(pinned)):
                 # a pin a crash left half made or half dropped: completed while its step is still in the root
