@@ -55,6 +55,8 @@ log = logging.getLogger("ckptd.daemon")
 
 #: Longest wait between two attempts of a failing task.
 MAX_BACKOFF_S = 300.0
+#: Attempts of a task whose source copy fails its checks before it is failed for good.
+INTEGRITY_ATTEMPTS = 3
 #: The file the daemon writes in its state_dir, and in every watched root.
 STATE_FILE = "daemon.json"
 ROOT_FILE = ".ckptd-daemon.json"
@@ -512,7 +514,7 @@ class Daemon:
         text = str(error) if isinstance(error, CkptdError) else f"{type(error).__name__}: {error}"
         tier = "object" if task.kind == "promote" else "peer"
         self.metrics.error(task.kind)
-        if _never_succeeds(error, source):
+        if _never_succeeds(error, source, task.attempts):
             text = f"failed for good (a restart tries once more): {text}"
             self.journal.give_up(task.id, text)
             self._record_error(task.kind, task.root, task.step, text)
@@ -680,11 +682,12 @@ class Daemon:
                 "watch": self.watcher.mode if self.watcher is not None else None, "http": self._state_document()["http"]}
 
 
-def _never_succeeds(error: BaseException, source: StorageTier | None) -> bool:
-    """Whether retrying cannot help: the copy read from is corrupt, or the target holds a different step
-    with this number (transient failures of the target are retried)."""
+def _never_succeeds(error: BaseException, source: StorageTier | None, attempts: int) -> bool:
+    """Whether retrying cannot help: the copy read from failed its checks :data:`INTEGRITY_ATTEMPTS` times
+    (a read racing a writer passes the next time; a corrupt chunk never does), or the target holds a
+    different step with this number. Failures of the target are retried."""
     if isinstance(error, IntegrityError):
-        return source is not None and error.tier == source.label
+        return source is not None and error.tier == source.label and attempts >= INTEGRITY_ATTEMPTS
     return type(error) is CommitError and "different step" in error.message
 
 
