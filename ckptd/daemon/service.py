@@ -13,8 +13,11 @@ Life of a step (see ``docs``: the Sidecar daemon section of the design):
    the pinned copy; the replicate worker with ``replicate_step`` to ``<buddy>/replicas/<node_id>/<root>``;
 3. a task that fails is retried with exponential back-off (``retry_backoff_s``, doubling, at most
    :data:`MAX_BACKOFF_S`), its error kept in the journal and the status document; a tier that fails never
-   holds the other one's worker;
-4. when every task of the step is done (or skipped), the pin is dropped.
+   holds the other one's worker; a task that cannot succeed (its source copy corrupt, its tier holding a
+   different step with the number) is failed for good (kept with its error and its pin, tried once more at
+   the next start);
+4. when every task of the step is done (or skipped), the pin is dropped. The daemon's pins live in
+   :data:`~ckptd.daemon.roots.DAEMON_PIN_DIRECTORY`, apart from the in-process uploader's.
 
 A restarted daemon puts the tasks that were running back to pending (both copies are idempotent), journals
 what was committed while it was down (the start rescan) and drops pins whose tasks are all finished.
