@@ -254,7 +254,10 @@ def test_resets_and_cut_answers_lose_nothing(tmp_path: Path, server: PeerServer)
         port = int(proxy.endpoint_url.rpartition(":")[2])
         flaky = PeerTier(f"peer://127.0.0.1:{port}/replicas/node-a/run1", token=TOKEN)
         for step in saved:
-            replicate_step(local, flaky, step)
+            progress: list[int] = []
+            report = replicate_step(local, flaky, step, progress=progress.append)
+            manifest = (local.root / step_dir(step) / MANIFEST_NAME).stat().st_size
+            assert sum(progress) == report.bytes_sent - manifest, "retried writes are not counted twice"
         target = {name: torch.zeros_like(value) for name, value in saved[2].items()}
         assert restore_state([flaky], target, rank=0, world_size=1).step == 2
         flaky.close()
@@ -327,3 +330,25 @@ def test_a_token_a_header_cannot_carry_is_a_config_error_that_never_shows_it(ser
         PeerTier(server.url("replicas/node-a/run1"), token=token).list_step_numbers()
     shown = str(caught.value) + repr(caught.value)
     assert "HTTP header" in shown and "k9SECRET" not in shown
+
+
+def test_progress_counts_each_byte_once_when_writes_are_retried(tmp_path: Path, server: PeerServer) -> None:
+    saved = _state(9)
+    with ckptd.CheckpointManager(tmp_path / "node-a", capture_rng=False) as manager:
+        manager.save(1, saved)
+        manager.wait()
+    local = LocalTier(tmp_path / "node-a")
+    # resets after the request reached the daemon: each such write is sent again
+    with FaultProxy(f"http://127.0.0.1:{server.port}", fraction=0.2, kinds=("reset",), seed=2) as proxy, \
+            override(io_threads=1):
+        port = int(proxy.endpoint_url.rpartition(":")[2])
+        flaky = PeerTier(f"peer://127.0.0.1:{port}/replicas/node-a/run1", token=TOKEN)
+        progress: list[int] = []
+        report = replicate_step(local, flaky, 1, progress=progress.append)
+        flaky.close()
+    assert proxy.faults_injected >= 2, proxy.counts
+    files = {name: (local.root / step_dir(1) / name).read_bytes() for name in os.listdir(local.root / step_dir(1))}
+    replicas = tmp_path / "replicas" / "node-a" / "run1" / step_dir(1)
+    assert {name: (replicas / name).read_bytes() for name in os.listdir(replicas)} == files
+    assert sum(progress) == report.bytes_sent - len(files[MANIFEST_NAME]) == sum(map(len, files.values())) - len(
+        files[MANIFEST_NAME]), "every byte once, however often it was sent"

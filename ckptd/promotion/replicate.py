@@ -120,11 +120,17 @@ class _Sender:
         self._lock = threading.Lock()
 
     def send(self, path: str, size: int, pieces: _Pieces) -> None:
+        reported = 0  # bytes of this file already reported: a retried write sends them again
+
         def counted() -> Iterator[Buffer]:
+            nonlocal reported
+            position = 0
             for piece in pieces():
                 yield piece
-                if self.progress is not None:
-                    self.progress(len(memoryview(piece).cast("B")))
+                position += len(memoryview(piece).cast("B"))
+                if self.progress is not None and position > reported:
+                    self.progress(position - reported)
+                    reported = position
 
         with self._lock:  # before the write: a failed write may have left something to discard
             self.sent.append(path)
