@@ -298,6 +298,9 @@ def test_connections_of_ended_threads_are_closed(server: PeerServer, replica: Pe
     assert _client_sockets_to(server.port) <= 2, "one connection per live thread, not per thread ever"
     replica.close()
     assert _client_sockets_to(server.port) == 0
+    assert replica.size(path) == 3, "a closed tier opens a connection again when used"
+    replica.close()
+    assert _client_sockets_to(server.port) == 0, "and closes that one too"
 
 
 def test_a_forked_child_uses_its_own_connection(server: PeerServer, replica: PeerTier) -> None:

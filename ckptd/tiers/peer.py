@@ -436,6 +436,7 @@ class PeerTier(StorageTier):
     def close(self) -> None:
         with self._lock:
             connections, self._connections = self._connections, []
+            self._local = threading.local()  # a later request opens a new, tracked connection
         for _, connection in connections:
             connection.close()
 
