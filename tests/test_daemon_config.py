@@ -241,3 +241,9 @@ def test_a_peer_token_of_the_wrong_kind_is_refused_without_showing_it(dirs):
                           state_dir=str(dirs["state"]), peer_token=918273645546372819)
     line = _refused(_check(config), "peer_token", str(dirs["config"]))
     assert "918273645546372819" not in line
+
+
+def test_a_bad_bucket_name_is_named_as_such(dirs):
+    config = write_config(dirs["config"], [{"name": "run1", "local": str(dirs["root"]), "remote": "s3://My_Bucket/run1"}],
+                          state_dir=str(dirs["state"]))
+    _refused(_check(config), "'My_Bucket'", "not an S3 bucket name", "remote of root 'run1'", str(dirs["config"]))

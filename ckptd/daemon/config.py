@@ -494,6 +494,11 @@ def _is_loopback(host: str) -> bool:
 
 
 def _check_remote(url: str, where: str) -> None:
+    bucket = url[len("s3://"):].partition("/")[0] if url.startswith("s3://") else ""
+    if bucket and not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
+        raise ConfigError(f"{where}: {bucket!r} in {url!r} is not an S3 bucket name",
+                          hint="bucket names are 3 to 63 lowercase letters, digits, dots and hyphens, beginning and "
+                               "ending with a letter or digit")
     if not re.fullmatch(r"s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?", url):
         raise ConfigError(f"{where}: {url!r} is not an object-store URL",
                           hint="write it as s3://bucket/prefix (any S3-compatible store; set its endpoint_url in "
