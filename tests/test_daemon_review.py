@@ -226,3 +226,24 @@ def test_a_trainer_after_a_daemon_was_sigkilled_promotes_in_process(tmp_path, s3
         assert link is not None and link.promotes
         link.close()
         assert daemon.terminate() == 0
+
+
+def test_an_object_tier_that_is_down_does_not_hold_replication(tmp_path, running):
+    token = "t" * 32
+    node_b = tmp_path / "b"
+    daemon_b = _start(running, _config(node_b, node_b / "root", None, None, node_id="node-b", peer_token=token))
+    root = tmp_path / "root"
+    _commit(root, [1, 2])
+    down = {"client_kwargs": {"endpoint_url": "http://127.0.0.1:9"}}  # nothing listens on the discard port
+    daemon = _start(running, _config(tmp_path, root, "s3://bucket-down/run1", down, peer_token=token,
+                                     buddy=f"peer://127.0.0.1:{daemon_b.http_port}"))
+    wait_until(lambda: [state for state, _, _ in _states(daemon, "replicate").values()] == ["done", "done"], 60,
+               "both steps replicated while the object tier is down")
+    assert all(state in ("pending", "running", "failed") for state, _, _ in _states(daemon, "promote").values())
+    replicas = LocalTier(node_b / "state" / "replicas" / "node-a" / "run1")
+    assert replicas.committed_steps() == [1, 2]
+    for step in (1, 2):
+        for name in LocalTier(root).list_files(step):
+            assert replicas.read_bytes(f"{step_dir(step)}/{name}") == LocalTier(root).read_bytes(
+                f"{step_dir(step)}/{name}"), name
+    assert PinnedSteps(LocalTier(root), DAEMON_PIN_DIRECTORY).pinned() == [1, 2], "promotion still needs the pins"
