@@ -355,3 +355,39 @@ def test_progress_counts_each_byte_once_when_writes_are_retried(tmp_path: Path, 
     assert {name: (replicas / name).read_bytes() for name in os.listdir(replicas)} == files
     assert sum(progress) == report.bytes_sent - len(files[MANIFEST_NAME]) == sum(map(len, files.values())) - len(
         files[MANIFEST_NAME]), "every byte once, however often it was sent"
+
+
+def test_an_endless_refusal_is_not_read_whole(tmp_path: Path) -> None:
+    """A buddy (broken, or not a ckptd daemon) that answers 500 with a body of 100 MB that never ends: the
+    refusal is reported from its first bytes, not read into memory until a timeout."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                client, _ = listener.accept()
+            except TimeoutError:
+                continue
+            client.recv(65536)
+            client.sendall(b"HTTP/1.1 500 Internal Server Error\r\nContent-Length: 100000000\r\n\r\n"
+                           b'{"error": "broken"' + b" " * (1024 * 1024))
+            held.append(client)  # and nothing more, the connection kept open
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        with override(peer_read_timeout_s=3.0):
+            tier = PeerTier(f"peer://127.0.0.1:{listener.getsockname()[1]}/replicas/node-a/run1", token=TOKEN)
+            with pytest.raises(StorageError) as caught:
+                tier.list_step_numbers()
+            tier.close()
+        assert "HTTP 500" in str(caught.value) and not isinstance(caught.value, TierUnreachableError)
+    finally:
+        stop.set()
+        server.join(timeout=HANG_GUARD_S)
+        for client in held:
+            client.close()
+        listener.close()

@@ -77,6 +77,10 @@ _TRANSPORT_ERRORS = (OSError, http.client.HTTPException)
 _TOKEN_HINT = (f"set {TOKEN_ENV} (or {TOKEN_FILE_ENV}, or storage_options token / token_file) to the "
                "peer_token of the buddy's daemon")
 
+#: Most bytes read of an answer that is not a file's bytes (a refusal, a write's answer) and of a listing;
+#: a daemon's own are far smaller, and the rest of a longer one is left with its dropped connection.
+_ANSWER_BYTES = 64 * 1024
+_LISTING_BYTES = 16 * 1024 * 1024
 #: What a token may hold: visible ASCII, which an HTTP header carries as it is.
 _TOKEN_CHARACTERS = re.compile(r"[\x21-\x7e]+")
 
@@ -212,12 +216,14 @@ class PeerTier(StorageTier):
             try:
                 response = self._send(connection, method, target, headers or {}, body, length)
                 if response.status == 503 and busy + 1 < _BUSY_ATTEMPTS:
-                    response.read()
+                    _small_answer(response)
+                    if not response.isclosed():
+                        self._drop_connection()
                     busy += 1
                     time.sleep(random.uniform(0.5, 1.0) * min(1.0, 0.02 * 2 ** busy))
                     continue
                 result = handle(response)
-                if response.will_close:
+                if response.will_close or not response.isclosed():  # closed: the answer was read whole
                     self._drop_connection()
                 return result
             except _TRANSPORT_ERRORS as failure:  # no answer: the daemon is gone, or the connection was stale
@@ -270,7 +276,7 @@ class PeerTier(StorageTier):
     def _error(self, response: http.client.HTTPResponse, what: str, path: str | None) -> CkptdError:
         """The error of a refused request (its body is read here)."""
         try:
-            message = str(json.loads(response.read() or b"{}").get("error", ""))[:500]
+            message = str(json.loads(_small_answer(response) or b"{}").get("error", ""))[:500]
         except (ValueError, AttributeError):
             message = ""
         status = response.status
@@ -300,7 +306,7 @@ class PeerTier(StorageTier):
 
         def handle(response: http.client.HTTPResponse) -> tuple[T, int | None]:
             if response.status == 416:
-                response.read()
+                _small_answer(response)
                 return empty(), None
             if response.status != 206:
                 raise self._error(response, "a read", path)
@@ -356,7 +362,7 @@ class PeerTier(StorageTier):
             return None
 
         def handle(response: http.client.HTTPResponse) -> int | None:
-            response.read()
+            _small_answer(response)
             if response.status == 404:
                 return None
             if response.status != 200:
@@ -377,12 +383,15 @@ class PeerTier(StorageTier):
     def _listing(self, relative: str, key: str, missing: list[Any] | None) -> list[Any]:
         def handle(response: http.client.HTTPResponse) -> list[Any]:
             if response.status == 404 and missing is not None:
-                response.read()
+                _small_answer(response)
                 return missing
             if response.status != 200:
                 raise self._error(response, "a listing", relative)
             try:
-                listed = json.loads(response.read())[key]
+                body = response.read(_LISTING_BYTES + 1)
+                if len(body) > _LISTING_BYTES:
+                    raise ValueError("the listing is too long")
+                listed = json.loads(body)[key]
             except (ValueError, KeyError, TypeError) as exc:
                 raise StorageError("the peer daemon sent a malformed listing", path=relative,
                                    tier=self.label) from exc
@@ -413,7 +422,7 @@ class PeerTier(StorageTier):
         def handle(response: http.client.HTTPResponse) -> None:
             if response.status not in (200, 201, 204):
                 raise self._error(response, f"writing {path}", path)
-            response.read()
+            _small_answer(response)
 
         self._request("PUT", path, what=f"writing {path}", path=path, handle=handle, body=pieces, length=size,
                       query="if_absent=1" if if_absent else "")
@@ -422,7 +431,7 @@ class PeerTier(StorageTier):
         def handle(response: http.client.HTTPResponse) -> None:
             if response.status not in (200, 204, 404):
                 raise self._error(response, f"deleting {relative}", relative)
-            response.read()
+            _small_answer(response)
 
         self._request("DELETE", relative, what=f"deleting {relative}", path=relative, handle=handle)
 
@@ -439,6 +448,12 @@ class PeerTier(StorageTier):
             self._local = threading.local()  # a later request opens a new, tracked connection
         for _, connection in connections:
             connection.close()
+
+
+def _small_answer(response: http.client.HTTPResponse) -> bytes:
+    """The body of an answer that carries no file, up to :data:`_ANSWER_BYTES` (a longer one is cut; the
+    connection it leaves half read is then dropped)."""
+    return response.read(_ANSWER_BYTES)
 
 
 def _read_exactly(response: http.client.HTTPResponse, count: int) -> bytes:
