@@ -4,7 +4,10 @@ A step is committed when ``step-*/manifest.json`` appears (linked or renamed int
 :class:`CommitWatcher` reports each committed step of each root to ``on_commit(root_name, step)``:
 
 - ``mode="inotify"``: a watchdog observer (inotify on Linux) on every root sees manifests appear at once;
-  a full rescan runs at start and every ``poll_interval_s * 10`` seconds for events the kernel dropped;
+  a full rescan runs at start and every ``poll_interval_s * 10`` seconds for events the kernel dropped.
+  The watch asks the kernel for creations and moves only (:func:`watched_events`, the inotify mask
+  ``IN_CREATE | IN_MOVE``): the trainer's writes into its data files, each an ``IN_MODIFY`` on a
+  recursive watch, never reach the daemon;
 - ``mode="poll"``: only the rescans, every ``poll_interval_s``;
 - ``mode="auto"``: inotify when watchdog is importable, else poll (the log says which).
 
@@ -27,6 +30,15 @@ log = logging.getLogger("ckptd.daemon")
 
 #: Called with (root name, step) for every committed step found.
 CommitCallback = Callable[[str, int], None]
+
+
+def watched_events() -> list[type]:
+    """The watchdog event classes the observer asks for: a manifest linked or renamed into place (a file
+    created or moved), a step directory renamed into place. watchdog turns them into the inotify mask, so
+    that the kernel does not queue the modify, open and close events of the trainer's writes."""
+    from watchdog.events import DirCreatedEvent, DirMovedEvent, FileCreatedEvent, FileMovedEvent
+
+    return [FileCreatedEvent, FileMovedEvent, DirCreatedEvent, DirMovedEvent]
 
 
 def committed_in(root: Path) -> list[int]:
@@ -116,7 +128,7 @@ class CommitWatcher:
                         target = str(getattr(event, "dest_path", "") or event.src_path)
                         watcher._directory_appeared(Path(target))
                     return
-                if event.event_type not in ("created", "moved", "closed"):
+                if event.event_type not in ("created", "moved"):
                     return
                 path = str(getattr(event, "dest_path", "") or event.src_path)
                 found = _step_of_manifest(path, watcher.roots)
@@ -126,7 +138,7 @@ class CommitWatcher:
         observer = Observer()
         handler = _Handler()
         for root in self.roots.values():
-            observer.schedule(handler, str(root), recursive=True)
+            observer.schedule(handler, str(root), recursive=True, event_filter=watched_events())
         observer.daemon = True
         observer.start()
         self._observer = observer
