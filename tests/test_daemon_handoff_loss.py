@@ -5,7 +5,8 @@ Each rank has a local directory of its own (two "nodes"); one daemon stand-in in
 on (it holds them, as a daemon that accepts and never answers). Rank 1 gives its daemon up after its request
 deadline; rank 0, whose daemon still answers, must give its own up too (rank 0 decides the promotions and
 rank 1 follows it). Every step from the loss on reaches S3 with both ranks' files, byte-checked, and no
-rank's ``wait_uploads`` or ``close`` raises.
+rank's ``wait_uploads`` or ``close`` raises. A daemon that answers a commit with an error (it is stopping, it
+could not pin the step) did not take it: the trainer promotes that step, and the later ones, itself.
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ import torch
 
 from ckptd.daemon.control_socket import ControlSocket
 from ckptd.daemon.metrics import DaemonMetrics
+from ckptd.errors import StorageError
+from ckptd.promotion.pinning import PinnedSteps
 from ckptd.stepio.step_reader import load_step_manifest, verify_step
 from ckptd.testing import run_multirank
 from ckptd.tiers import open_tier
 from ckptd.tiers.atomicity import ranks_held
+from ckptd.tiers.local import LocalTier
 
 pytestmark = [pytest.mark.s3, pytest.mark.multirank]
 
@@ -45,18 +49,21 @@ class _TwoNodes:
         self.remote, self.metrics = remote, DaemonMetrics()
         self.commits: list[tuple[str, int]] = []
         self.release = threading.Event()
+        self.refuse: set[int] = set()  # steps answered with an error (as a stopping daemon does)
 
     def root_for(self, path: Path) -> _Root | None:
         return next((_Root(name) for name, root in self.roots.items() if root == Path(path).resolve()), None)
 
     def describe_root(self, root_name: str) -> dict[str, Any]:
         return {"root_name": root_name, "promotes": True, "replicates": False, "remote": self.remote,
-                "peer_url": None}
+                "peer_url": None, "pin_directory": ".ckptd-daemon-pins"}  # as the real daemon: it pins its own
 
     def notice_commit(self, root_name: str, step: int) -> bool:
         if root_name == "b" and step >= 2:
             self.release.wait(60)
         self.commits.append((root_name, step))
+        if step in self.refuse:
+            raise StorageError("the daemon is stopping: the step is not journaled", step=step, tier="local")
         return True
 
     def record_trainer_report(self, root_name: str, report: dict[str, Any]) -> None:
@@ -102,6 +109,9 @@ def test_a_rank_that_loses_its_daemon_turns_every_rank_to_in_process_promotion(n
     monkeypatch.setenv("CKPTD_DAEMON_SOCKET", str(nodes["socket"]))
     monkeypatch.setenv("CKPTD_DAEMON_REQUEST_TIMEOUT_S", "1")
     monkeypatch.setenv("CKPTD_COMMIT_TIMEOUT_S", "30")  # bounds a follower's wait for rank 0's decisions
+    # A follower's pin cap may release a step rank 0 announces later (the uploader's own race, not the
+    # hand-off's): a cap above the steps of this run keeps it out of this test.
+    monkeypatch.setenv("CKPTD_PIN_MAX_STEPS", "16")
     roots = [str(nodes["roots"]["a"]), str(nodes["roots"]["b"])]
     results = run_multirank(_train, 2, roots, nodes["remote"], nodes["options"], timeout_s=150)
     assert [result["took"] for result in results] == [True, True], results
@@ -115,3 +125,23 @@ def test_a_rank_that_loses_its_daemon_turns_every_rank_to_in_process_promotion(n
         assert list(verify_step(remote, step)) == []
     assert ("a", 1) in nodes["daemon"].commits and not [step for root, step in nodes["daemon"].commits
                                                         if root == "a" and step >= 4]
+
+
+def test_a_commit_the_daemon_refuses_is_promoted_in_process_and_leaves_no_pin(nodes, monkeypatch):
+    import ckptd
+
+    monkeypatch.setenv("CKPTD_DAEMON_SOCKET", str(nodes["socket"]))
+    nodes["daemon"].refuse = {3}
+    root = nodes["roots"]["a"]
+    with ckptd.CheckpointManager(root, remote=nodes["remote"], storage_options=nodes["options"], capture_rng=False,
+                                 policy=ckptd.Policy(keep_local=None)) as manager:
+        assert manager.daemon_promotes
+        for step in range(1, 5):
+            manager.save(step, {"weights": torch.full((16 * 1024,), float(step))})
+            manager.wait()
+        manager.wait_uploads()
+        assert not manager.daemon_promotes
+    assert nodes["daemon"].commits == [("a", 1), ("a", 2), ("a", 3)]  # not told of step 4
+    remote = open_tier(nodes["remote"], storage_options=nodes["options"])
+    assert 4 in remote.committed_steps() and list(verify_step(remote, 4)) == []
+    assert PinnedSteps(LocalTier(root)).pinned() == [], "every pin promoted or released"

@@ -8,7 +8,9 @@ daemon (``committed``); then the save stalls and step times recorded by the trai
 thread.
 
 The first request the daemon does not answer ends the hand-off: one warning, and ``on_lost`` (the manager
-starts its own uploader, which resumes the pinned steps). A daemon that answers it does not want a step
+starts its own uploader, which resumes the pinned steps). So does an error answer to ``committed`` (a
+stopping daemon, one that could not pin or journal the step): the daemon did not take that step, which is
+pinned here, and nobody else would promote it. A daemon that answers it does not want a step
 (``wanted`` false) gets no pin for it: the pin is released at once. A daemon whose hello names a
 ``pin_directory`` other than ``.promoting`` pins the steps it takes there itself, before it answers: the
 manager's pin in ``.promoting`` only bridges until that answer and is released then too (so that the
@@ -165,7 +167,7 @@ class DaemonHandoff:
             self._lose(step, f"{elsewhere}; every rank promotes in-process")
             return
         wanted = self.link.committed(step)
-        if wanted is None and not self.link.alive:
+        if wanted is None:  # no answer, or an error answer: the daemon did not take the step
             self._lose(step)
             return
         if self.pins is not None and wanted is not None and not (wanted and self.shares_pins):
@@ -195,7 +197,8 @@ class DaemonHandoff:
         self._lost.set()
         self._timings.clear()
         if elsewhere is None:
-            why = f"stopped answering ({self.link.failure})"
+            why = f"stopped answering ({self.link.failure})" if not self.link.alive else \
+                f"did not take step {step} ({self.link.refusal})"
             if self.shared is not None:
                 self.shared.set(self.rank, f"its ckptd daemon {why} at step {step}")
         else:

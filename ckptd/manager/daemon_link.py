@@ -63,6 +63,8 @@ class DaemonLink:
         self.info: dict[str, Any] = {}
         #: Why the daemon stopped answering (None while it answers).
         self.failure: str | None = None
+        #: The error the daemon answered to the latest ``committed`` it refused (None: it took the step).
+        self.refusal: str | None = None
         self._socket: socket.socket | None = None
         self._buffer = b""
         self._lock = threading.Lock()
@@ -117,8 +119,10 @@ class DaemonLink:
         if answer is None:
             return None
         if not answer.get("ok"):
-            log.warning("the ckptd daemon refused the commit of step %d: %s", step, answer.get("error"))
+            self.refusal = str(answer.get("error"))
+            log.warning("the ckptd daemon refused the commit of step %d: %s", step, self.refusal)
             return None
+        self.refusal = None
         return bool(answer.get("wanted", True))
 
     def report(self, step: int, *, save_stall_s: float | None, step_s: float | None) -> bool:
