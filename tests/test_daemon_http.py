@@ -186,3 +186,32 @@ def test_a_port_in_use_is_a_clear_error():
             HttpServer(_StandIn(), "127.0.0.1", port).start()
     finally:
         taken.close()
+
+
+def test_a_status_or_readiness_that_hangs_is_a_503_with_the_reason(served, monkeypatch):
+    import threading
+
+    from ckptd.daemon import http_server
+
+    server, stand_in, _ = served
+    monkeypatch.setattr(http_server, "ANSWER_TIMEOUT_S", 0.5)
+    released = threading.Event()
+
+    def hung_status() -> dict[str, Any]:
+        released.wait(30)
+        return {}
+
+    def hung_ready() -> bool:
+        released.wait(30)
+        return True
+
+    stand_in.status, stand_in.is_ready = hung_status, hung_ready  # type: ignore[method-assign]
+    try:
+        status, body, _ = _get(server.url + "/status")
+        assert status == 503 and "took longer" in json.loads(body)["error"]
+        status, body, _ = _get(server.url + "/readyz")
+        assert status == 503 and json.loads(body)["ready"] is False and "took longer" in json.loads(body)["why"]
+        assert _get(server.url + "/healthz")[0] == 200
+        assert _samples(stand_in.metrics.render()[0].decode())[("ckptd_errors_total", (("where", "http"),))] == 1
+    finally:
+        released.set()

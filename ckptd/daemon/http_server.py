@@ -11,7 +11,8 @@ daemon's other threads stay plain threads. Routes:
   limits).
 
 ``daemon.status()`` and ``daemon.is_ready()`` may do I/O: they run on the loop's executor, so a slow status
-never holds ``/healthz``. Request bodies are bounded (``client_max_size``) and refused (413) on every route
+never holds ``/healthz``, and each gets :data:`ANSWER_TIMEOUT_S`: one that takes longer is a 503 with the
+reason (a hung tier must not leave probes and scrapers waiting for ever). Request bodies are bounded (``client_max_size``) and refused (413) on every route
 but the peer routes. Call order: :meth:`HttpServer.start` once (returns the bound port), :meth:`HttpServer.stop`
 once, from any one thread.
 """
@@ -36,6 +37,8 @@ log = logging.getLogger("ckptd.daemon.http")
 MAX_BODY_BYTES = 64 * 1024
 #: Path prefix of the peer routes: the only ones that accept a request body.
 PEER_PREFIX = "/v1/peer/"
+#: Longest wait for ``daemon.status()`` or ``daemon.is_ready()`` before the request is answered 503.
+ANSWER_TIMEOUT_S = 10.0
 _START_TIMEOUT_S = 10.0
 _STOP_TIMEOUT_S = 10.0
 _NOT_READY = "the daemon is not ready (starting, stopping, or a root's tier cannot be used yet); see /status"
@@ -153,7 +156,10 @@ class HttpServer:
 
     async def _readyz(self, request: web.Request) -> web.Response:
         try:
-            ready = await asyncio.get_running_loop().run_in_executor(None, self.daemon.is_ready)
+            ready = await _in_executor(self.daemon.is_ready)
+        except asyncio.TimeoutError:
+            log.warning("the readiness check took longer than %g s", ANSWER_TIMEOUT_S)
+            return _json({"ready": False, "why": f"the readiness check took longer than {ANSWER_TIMEOUT_S:g} s"}, 503)
         except Exception as error:  # a readiness check that fails means not ready, with the reason
             log.warning("the readiness check failed: %s", error)
             return _json({"ready": False, "why": f"the readiness check failed: {error}"}, 503)
@@ -163,7 +169,11 @@ class HttpServer:
 
     async def _status(self, request: web.Request) -> web.Response:
         try:
-            document = await asyncio.get_running_loop().run_in_executor(None, self.daemon.status)
+            document = await _in_executor(self.daemon.status)
+        except asyncio.TimeoutError:
+            log.warning("the status document took longer than %g s", ANSWER_TIMEOUT_S)
+            self.daemon.metrics.error("http")
+            return _json({"error": f"the status document took longer than {ANSWER_TIMEOUT_S:g} s; try again"}, 503)
         except Exception as error:
             log.warning("the status document could not be made: %s", error)
             self.daemon.metrics.error("http")
@@ -173,6 +183,11 @@ class HttpServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         body, content_type = self.daemon.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+async def _in_executor(question: Callable[[], Any]) -> Any:
+    """``question()`` on the loop's executor, at most :data:`ANSWER_TIMEOUT_S` (asyncio.TimeoutError)."""
+    return await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(None, question), ANSWER_TIMEOUT_S)
 
 
 class _AccessLog(AbstractAccessLogger):
