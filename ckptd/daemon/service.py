@@ -146,6 +146,7 @@ class Daemon:
             self._roots[root.name] = self._open_root(root)
         self.buddy.start()
         self._resume_pins()
+        self._connect_remotes()
         self._start_servers()
         self._write_state_files()
         self.watcher = CommitWatcher({name: runtime.local.root for name, runtime in self._roots.items()},
@@ -443,6 +444,18 @@ class Daemon:
             finally:
                 with self._state_lock:
                     self._running.pop(kind, None)
+
+    def _connect_remotes(self) -> None:
+        """Make the object tiers' clients at start (no request is sent): botocore loads its S3 model for each
+        client, about a CPU-second in all, which would otherwise land on the trainer's first steps."""
+        for runtime in list(self._roots.values()):
+            connect = getattr(runtime.remote, "connect", None)
+            if connect is None:
+                continue
+            try:
+                connect()
+            except CkptdError as error:  # the first task tries again, and journals what fails
+                log.info("could not open the clients of %s yet: %s", runtime.config.remote, error)
 
     def _run_task(self, task: Task) -> None:
         assert self.journal is not None
