@@ -10,11 +10,21 @@ Two measurements, each interleaved round by round so that a change in machine lo
    calibrated to take ``--compute-ms`` on an idle machine, and a save) with no promotion at all, against the same loop while a daemon promotes every step to
    S3 and replicates it to a second daemon. Goal: <= 3% slower (median step time).
 
-moto's server and the buddy daemon are reniced to 19 (``--store-nice 0`` leaves them), so that the CPU of the
-store and of the other node, which a real deployment has elsewhere, does not count as this node's daemon's
-cost; the node's daemon runs as it would in production (its copy threads ``background_nice`` + 5 below normal).
+moto's server and the buddy daemon stand in for other machines (the store, the buddy node), which a real
+deployment has elsewhere: they are reniced to 19 (``--store-nice 0`` leaves them), and with
+``--store-policy idle`` (the default) they run at ``SCHED_IDLE`` as well, so that their CPU does not count as
+this node's daemon's cost. The node's daemon runs as it would in production (its ``cpu_policy``, default
+``nice``: copy threads ``background_nice`` + 5 below normal); ``--daemon-env KEY=VALUE`` passes settings to it.
 
-Usage: ``python benchmarks/bench_daemon.py [--steps 6] [--mib 8] [--rounds 3] [--train-steps 40] [--json]``.
+With the training loop the benchmark also reports the CPU seconds each process spent from the first step
+until the daemon had copied every step (``/proc/PID/stat``), and the node daemon's CPU per GB it copied:
+figures that hold still on a loaded machine, where step times do not.
+
+``--save-every N`` (default 1: a save every step) saves every N steps in the training loop; the
+default case is the one the goal names, ``--save-every 10`` is the cadence of a real job, reported next to it.
+
+Usage: ``python benchmarks/bench_daemon.py [--steps 6] [--mib 8] [--rounds 3] [--train-steps 40]
+[--compute-threads 1] [--skip-promotion] [--save-every 1] [--json]``.
 """
 
 from __future__ import annotations
@@ -52,10 +62,26 @@ def _renice(pid: int, nice: int) -> None:
             pass
 
 
-def _renice_children(nice: int) -> None:
-    for task in Path("/proc/self/task").glob("*/children"):
-        for pid in task.read_text().split():
-            _renice(int(pid), nice)
+def _idle(pid: int) -> None:
+    """Put every thread of process ``pid`` on ``SCHED_IDLE`` (threads it starts later inherit it)."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setscheduler(int(task.name), os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            pass
+
+
+def _stand_in(pid: int, nice: int, policy: str) -> None:
+    """Lower a process that stands in for another machine (moto's server, the buddy daemon)."""
+    _renice(pid, nice)
+    if policy == "idle":
+        _idle(pid)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _committed_root(directory: Path, steps: int, mib: int) -> int:
@@ -108,8 +134,8 @@ def _products_for(compute_ms: float) -> int:
     return max(1, int(count * compute_ms / 500))
 
 
-def _train(directory: Path, steps: int, products: int) -> list[float]:
-    """Per-step times of a loop that does ``products`` matrix products and saves every step."""
+def _train(directory: Path, steps: int, products: int, save_every: int = 1) -> list[float]:
+    """Per-step times of a loop that does ``products`` matrix products and saves every ``save_every`` steps."""
     weights = torch.randn(256, 256)
     state = {f"layer{index}": torch.randn(64 * 1024) for index in range(16)}
     times = []
@@ -120,13 +146,18 @@ def _train(directory: Path, steps: int, products: int) -> list[float]:
                 weights = torch.tanh(weights @ weights) * 0.5
             for tensor in state.values():
                 tensor.add_(0.001)
-            manager.save(step, state)
+            if step % save_every == 0:
+                manager.save(step, state)
             times.append(time.perf_counter() - started)
     return times
 
 
 def _train_with_daemons(work: Path, bucket: str, options: dict[str, Any], steps: int, products: int,
-                        store_nice: int) -> list[float]:
+                        stand_ins: tuple[int, str], moto_pid: int, save_every: int,
+                        daemon_env: dict[str, str]) -> tuple[list[float], dict[str, float]]:
+    """Step times of the loop with a daemon promoting and replicating, and the CPU seconds of the node
+    daemon, the buddy and moto from the first step until the daemon has copied every saved step."""
+    store_nice, store_policy = stand_ins
     run = work / f"train-{uuid.uuid4().hex[:8]}"
     run.mkdir()
     token = secrets.token_hex(16)
@@ -137,22 +168,44 @@ def _train_with_daemons(work: Path, bucket: str, options: dict[str, Any], steps:
     env = {"CKPTD_DAEMON_LOG_LEVEL": "warning"}
     with DaemonProcess(buddy_config, buddy_state, env=env) as buddy:
         address = buddy.wait_ready()["http"]
-        _renice(buddy.process.pid, store_nice)  # the buddy stands in for another node, as moto for the store
+        _stand_in(buddy.process.pid, store_nice, store_policy)  # the buddy stands in for another node
         state = run / "state"
         config = write_config(run / "daemon.toml", [{"name": "run1", "local": str(run / "root"),
                                                     "remote": f"s3://{bucket}/{run.name}", "storage_options": options}],
                               state_dir=str(state), listen="127.0.0.1:0", peer_token=token, buddy=f"peer://{address}",
                               scrub_interval_s=0)
-        with DaemonProcess(config, state, env=env) as daemon:
+        with DaemonProcess(config, state, env={**env, **daemon_env}) as daemon:
             daemon.wait_ready()
+            pids = {"daemon": daemon.process.pid, "buddy": buddy.process.pid, "moto": moto_pid}
+            before = {name: _cpu_s(pid) for name, pid in pids.items()}
             os.environ["CKPTD_PEER_TOKEN"] = token  # the manager opens the buddy's copy for restores
             try:
-                times = _train(run / "root", steps, products)
+                times = _train(run / "root", steps, products, save_every)
             finally:
                 del os.environ["CKPTD_PEER_TOKEN"]
+            saves = steps // save_every
+            daemon.wait_for(lambda: _copies_finished(daemon.tasks(), saves), 600, f"the copies of {saves} steps")
+            cpu = {name: _cpu_s(pid) - before[name] for name, pid in pids.items()}
+            cpu["copied_bytes"] = sum(_copied_bytes(task) for task in daemon.tasks())
+            cpu["skipped"] = sum(task["state"] == "skipped" for task in daemon.tasks())
             daemon.terminate()
         buddy.terminate()
-    return times
+    return times, cpu
+
+
+def _copies_finished(tasks: list[dict[str, Any]], saves: int) -> bool:
+    """Whether the journal holds both tasks of each of ``saves`` steps, each done or skipped (a step whose
+    local copy the trainer's retention removed while the daemon was behind is released by the pin cap)."""
+    return len(tasks) >= 2 * saves and all(task["state"] in ("done", "skipped") for task in tasks)
+
+
+def _copied_bytes(task: dict[str, Any]) -> int:
+    result = json.loads(task["result"]) if task.get("result") else {}
+    return int(result.get("bytes_uploaded", 0)) + int(result.get("bytes_sent", 0))
+
+
+def _summary(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
 
 
 def main() -> None:
@@ -165,6 +218,12 @@ def main() -> None:
     parser.add_argument("--store-nice", type=int, default=19)
     parser.add_argument("--compute-threads", type=int, default=0,
                         help="torch threads of the training loop's compute (0: torch's default, every core)")
+    parser.add_argument("--store-policy", choices=("nice", "idle"), default="idle",
+                        help="how moto and the buddy daemon (stand-ins for other machines) are lowered")
+    parser.add_argument("--save-every", type=int, default=1, help="the training loop saves every N steps")
+    parser.add_argument("--skip-promotion", action="store_true", help="measure the training step only")
+    parser.add_argument("--daemon-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="an environment variable of the node daemon (e.g. CKPTD_DAEMON_CPU_POLICY=idle)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
@@ -172,8 +231,11 @@ def main() -> None:
     if args.compute_threads > 0:
         torch.set_num_threads(args.compute_threads)
     results: dict[str, Any] = {"steps": args.steps, "mib_per_step": args.mib, "rounds": args.rounds}
+    daemon_env = dict(item.split("=", 1) for item in args.daemon_env)
     with tempfile.TemporaryDirectory(prefix="ckptd-bench-daemon-") as temporary, EmbeddedS3() as s3:
-        _renice_children(args.store_nice)
+        assert s3._process is not None
+        moto_pid = s3._process.pid
+        _stand_in(moto_pid, args.store_nice, args.store_policy)
         work = Path(temporary)
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
         s3.create_bucket(bucket)
@@ -181,36 +243,52 @@ def main() -> None:
         template = work / "template"
         step_bytes = _committed_root(template, args.steps, args.mib)
         in_process, daemon = [], []
-        for round_number in range(args.rounds):
+        for round_number in range(0 if args.skip_promotion else args.rounds):
             remote = ObjectTier(f"s3://{bucket}/inproc-{round_number}", storage_options=options)
             in_process.append(_in_process(template, remote, args.steps))
             daemon.append(_through_daemon(work, template, bucket, options, args.steps))
         total = step_bytes * args.steps
-        results["promotion"] = {
-            "in_process_mb_s": total / statistics.median(in_process) / 1e6,
-            "daemon_mb_s": total / statistics.median(daemon) / 1e6,
-            "ratio": statistics.median(in_process) / statistics.median(daemon),
-            "in_process_s": in_process, "daemon_s": daemon}
-        plain, with_daemon = [], []
+        if not args.skip_promotion:
+            results["promotion"] = {
+                "in_process_mb_s": total / statistics.median(in_process) / 1e6,
+                "daemon_mb_s": total / statistics.median(daemon) / 1e6,
+                "ratio": statistics.median(in_process) / statistics.median(daemon),
+                "in_process_s": in_process, "daemon_s": daemon}
+        plain, with_daemon, cpu = [], [], []
         products = _products_for(args.compute_ms)
         results["products_per_step"] = products
         for round_number in range(args.rounds):
-            plain.append(statistics.median(_train(work / f"plain-{round_number}", args.train_steps, products)))
-            with_daemon.append(statistics.median(_train_with_daemons(work, bucket, options, args.train_steps,
-                                                                     products, args.store_nice)))
+            plain.append(statistics.median(_train(work / f"plain-{round_number}", args.train_steps, products,
+                                                  args.save_every)))
+            times, spent = _train_with_daemons(work, bucket, options, args.train_steps, products,
+                                               (args.store_nice, args.store_policy), moto_pid, args.save_every,
+                                               daemon_env)
+            with_daemon.append(statistics.median(times))
+            cpu.append(spent)
         results["training"] = {
+            "save_every": args.save_every,
             "step_s_no_promotion": statistics.median(plain), "step_s_with_daemon": statistics.median(with_daemon),
             "slowdown": statistics.median(with_daemon) / statistics.median(plain) - 1.0,
-            "rounds_no_promotion": plain, "rounds_with_daemon": with_daemon}
+            "rounds_no_promotion": plain, "rounds_with_daemon": with_daemon,
+            "cpu_s": {name: _summary([spent[name] for spent in cpu]) for name in ("daemon", "buddy", "moto")},
+            "daemon_cpu_s_per_gb": _summary([spent["daemon"] / max(spent["copied_bytes"], 1) * 1e9 for spent in cpu]),
+            "copies_skipped": _summary([spent["skipped"] for spent in cpu]),
+            "rounds_cpu_s": cpu}
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    promotion, training = results["promotion"], results["training"]
-    print(f"promotion of {args.steps} x {args.mib} MiB: in-process {promotion['in_process_mb_s']:.1f} MB/s, "
-          f"daemon {promotion['daemon_mb_s']:.1f} MB/s, ratio {promotion['ratio']:.2f}x (goal >= 0.9x)")
-    print(f"training step: no promotion {training['step_s_no_promotion'] * 1000:.1f} ms, with the daemon promoting "
+    promotion, training = results.get("promotion"), results["training"]
+    if promotion is not None:
+        print(f"promotion of {args.steps} x {args.mib} MiB: in-process {promotion['in_process_mb_s']:.1f} MB/s, "
+              f"daemon {promotion['daemon_mb_s']:.1f} MB/s, ratio {promotion['ratio']:.2f}x (goal >= 0.9x)")
+    print(f"training step (a save every {args.save_every}): no promotion {training['step_s_no_promotion'] * 1000:.1f} ms, with the daemon promoting "
           f"and replicating {training['step_s_with_daemon'] * 1000:.1f} ms, {training['slowdown'] * 100:+.1f}% "
           f"(goal <= +3%)")
+    spent = training["cpu_s"]
+    print(f"CPU from the first step until every step was copied: node daemon {spent['daemon']:.2f} s "
+          f"({training['daemon_cpu_s_per_gb']:.1f} s per GB copied), buddy {spent['buddy']:.2f} s, "
+          f"moto {spent['moto']:.2f} s; copies skipped by the pin cap (the daemon behind): "
+          f"{training['copies_skipped']:g}")
 
 
 if __name__ == "__main__":
