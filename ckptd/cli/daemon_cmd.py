@@ -47,6 +47,8 @@ _TOP_FLAGS = (
     ("peer_max_put_bytes", "BYTES", "Largest replica file accepted (default 64 GiB)."),
     ("log_level", "LEVEL", "debug, info, warning or error (default info)."),
     ("keep_peer", "N", "Replicated steps kept per buddy root (default 2)."),
+    ("cpu_policy", "nice|idle", "How copy threads yield the CPU: nice (default) or idle (SCHED_IDLE: only spare "
+     "CPU, copies lag on a busy node)."),
 )
 _ROOT_FLAGS = (
     ("name", "NAME", "Name of the single root given by flags (default 'default')."),

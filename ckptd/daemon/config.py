@@ -48,6 +48,7 @@ _WATCH_MODES = ("auto", "inotify", "poll")
 #: Options whose value is a secret: an error about them never shows it.
 _SECRET_KEYS = frozenset({"peer_token"})
 _LOG_LEVELS = ("debug", "info", "warning", "error")
+_CPU_POLICIES = ("nice", "idle")
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,7 @@ OPTIONS: dict[str, _Option] = {
     "peer_max_put_bytes": _Option("int", 64 * 1024 ** 3, minimum=1),
     "log_level": _Option("choice", "info", _LOG_LEVELS),
     "keep_peer": _Option("int", 2, minimum=1),
+    "cpu_policy": _Option("choice", "nice", _CPU_POLICIES),
 }
 #: Keys of a ``[[roots]]`` table (plus the ``storage_options`` table).
 ROOT_OPTIONS: dict[str, _Option] = {
@@ -157,6 +159,9 @@ class DaemonConfig:
     peer_max_put_bytes: int = 64 * 1024 ** 3
     log_level: str = "info"
     keep_peer: int = 2
+    #: How the copy and upkeep threads yield the CPU: "nice" (``background_nice`` + 5) or "idle" (also
+    #: ``SCHED_IDLE``: they run only on CPU nothing else wants; a busy node's copies then lag).
+    cpu_policy: str = "nice"
     source: Path | None = None
 
     @property
@@ -423,7 +428,8 @@ def _build(values: dict[str, Any], roots: list[dict[str, Any]], where: dict[str,
     uids = values.get("control_allowed_uids") or frozenset({os.geteuid()})
     options = {key: values[key] for key in ("watch", "poll_interval_s", "scrub_interval_s", "scrub_bytes_per_s",
                                             "drain_timeout_s", "retry_backoff_s", "peer_max_concurrency",
-                                            "peer_max_put_bytes", "log_level", "keep_peer") if key in values}
+                                            "peer_max_put_bytes", "log_level", "keep_peer", "cpu_policy")
+               if key in values}
     return DaemonConfig(node_id=node_id, state_dir=state_dir, roots=built_roots, listen=listen,
                         socket=socket_path, control_allowed_uids=uids, peer_token=token,
                         peer_token_file=values.get("peer_token_file"), buddy=buddy, advertise=advertise,

@@ -419,7 +419,7 @@ class Daemon:
     # --- workers ------------------------------------------------------------------------------------
     def _work(self, kind: str) -> None:
         assert self.journal is not None
-        _lower_priority()
+        _lower_priority(self.config.cpu_policy)
         wake = self._wake[kind]
         while not self._stopping.is_set():
             try:
@@ -447,7 +447,14 @@ class Daemon:
 
     def _connect_remotes(self) -> None:
         """Make the object tiers' clients at start (no request is sent): botocore loads its S3 model for each
-        client, about a CPU-second in all, which would otherwise land on the trainer's first steps."""
+        client, about a CPU-second in all, which would otherwise land on the trainer's first steps. It runs on
+        a thread at the workers' priority, which the tiers' I/O threads it starts inherit."""
+        thread = threading.Thread(target=self._connect_lowered, name="ckptd-daemon-connect", daemon=True)
+        thread.start()
+        thread.join()
+
+    def _connect_lowered(self) -> None:
+        _lower_priority(self.config.cpu_policy)
         for runtime in list(self._roots.values()):
             connect = getattr(runtime.remote, "connect", None)
             if connect is None:
@@ -563,7 +570,7 @@ class Daemon:
 
     # --- maintenance: listings, retention, scrub ------------------------------------------------------
     def _maintain(self) -> None:
-        _lower_priority()
+        _lower_priority(self.config.cpu_policy)
         while not self._stopping.wait(min(_REFRESH_S, self.config.poll_interval_s * 10)):
             try:
                 self._maintain_once()
@@ -714,12 +721,19 @@ def _created(tier: StorageTier, step: int) -> float | None:
         return None
 
 
-def _lower_priority() -> None:
+def _lower_priority(cpu_policy: str = "nice") -> None:
     """Copies and scrubs yield the CPU to the trainers of the node (and to peer reads, on the HTTP thread):
     the calling worker thread, and the copy threads it starts, run ``background_nice`` + 5 below normal,
-    as the library's own uploader does (``CKPTD_BACKGROUND_NICE``; 0 leaves them alone)."""
+    as the library's own uploader does (``CKPTD_BACKGROUND_NICE``; 0 leaves them alone). With
+    ``cpu_policy="idle"`` they run at ``SCHED_IDLE`` too (Linux), taking only CPU no other thread wants:
+    the least interference with a trainer, and the most lag (in /status and /metrics) on a saturated node."""
     nice = settings().background_nice
     lower_thread_priority(0 if nice <= 0 else nice + _EXTRA_NICE)
+    if cpu_policy == "idle" and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # the calling thread, on Linux
+        except OSError as error:
+            log.warning("cpu_policy = 'idle': SCHED_IDLE refused (%s); the copy threads stay at nice", error)
 
 
 def _write_json(path: Path, document: dict[str, Any]) -> None:
