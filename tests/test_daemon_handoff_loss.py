@@ -73,9 +73,11 @@ class _TwoNodes:
         return {}
 
 
-def _train(rank: int, world_size: int, roots: list[str], remote: str, options: dict[str, Any]) -> dict[str, Any]:
+def _train(rank: int, world_size: int, roots: list[str], remote: str, options: dict[str, Any],
+           env: dict[str, str]) -> dict[str, Any]:
     import ckptd
 
+    os.environ.update(env)  # here, not in the test: the ranks fork from a forkserver started with its own env
     with ckptd.CheckpointManager(roots[rank], remote=remote, storage_options=options, capture_rng=False,
                                  policy=ckptd.Policy(keep_local=None)) as manager:
         took = manager.daemon_promotes
@@ -105,15 +107,14 @@ def nodes(tmp_path: Path, s3_bucket: str, s3_options: dict[str, Any]) -> Iterato
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def test_a_rank_that_loses_its_daemon_turns_every_rank_to_in_process_promotion(nodes, monkeypatch):
-    monkeypatch.setenv("CKPTD_DAEMON_SOCKET", str(nodes["socket"]))
-    monkeypatch.setenv("CKPTD_DAEMON_REQUEST_TIMEOUT_S", "1")
-    monkeypatch.setenv("CKPTD_COMMIT_TIMEOUT_S", "30")  # bounds a follower's wait for rank 0's decisions
-    # A follower's pin cap may release a step rank 0 announces later (the uploader's own race, not the
-    # hand-off's): a cap above the steps of this run keeps it out of this test.
-    monkeypatch.setenv("CKPTD_PIN_MAX_STEPS", "16")
+def test_a_rank_that_loses_its_daemon_turns_every_rank_to_in_process_promotion(nodes):
+    env = {"CKPTD_DAEMON_SOCKET": str(nodes["socket"]), "CKPTD_DAEMON_REQUEST_TIMEOUT_S": "1",
+           "CKPTD_COMMIT_TIMEOUT_S": "30",  # bounds a follower's wait for rank 0's decisions
+           # A follower's pin cap may release a step rank 0 announces later (the uploader's own race, not the
+           # hand-off's): a cap above the steps of this run keeps it out of this test.
+           "CKPTD_PIN_MAX_STEPS": "16"}
     roots = [str(nodes["roots"]["a"]), str(nodes["roots"]["b"])]
-    results = run_multirank(_train, 2, roots, nodes["remote"], nodes["options"], timeout_s=150)
+    results = run_multirank(_train, 2, roots, nodes["remote"], nodes["options"], env, timeout_s=150)
     assert [result["took"] for result in results] == [True, True], results
     assert [result["promotes_at_end"] for result in results] == [False, False], results  # both gave it up
     assert results[0]["uploaded"] == results[1]["uploaded"] and 5 in results[0]["uploaded"], results
@@ -145,3 +146,24 @@ def test_a_commit_the_daemon_refuses_is_promoted_in_process_and_leaves_no_pin(no
     remote = open_tier(nodes["remote"], storage_options=nodes["options"])
     assert 4 in remote.committed_steps() and list(verify_step(remote, 4)) == []
     assert PinnedSteps(LocalTier(root)).pinned() == [], "every pin promoted or released"
+
+
+def test_steps_an_earlier_run_left_pinned_are_promoted_in_process_though_a_daemon_runs(nodes, monkeypatch):
+    import ckptd
+    from ckptd.format.layout import MANIFEST_NAME, rank_files
+
+    root = nodes["roots"]["a"]
+    with ckptd.CheckpointManager(root, capture_rng=False, daemon="off", policy=ckptd.Policy(keep_local=None)) as first:
+        first.save(1, {"weights": torch.full((16 * 1024,), 1.0)})
+    local = LocalTier(root)  # the earlier run crashed before promoting step 1; retention deleted it since
+    PinnedSteps(local).pin(1, rank_files(local.list_files(1), 0) + [MANIFEST_NAME])
+    local.delete_step(1)
+    local.close()
+    monkeypatch.setenv("CKPTD_DAEMON_SOCKET", str(nodes["socket"]))
+    with ckptd.CheckpointManager(root, remote=nodes["remote"], storage_options=nodes["options"], capture_rng=False,
+                                 policy=ckptd.Policy(keep_local=None)) as manager:
+        assert not manager.daemon_promotes  # only an in-process uploader resumes .promoting
+        manager.wait_uploads()
+    remote = open_tier(nodes["remote"], storage_options=nodes["options"])
+    assert remote.committed_steps() == [1] and list(verify_step(remote, 1)) == []
+    assert PinnedSteps(LocalTier(root)).pinned() == []

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 from ckptd.errors import CkptdError, ConfigError
-from ckptd.format.layout import MANIFEST_NAME, rank_files
+from ckptd.format.layout import MANIFEST_NAME, rank_files, rank_index_name
 from ckptd.manager.daemon_link import DaemonLink
 from ckptd.promotion.pinning import PIN_DIRECTORY, PinnedSteps
 from ckptd.tiers import StorageTier, open_tier
@@ -106,6 +106,18 @@ class SharedLoss:
             self.coordinator.store.set(self.key, f"rank {rank}: {why}")
         except Exception as error:  # noqa: BLE001 - the other ranks then notice their own loss, or never
             log.warning("could not tell the other ranks that the ckptd daemon is lost: %s", error)
+
+
+def leftover_pins(local: LocalTier, rank: int) -> list[int]:
+    """Steps an earlier run of ``rank`` left pinned in ``.promoting`` for its in-process uploader (a crash,
+    or a run that took promotion back from a daemon): only an in-process uploader resumes them (the daemon
+    neither reads nor drops that directory), so a manager that finds any promotes in-process."""
+    pins = PinnedSteps(local)
+    try:
+        return [step for step in pins.pinned() if rank_index_name(rank) in pins.tier.list_files(step)]
+    except CkptdError as error:
+        log.warning("could not list the steps pinned in %s: %s", pins.tier.label, error)
+        return []
 
 
 @dataclass(frozen=True)

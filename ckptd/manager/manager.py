@@ -21,7 +21,8 @@ from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, rank_file_prefix
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator, StoreCoordinator
 from ckptd.manager.directories import DirectorySharing, directory_identity, set_aside_step
 from ckptd.policy import Policy
-from ckptd.manager.daemon_handoff import DaemonHandoff, SharedLoss, open_peer_tier, split_peer_options
+from ckptd.manager.daemon_handoff import (DaemonHandoff, SharedLoss, leftover_pins, open_peer_tier,
+                                          split_peer_options)
 from ckptd.manager.daemon_link import DaemonLink
 from ckptd.promotion.lag import PromotionLag, promotion_lag
 from ckptd.promotion.pinning import PIN_DIRECTORY
@@ -173,6 +174,11 @@ class CheckpointManager:
                 str(link.info.get("remote") or "").rstrip("/") != remote.rstrip("/"):
             log.warning("the ckptd daemon promotes %s to %s, not to remote=%s: this process promotes its own steps",
                         self.local.root, link.info.get("remote"), remote)
+            link.info["promotes"] = False
+        left = leftover_pins(self.local, self.rank) if link is not None and link.promotes and remote else []
+        if left:
+            log.warning("step(s) %s of an earlier run wait in %s for in-process promotion: this process promotes its "
+                        "own steps", ", ".join(map(str, left)), PIN_DIRECTORY)
             link.info["promotes"] = False
         answers = self.coordinator.exchange("daemon", [link is not None, link is not None and link.promotes])
         if mode == "require" and not all(found for found, _ in answers):
