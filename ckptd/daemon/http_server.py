@@ -13,8 +13,8 @@ daemon's other threads stay plain threads. Routes:
 ``daemon.status()`` and ``daemon.is_ready()`` may do I/O: they run on the loop's executor, so a slow status
 never holds ``/healthz``, and each gets :data:`ANSWER_TIMEOUT_S`: one that takes longer is a 503 with the
 reason (a hung tier must not leave probes and scrapers waiting for ever). Request bodies are bounded
-(``client_max_size``) and refused (413) on every route but the peer routes. Call order: :meth:`HttpServer.start` once (returns the bound port), :meth:`HttpServer.stop`
-once, from any one thread.
+(``client_max_size``) and refused (413) on every route but the peer routes. Call order:
+:meth:`HttpServer.start` once (returns the bound port), :meth:`HttpServer.stop` once, from any one thread.
 """
 
 from __future__ import annotations
