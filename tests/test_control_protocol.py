@@ -111,6 +111,7 @@ def test_link_requests_reach_the_daemon(served, monkeypatch):
     ({"op": "launch"}, "unknown op 'launch'"),
     (["hello"], "unknown op None"),
     ({"op": "hello", "root": "relative/dir"}, "absolute path"),
+    ({"op": "hello", "root": "/tmp/a\u0000b"}, "absolute path"),  # no path has a NUL byte
     ({"op": "hello", "root": "/nowhere/watched"}, "does not watch /nowhere/watched"),
     ({"op": "committed", "step": -1}, "'step' must be a step number"),
     ({"op": "committed", "step": True}, "'step' must be a step number"),

@@ -240,7 +240,7 @@ class ControlSocket:
             if op == "status":
                 return {"ok": True, "status": self.daemon.status()}
             root = request.get("root")
-            if not isinstance(root, str) or not os.path.isabs(root):
+            if not isinstance(root, str) or not os.path.isabs(root) or "\x00" in root:
                 return _refusal("'root' must be the absolute path of a local checkpoint directory")
             config = self.daemon.root_for(Path(root))
             if config is None:
