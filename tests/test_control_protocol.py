@@ -328,3 +328,24 @@ def test_a_forked_child_talks_on_its_own_connection_while_the_parent_waits_for_a
     assert answers == [True], "the parent's own answer reached the parent"
     assert link.alive
     link.close()
+
+
+def test_ckptd_status_tells_a_daemon_that_answers_an_error_from_no_daemon(served, monkeypatch):
+    from click.testing import CliRunner
+
+    from ckptd.cli.main import cli
+
+    server, stand_in, _ = served
+    monkeypatch.delenv("CKPTD_DAEMON_SOCKET", raising=False)
+    shown = CliRunner().invoke(cli, ["status", "--socket", str(server.path), "--json"])
+    assert shown.exit_code == 0 and json.loads(shown.output)["node_id"] == "stand-in"
+
+    def broken() -> dict[str, Any]:
+        raise NotFoundError("the journal is gone")
+
+    monkeypatch.setattr(stand_in, "status", broken)
+    shown = CliRunner().invoke(cli, ["status", "--socket", str(server.path)])
+    assert shown.exit_code == 1 and "answered without its status: the journal is gone" in shown.output
+    server.stop()
+    shown = CliRunner().invoke(cli, ["status", "--socket", str(server.path)])
+    assert shown.exit_code == 3 and "no ckptd daemon answers" in shown.output

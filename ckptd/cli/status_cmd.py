@@ -2,7 +2,7 @@
 
 The daemon is found by ``--socket`` (or ``CKPTD_DAEMON_SOCKET``), or by the ``.ckptd-daemon.json`` it writes
 into a root it watches (``--local ROOT``). Exit status: 0, 2 when neither names a daemon, 3 when no daemon
-answers (one line on stderr).
+answers, 1 when it answers with an error instead of its status (one line on stderr).
 """
 
 from __future__ import annotations
@@ -47,9 +47,12 @@ def status(ctx: click.Context, socket_path: str | None, local_root: str | None, 
         document = link.status()
     finally:
         link.close()
+    if document is None and link.alive:
+        click.echo(f"ckptd: error: the ckptd daemon on {socket_path} answered without its status: {link.refusal}; "
+                   "see its log", err=True)
+        raise click.exceptions.Exit(1)
     if document is None:
-        click.echo(f"ckptd: error: no ckptd daemon answers on {socket_path} ({link.failure or 'no status'})",
-                   err=True)
+        click.echo(f"ckptd: error: no ckptd daemon answers on {socket_path} ({link.failure})", err=True)
         raise click.exceptions.Exit(NO_DAEMON_EXIT)
     if as_json:
         print_json(document)

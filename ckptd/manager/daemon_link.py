@@ -132,12 +132,15 @@ class DaemonLink:
         return answer is not None
 
     def status(self) -> dict[str, Any] | None:
-        """The daemon's status document, or None."""
+        """The daemon's status document, or None (an answer without one: its error in :attr:`refusal`)."""
         answer = self._ask({"op": "status"})
-        if answer is None or not answer.get("ok"):
+        if answer is None:
             return None
         status = answer.get("status")
-        return status if isinstance(status, dict) else None
+        if not answer.get("ok") or not isinstance(status, dict):
+            self.refusal = str(answer.get("error") or "the answer holds no status document")
+            return None
+        return status
 
     def close(self) -> None:
         """Close the connection (a later request connects again)."""
