@@ -5,7 +5,9 @@ Two measurements, each interleaved round by round so that a change in machine lo
 1. **Promotion throughput**: ``--steps`` committed steps of ``--mib`` MiB each (random tensors: nothing
    deduplicates) promoted by ``Promoter`` in this process (what the library's uploader runs), against the
    same steps promoted by a ``ckptd daemon`` subprocess watching a copy of the root (timed from the daemon's
-   ``daemon.json`` to the last promote task done in its journal). Goal: daemon >= 0.9x in-process.
+   ``daemon.json`` to the last promote task done in its journal). Both make their S3 clients before the clock
+   starts (botocore's model loading, about 0.3 CPU-s per client, is paid once per process). Goal: daemon >=
+   0.9x in-process.
 2. **Training step time**: a training loop (``--train-steps`` steps, each a fixed number of matrix products
    calibrated to take ``--compute-ms`` on an idle machine, and a save) with no promotion at all, against the same loop while a daemon promotes every step to
    S3 and replicates it to a second daemon. Goal: <= 3% slower (median step time).
@@ -96,6 +98,7 @@ def _committed_root(directory: Path, steps: int, mib: int) -> int:
 
 def _in_process(root: Path, remote: ObjectTier, steps: int) -> float:
     promoter = Promoter(LocalTier(root), remote)
+    remote.connect()  # the clients are made before the clock starts, as the daemon makes them before daemon.json
     started = time.perf_counter()
     for step in range(1, steps + 1):
         promoter.promote(step)
