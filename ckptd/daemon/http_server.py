@@ -41,7 +41,7 @@ PEER_PREFIX = "/v1/peer/"
 ANSWER_TIMEOUT_S = 10.0
 _START_TIMEOUT_S = 10.0
 _STOP_TIMEOUT_S = 10.0
-_NOT_READY = "the daemon is not ready (starting, stopping, or a root's tier cannot be used yet); see /status"
+_NOT_READY = "the daemon is not ready (starting or stopping); see /status"
 
 
 class ServedDaemon(Protocol):

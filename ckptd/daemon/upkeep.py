@@ -94,16 +94,16 @@ class Upkeep:
             try:
                 report = scrubber.scrub_tier(tier, repair_from=sources, should_stop=should_stop)
             except CkptdError as error:
-                self.metrics.scrub_failure(tier.kind)
+                self.metrics.error("scrub")
                 self.record_error("scrub", name, None, str(error))
                 continue
             self.metrics.scrubbed(tier.kind, report.bytes)
             for _ in report.bad:
-                self.metrics.verify_failure(tier.kind)
+                self.metrics.scrub_failure(tier.kind)
             for _ in report.repaired:
                 self.metrics.repaired(tier.kind)
             for _ in report.unrepaired:
-                self.metrics.scrub_failure(tier.kind)
+                self.metrics.error("scrub-unrepaired")
             if report.bad:
                 self.record_error("scrub", name, None,
                                   f"{len(report.bad)} bad file(s) on {tier.label}, {len(report.repaired)} repaired")
