@@ -92,6 +92,23 @@ def result_within(future: concurrent.futures.Future[Result], timeout_s: float, w
                             hint=hint) from None
 
 
+def run_jobs(jobs: Sequence[Callable[[], None]], *, threads: int, thread_name_prefix: str) -> None:
+    """Run ``jobs`` on at most ``threads`` threads and wait for all of them; the first failure (in job
+    order) is raised once the jobs not started yet are cancelled."""
+    if not jobs:
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(threads, len(jobs))),
+                                               thread_name_prefix=thread_name_prefix) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
 class BackgroundWorker(Generic[Job]):
     """One named daemon thread that runs ``handle(job)`` for every submitted job, in order.
 

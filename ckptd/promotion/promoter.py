@@ -27,9 +27,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from ckptd.background import run_jobs
 from ckptd.config import settings
 from ckptd.errors import AlreadyCommittedError, CommitError, NotFoundError
 from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
@@ -183,16 +183,7 @@ class Promoter:
         jobs[:0] = [functools.partial(copy_pack, share, number) for share, number in packs]
         if not jobs:
             return 0
-        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(jobs)),
-                                thread_name_prefix="ckptd-promote") as pool:
-            futures = [pool.submit(job) for job in jobs]
-            try:
-                for future in futures:
-                    future.result()
-            except BaseException:
-                for future in futures:
-                    future.cancel()
-                raise
+        run_jobs(jobs, threads=self.concurrency, thread_name_prefix="ckptd-promote")
         return total
 
     def _check_all_stored(self, contents: StepContents, needed: dict[str, tuple[RankShare, ChunkRecord]]) -> None:

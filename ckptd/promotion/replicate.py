@@ -37,6 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ckptd._types import Buffer
+from ckptd.background import run_jobs
 from ckptd.config import settings
 from ckptd.errors import AlreadyCommittedError, CommitError, NotFoundError
 from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, step_file
@@ -154,20 +155,6 @@ def _data_jobs(local: StorageTier, share: RankShare, sender: _Sender) -> list[Ca
     return jobs
 
 
-def _run(jobs: list[Callable[[], None]], threads: int) -> None:
-    if not jobs:
-        return
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(jobs))), thread_name_prefix="ckptd-replicate") as pool:
-        futures = [pool.submit(job) for job in jobs]
-        try:
-            for future in futures:
-                future.result()
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
-
-
 def _committed_manifest(target: StorageTier, step: int) -> bytes | None:
     try:
         return target.read_bytes(step_file(step, MANIFEST_NAME))
@@ -229,7 +216,8 @@ def _replicate_files(local: StorageTier, target: StorageTier, step: int, shares:
     data_names = {data_file.name for share in shares for data_file in share.index.data_files}
     index_names = {share.index_name for share in shares}
     names = data_names | index_names | {MANIFEST_NAME, RANKS_HERE_NAME}
-    _run([job for share in shares for job in _data_jobs(local, share, sender)], settings().io_threads)
+    run_jobs([job for share in shares for job in _data_jobs(local, share, sender)], threads=settings().io_threads,
+             thread_name_prefix="ckptd-replicate")
     for name in local.list_files(step):
         if name not in names:
             data = local.read_bytes(step_file(step, name))
