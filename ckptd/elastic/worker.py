@@ -56,7 +56,6 @@ from ckptd.elastic import keys
 from ckptd.elastic.generation_store import GenerationStore
 from ckptd.elastic.waiting import wait_for
 from ckptd.manager.commit import StoreCoordinator
-from ckptd.manager.directories import directory_identity
 from ckptd.manager.manager import CheckpointManager
 
 T = TypeVar("T")
@@ -177,12 +176,12 @@ class _BeatingManager(CheckpointManager):
 
         Call only when the writer is idle (:meth:`_ManagerRegistry.leave` waited for it), on the training
         thread. It runs the store protocol a new manager's constructor runs (join a coordinator
-        generation, exchange the directory identity), so that it meets a replacement rank's new manager."""
+        generation, then the constructor's exchanges), so that it meets a replacement rank's new manager."""
         if self._close_called or not isinstance(self.coordinator, StoreCoordinator):
             return False
         self.coordinator.store = store
         self.coordinator.join()
-        self.coordinator.exchange("local-directory", directory_identity(self.local.root))
+        self._repeat_start_exchanges()
         return True
 
 

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from ckptd.promotion.uploader import BackgroundUploader
 
 log = logging.getLogger("ckptd.manager")
+#: The name of the constructor's store exchange of what each rank's node daemon does.
+_DAEMON_EXCHANGE = "daemon"
 
 
 def _default_coordinator(rank: int | None, world_size: int | None, store: Any) -> CommitCoordinator:
@@ -180,7 +182,7 @@ class CheckpointManager:
             log.warning("step(s) %s of an earlier run wait in %s for in-process promotion: this process promotes its "
                         "own steps", ", ".join(map(str, left)), PIN_DIRECTORY)
             link.info["promotes"] = False
-        answers = self.coordinator.exchange("daemon", [link is not None, link is not None and link.promotes])
+        answers = self.coordinator.exchange(_DAEMON_EXCHANGE, [link is not None, link is not None and link.promotes])
         if mode == "require" and not all(found for found, _ in answers):
             if link is not None:
                 link.close()
@@ -199,6 +201,18 @@ class CheckpointManager:
             else None  # one rank losing its daemon turns every rank to in-process promotion
         return DaemonHandoff(link, self.local, rank=self.rank, world_size=self.world_size, pin=pin,
                              on_lost=self._daemon_lost, shared=shared)
+
+    def _repeat_start_exchanges(self) -> None:
+        """Run again the store exchanges this manager's constructor ran (the directory identity, the daemon
+        answers), so that a replacement rank's new manager meets them in a new coordinator generation (the
+        elastic worker, after it joined that generation). The answers it sends are this manager's own."""
+        self.coordinator.exchange("local-directory", directory_identity(self.local.root))
+        handoff = self._handoff
+        answers = self.coordinator.exchange(_DAEMON_EXCHANGE, [handoff is not None,
+                                                              handoff is not None and handoff.promotes])
+        if handoff is not None and handoff.promotes and not all(promotes for _, promotes in answers):
+            log.warning("a rank that rejoined has no ckptd daemon that promotes: its steps are promoted in-process "
+                        "while this rank's daemon promotes %s", self.local.root)
 
     def _daemon_lost(self) -> None:
         """Writer thread: the daemon stopped answering; promote in-process from now on."""
