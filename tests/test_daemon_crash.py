@@ -98,6 +98,16 @@ def _check_no_pins(root: Path) -> None:
             f"pins left: {sorted(p.name for p in pins.iterdir())}"
 
 
+def _restart_until_done(config, state, kind: str, killed) -> None:
+    """Start the daemon again after ``killed``; wait until every ``kind`` task is done, stop it (exit 0) and check
+    that the journal did each task once."""
+    with DaemonProcess(config, state) as daemon:
+        daemon.wait_ready()
+        daemon.wait_for(lambda: _all_done(daemon, kind), 90, f"every {kind} task done after the restart")
+        assert daemon.terminate() == 0
+        _check_journal_once(daemon, kind, killed)
+
+
 @pytest.mark.parametrize("seed", [11, 12, 13])
 def test_killed_mid_promotion_commits_each_step_once(seed, tmp_path, committed_root, s3_server, s3_bucket,
                                                       s3_options):
@@ -107,11 +117,7 @@ def test_killed_mid_promotion_commits_each_step_once(seed, tmp_path, committed_r
     shutil.copytree(committed_root, root)
     config, state = _config(tmp_path, "node-a", root, remote=f"s3://{s3_bucket}/run1", s3_options=s3_options)
     killed = _kill_mid_copy(config, state, "object", seed)
-    with DaemonProcess(config, state) as daemon:
-        daemon.wait_ready()
-        daemon.wait_for(lambda: _all_done(daemon, "promote"), 90, "every step promoted after the restart")
-        assert daemon.terminate() == 0
-        _check_journal_once(daemon, "promote", killed)
+    _restart_until_done(config, state, "promote", killed)
     remote = ObjectTier(f"s3://{s3_bucket}/run1", storage_options=s3_options)
     local = LocalTier(root)
     assert remote.committed_steps() == STEPS == local.committed_steps()
@@ -139,11 +145,7 @@ def test_killed_mid_replication_commits_each_replica_once(seed, tmp_path, commit
         buddy = daemon_b.wait_ready()["http"]
         config, state = _config(tmp_path, "node-a", root, peer_token=token, buddy=f"peer://{buddy}")
         killed = _kill_mid_copy(config, state, "peer", seed)
-        with DaemonProcess(config, state) as daemon:
-            daemon.wait_ready()
-            daemon.wait_for(lambda: _all_done(daemon, "replicate"), 90, "every step replicated after the restart")
-            assert daemon.terminate() == 0
-            _check_journal_once(daemon, "replicate", killed)
+        _restart_until_done(config, state, "replicate", killed)
         assert daemon_b.terminate() == 0
     replicas = LocalTier(state_b / "replicas" / "node-a" / "run1")
     assert replicas.committed_steps() == STEPS
