@@ -30,6 +30,8 @@ _SUBCOMMANDS: tuple[tuple[str, ...], ...] = (
     ("verify_cmd", "verify", "Re-hash everything in PATH and report each bad file and chunk (exit 4 when any is bad)."),
     ("inspect_cmd", "inspect", "Show the manifest of a step, the values it saved and every tensor of each rank."),
     ("restore_cmd", "restore", "Export one step of PATH, verified, to a file usable without ckptd."),
+    ("export_cmd", "export", "Export one step of PATH, verified, as a Hugging Face safetensors layout for "
+                             "inference."),
     ("gc_cmd", "gc", "Apply retention and collect garbage in PATH (a directory or an s3:// URL)."),
     ("promote_cmd", "promote", "Promote the committed steps of the local checkpoint directory PATH to an object tier."),
     ("bench_cmd", "bench", "Measure save stall, durable throughput, restore and training slowdown against "

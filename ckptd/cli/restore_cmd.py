@@ -1,4 +1,6 @@
-"""``ckptd restore``: export a step to a plain ``torch.save`` file or to safetensors."""
+"""``ckptd restore``: export one rank's share of a step to a plain ``torch.save`` file or to one safetensors
+file (with the non-tensor values as JSON in its metadata). ``ckptd export`` writes the Hugging Face
+layout of a whole sharded step instead."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ckptd.cli.options import open_cli_tier, s3_options
-from ckptd.errors import NotFoundError, PluginError
+from ckptd.errors import NotFoundError
 
 if TYPE_CHECKING:
     import torch
@@ -39,14 +41,11 @@ def write_export(state: Any, out: Path, fmt: str, step: int) -> int:
         tensors: dict[str, torch.Tensor] = {}
         _flatten_tensors(state, "", tensors, {})
         return len(tensors)
-    try:
-        from safetensors.torch import save_file
-    except ImportError as exc:
-        raise PluginError("exporting to safetensors needs the safetensors package",
-                          hint="pip install 'ckptd[export]'") from exc
+    from ckptd.export import save_tensors
+
     tensors, other = {}, {}
     _flatten_tensors(state, "", tensors, other)
-    save_file(tensors, str(out), metadata={"ckptd_step": str(step), "ckptd_values": json.dumps(other)})
+    save_tensors(out, tensors, metadata={"format": "pt", "ckptd_step": str(step), "ckptd_values": json.dumps(other)})
     return len(tensors)
 
 

@@ -1,0 +1,231 @@
+"""Exporting one committed step as a Hugging Face safetensors layout for inference.
+
+:func:`plan_export` reads the manifest and every rank's index of a step from the nearest tier
+that holds it (a checkpoint of any world size, written by a CheckpointManager or by ``dcp.save``),
+picks the tensors under a key prefix (:mod:`ckptd.export.selection`), checks everything that can be
+checked from the metadata (sharded tensors need ``consolidate``; pieces tile their tensor; every dtype
+fits safetensors) and plans the output files by size (:mod:`ckptd.export.hf_layout`);
+:func:`write_export` then writes them tensor by tensor: each tensor is read whole and verified chunk by chunk
+(:mod:`ckptd.export.assembly`), cast when asked, written and dropped, so memory holds one tensor (and
+its cast copy) at a time.
+
+The output appears at once: everything is written into a hidden temporary directory beside ``out``,
+fsynced, and renamed to ``out`` (which must not exist, or be an empty directory). A failure removes the
+temporary directory; a process killed mid-export leaves it behind under a ``.<out>.tmp-*`` name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ckptd.errors import ConfigError, StorageError
+from ckptd.export.assembly import check_pieces, read_whole
+from ckptd.export.hf_layout import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE_NAME, ShardFile, index_bytes, \
+    parse_shard_size, plan_shards
+from ckptd.export.safetensors_file import TensorSlot, safetensors_dtype, write_safetensors
+from ckptd.export.selection import SavedTensor, select, step_contents
+from ckptd.format.layout import TEMP_MARKER
+from ckptd.stepio.step_reader import StepReader
+from ckptd.tiers import open_tier
+from ckptd.tiers.base import StorageTier
+from ckptd.tiers.local import AtomicFile, fsync_directory
+
+if TYPE_CHECKING:
+    import torch
+
+#: ``--dtype`` names and the torch dtype each stands for.
+DTYPE_CHOICES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+                 "fp32": "float32", "float32": "float32"}
+CONFIG_FILE_NAME = "config.json"
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """How to export. ``dtype``: cast floating tensors to it (``bf16``, ``fp16``, ``fp32``; float8
+    tensors, which hold quantized values with separate scales, are never cast). ``key_prefix``: export
+    the sub-tree under it with the prefix stripped (``model.`` picks a model out of a training state).
+    ``consolidate``: assemble tensors stored in pieces over several ranks (without it they are refused).
+    ``config_file``: a ``config.json`` to copy in, so that ``from_pretrained`` can load the directory."""
+
+    consolidate: bool = False
+    dtype: str | None = None
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE
+    key_prefix: str | None = None
+    config_file: Path | None = None
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What an export wrote: the files (names inside ``out``), tensor count and bytes, and how long it took."""
+
+    step: int
+    out: str
+    files: tuple[str, ...]
+    tensors: int
+    total_size: int
+    seconds: float
+
+    def to_json(self) -> dict[str, object]:
+        return {"step": self.step, "out": self.out, "files": list(self.files), "tensors": self.tensors,
+                "total_size": self.total_size, "seconds": round(self.seconds, 3)}
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """An export worked out from the step's metadata, before any tensor is read: the output files and
+    the tensors each holds, and the readers of every saved rank (chunks are verified as they are read)."""
+
+    step: int
+    out: Path
+    shards: tuple[ShardFile, ...]
+    tensors: dict[str, SavedTensor]
+    readers: tuple[StepReader, ...]
+    config: bytes | None = None
+
+    @property
+    def total_size(self) -> int:
+        """Bytes of all exported tensors (as written, after any cast)."""
+        return sum(shard.nbytes for shard in self.shards)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """Names of the files the export writes into ``out``."""
+        return tuple(shard.name for shard in self.shards) + ((INDEX_FILE_NAME,) if len(self.shards) > 1 else ()) \
+            + ((CONFIG_FILE_NAME,) if self.config is not None else ())
+
+
+def plan_export(tiers: list[StorageTier], step: int, out: str | os.PathLike[str],
+                options: ExportOptions = ExportOptions()) -> ExportPlan:
+    """Read the manifest and indexes of ``step`` from ``tiers`` (nearest first) and plan its export into
+    the directory ``out``. Everything that can be refused from the metadata is refused here: NotFoundError
+    for a step no tier holds or an empty selection, ConfigError for a selection that holds non-tensor
+    values, a sharded tensor without ``consolidate``, a dtype safetensors cannot hold, an ``out`` that
+    exists and is not empty."""
+    from ckptd.dcp.reader import open_step
+
+    target = Path(out)
+    _check_target(target)
+    max_bytes = parse_shard_size(options.max_shard_size)
+    cast = _dtype(options.dtype)
+    config = _read_config(options.config_file)
+    manifest, readers = open_step(tiers, step)
+    tensors = select(step_contents([reader.index for reader in readers]), options.key_prefix)
+    slots: list[TensorSlot] = []
+    for tensor in tensors:
+        check_pieces(tensor, step=step, consolidate=options.consolidate)
+        dtype = _output_dtype(tensor.dtype, cast)
+        safetensors_dtype(dtype, key=tensor.key)
+        slots.append(TensorSlot(tensor.key, dtype, tensor.shape))
+    return ExportPlan(step=manifest.step, out=target, shards=tuple(plan_shards(slots, max_bytes)),
+                      tensors={tensor.key: tensor for tensor in tensors}, readers=tuple(readers), config=config)
+
+
+def write_export(plan: ExportPlan, *, progress: Callable[[int], None] | None = None) -> ExportReport:
+    """Write a planned export: tensor by tensor into a temporary directory, then renamed to ``plan.out``.
+    ``progress`` is called with the bytes of each tensor written. Raises IntegrityError for a chunk that
+    fails its digest on every tier; nothing appears at ``out`` unless the whole export succeeded."""
+    started = time.monotonic()
+    _check_target(plan.out)
+    staging = plan.out.with_name(f".{plan.out.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}")
+    staging.mkdir(parents=True)
+    try:
+        _write_layout(staging, plan, progress)
+        _publish(staging, plan.out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return ExportReport(step=plan.step, out=str(plan.out), files=plan.files,
+                        tensors=sum(len(shard.slots) for shard in plan.shards), total_size=plan.total_size,
+                        seconds=time.monotonic() - started)
+
+
+def export_safetensors(tiers: str | list[StorageTier], step: int, out: str | os.PathLike[str],
+                       options: ExportOptions = ExportOptions(), *,
+                       progress: Callable[[int], None] | None = None) -> ExportReport:
+    """Export ``step`` from ``tiers`` (a root URL, or tiers nearest first) into the directory ``out``:
+    :func:`plan_export`, then :func:`write_export` (their errors)."""
+    opened = [open_tier(tiers)] if isinstance(tiers, str) else None
+    try:
+        return write_export(plan_export(opened or tiers, step, out, options), progress=progress)  # type: ignore[arg-type]
+    finally:
+        for tier in opened or ():
+            tier.close()
+
+
+def _write_layout(directory: Path, plan: ExportPlan, progress: Callable[[int], None] | None) -> None:
+    readers = list(plan.readers)
+    metadata = {"format": "pt", "ckptd_step": str(plan.step)}
+
+    def produce(slot: TensorSlot) -> torch.Tensor:
+        whole = read_whole(plan.tensors[slot.key], readers)
+        return whole if whole.dtype == slot.dtype else whole.to(slot.dtype)
+
+    for shard in plan.shards:
+        write_safetensors(directory / shard.name, list(shard.slots), produce, metadata, sync_directory=False,
+                          progress=progress)
+    extra = [] if len(plan.shards) == 1 else [(INDEX_FILE_NAME, index_bytes(plan.shards))]
+    if plan.config is not None:
+        extra.append((CONFIG_FILE_NAME, plan.config))
+    for name, data in extra:
+        output = AtomicFile(directory / name)
+        output.write(data)
+        output.commit(sync_directory=False)
+    fsync_directory(directory)
+
+
+def _check_target(target: Path) -> None:
+    if target.is_symlink() or (target.exists() and (not target.is_dir() or any(target.iterdir()))):
+        raise ConfigError("the export directory exists and is not empty", path=str(target),
+                          hint="choose a new --out directory (an export never writes into an existing one)")
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Rename the finished directory to ``target`` (replacing an empty directory) and fsync its parent."""
+    try:
+        os.rename(staging, target)
+    except OSError as exc:
+        raise StorageError(f"could not move the finished export into place: {exc.strerror or exc}",
+                           path=str(target), hint="the export directory must not exist or be empty") from exc
+    fsync_directory(target.parent)
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    if name is None:
+        return None
+    import torch
+
+    try:
+        return getattr(torch, DTYPE_CHOICES[name.lower()])  # type: ignore[no-any-return]
+    except KeyError:
+        raise ConfigError(f"unknown --dtype {name!r}", hint=f"use one of {', '.join(DTYPE_CHOICES)}") from None
+
+
+def _output_dtype(stored: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
+    """``cast`` for floating tensors other than float8 ones, else the stored dtype."""
+    if cast is None or not stored.is_floating_point or stored.itemsize == 1:
+        return stored
+    return cast
+
+
+def _read_config(path: Path | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        data = Path(path).read_bytes()
+        parsed = json.loads(data)
+    except OSError as exc:
+        raise ConfigError(f"cannot read the model config: {exc.strerror or exc}", path=str(path)) from exc
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"the model config is not JSON ({exc})", path=str(path),
+                          hint="pass the model's config.json (for example from config.save_pretrained)") from exc
+    if not isinstance(parsed, dict):
+        raise ConfigError("the model config is not a JSON object", path=str(path))
+    return data

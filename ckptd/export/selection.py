@@ -1,0 +1,163 @@
+"""Which tensors a step holds, under which key, stored in which pieces on which ranks.
+
+Keys are dotted paths, as ``torch.distributed.checkpoint`` flattens a state: a CheckpointManager step
+that saved ``{"model": model, "optim": optim}`` holds ``model.<parameter name>`` and ``optim.state.0.
+exp_avg``; a step written by ``dcp.save`` holds the fqns DCP chose. A tensor that was sharded when
+saved (a DTensor, or a DCP write item of part of a tensor) is a set of pieces, one per rank that held
+a part, each with its offsets in the global tensor; a tensor every rank saved whole (replicated state)
+is read from the lowest rank. ckptd's own RNG states are never exported.
+
+Everything here reads only the rank indexes (metadata); no tensor bytes are read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckptd.errors import ConfigError, FormatError, NotFoundError
+from ckptd.format.layout import rank_index_name, step_file
+from ckptd.format.records import RankIndex
+from ckptd.format.values import parse_values
+from ckptd.state.rng import RNG_KEY
+
+if TYPE_CHECKING:
+    import torch
+
+#: How many offending keys an error names.
+_KEYS_NAMED = 5
+
+
+@dataclass(frozen=True)
+class TensorPiece:
+    """One stored piece of an exported tensor: which rank's index holds it under which name, and where
+    it sits in the global tensor."""
+
+    rank: int
+    name: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
+
+
+@dataclass(frozen=True)
+class SavedTensor:
+    """A tensor of the step by its key, with its stored dtype, global shape and pieces."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    pieces: tuple[TensorPiece, ...]
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the tensor is stored in more than one piece (not whole on any one rank)."""
+        return len(self.pieces) != 1 or self.pieces[0].shape != self.shape
+
+
+@dataclass(frozen=True)
+class StepContents:
+    """What a step holds: its tensors by key (in the order rank 0 saved them) and the keys of its
+    non-tensor values (numbers, strings, arrays, pickled objects)."""
+
+    step: int
+    tensors: dict[str, SavedTensor]
+    other_keys: tuple[str, ...]
+
+
+def step_contents(indexes: list[RankIndex]) -> StepContents:
+    """The tensors and non-tensor keys of a step, from the indexes of all its ranks (ordered by rank)."""
+    step = indexes[0].step
+    groups: dict[str, list[tuple[Any, TensorPiece]]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    other: dict[str, None] = {}
+    for index in indexes:
+        path = step_file(index.step, rank_index_name(index.rank))
+        values = parse_values(index.values, path=path, step=index.step)
+        if values.skeleton is not None:
+            leaves = list(_skeleton_leaves(values.skeleton))
+        else:  # written by dcp.save: tensors by fqn, values in "objects" or pickled
+            leaves = [(name, name if name not in values.pickled else None) for name in index.tensors]
+            leaves += [(fqn, None) for fqn in values.objects]
+        for key, name in leaves:
+            if name is None:
+                other[key] = None
+                continue
+            record = index.tensors.get(name)
+            if record is None:
+                raise FormatError(f"the state refers to tensor {name!r}, which the index does not list",
+                                  path=path, step=index.step)
+            fqn, placement = values.placement(name, record.shape)
+            key = key if values.skeleton is not None else fqn
+            piece = TensorPiece(index.rank, name, placement.offsets, record.shape)
+            pieces = groups.setdefault(key, [])
+            if any(known.offsets == piece.offsets for _, known in pieces):
+                continue  # replicated: the lowest rank's copy is read
+            if key in shapes and (shapes[key] != placement.global_shape or pieces[0][0] != record.torch_dtype):
+                raise FormatError(f"the pieces of {key!r} disagree on dtype or global shape", path=path,
+                                  step=index.step)
+            shapes[key] = placement.global_shape
+            pieces.append((record.torch_dtype, piece))
+    tensors = {key: SavedTensor(key, pieces[0][0], shapes[key], tuple(piece for _, piece in pieces))
+               for key, pieces in groups.items()}
+    return StepContents(step, tensors, tuple(key for key in other if key not in tensors))
+
+
+def _skeleton_leaves(skeleton: Any) -> Iterator[tuple[str, str | None]]:
+    """(dotted key, stored tensor name or None for a non-tensor value) of every leaf of a manager
+    skeleton (:mod:`ckptd.state.tree`), ckptd's RNG states left out."""
+
+    def walk(node: Any, parts: tuple[str, ...]) -> Iterator[tuple[str, str | None]]:
+        if not isinstance(node, dict) or not node:
+            raise FormatError(f"malformed state skeleton at {'.'.join(parts)!r}")
+        kind = next(iter(node))
+        if kind == "tensor":
+            yield ".".join(parts), str(node["tensor"])
+        elif kind == "dict":
+            for key, child in node["dict"]:
+                if parts or key != RNG_KEY:
+                    yield from walk(child, (*parts, str(key)))
+        elif kind in ("list", "tuple"):
+            for position, child in enumerate(node[kind]):
+                yield from walk(child, (*parts, str(position)))
+        elif kind == "stateful":
+            yield from walk(node["stateful"], parts)
+        else:  # a JSON value, array, bytes, pickled object, ...
+            yield ".".join(parts), None
+
+    yield from walk(skeleton, ())
+
+
+def select(contents: StepContents, key_prefix: str | None) -> list[SavedTensor]:
+    """The tensors under ``key_prefix`` (a sub-tree such as ``model`` or ``model.``) with the prefix
+    stripped from their keys; every tensor when None. Raises ConfigError when the selection holds a
+    non-tensor value or no tensor at all."""
+    prefix = "" if not key_prefix else key_prefix if key_prefix.endswith(".") else f"{key_prefix}."
+    chosen = [SavedTensor(key[len(prefix):], tensor.dtype, tensor.shape, tensor.pieces)
+              for key, tensor in contents.tensors.items() if key.startswith(prefix)]
+    others = [key for key in contents.other_keys if key.startswith(prefix)]
+    hint = f"pick the model's weights with --key-prefix (top-level keys: {_top_level(contents)})"
+    if others:
+        raise ConfigError(f"the exported keys hold {len(others)} non-tensor value(s), which safetensors cannot "
+                          f"hold: {_named(others)}", step=contents.step, hint=hint)
+    if not chosen:
+        raise NotFoundError(f"no tensor of the step has a key under {prefix!r}" if prefix
+                            else "the step holds no tensors", step=contents.step, hint=hint)
+    return chosen
+
+
+def _top_level(contents: StepContents) -> str:
+    heads = dict.fromkeys(key.split(".", 1)[0] for key in [*contents.tensors, *contents.other_keys])
+    return _named(list(heads))
+
+
+def _named(keys: list[str]) -> str:
+    named = ", ".join(repr(key) for key in keys[:_KEYS_NAMED])
+    return named + (f" and {len(keys) - _KEYS_NAMED} more" if len(keys) > _KEYS_NAMED else "")
