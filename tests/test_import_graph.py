@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "tiers": 1,
     "stepio": 2, "state": 2,
     "manager": 3, "dcp": 3, "promotion": 3, "data": 3,
+    "planning": 3,
     "export": 3,
     "daemon": 4, "elastic": 4, "ckptd": 4,
     "cli": 5, "demo": 5, "bench": 5, "embedded_s3": 5,

@@ -42,6 +42,8 @@ _SUBCOMMANDS: tuple[tuple[str, ...], ...] = (
     ("launch_cmd", "launch", "Start a training script on every rank of this node and restart only the rank "
                              "that fails."),
     ("status_cmd", "status", "Show the status document of this node's ckptd daemon (exit 3 when no daemon answers)."),
+    ("plan_cmd", "plan", "Show what checkpointing a planned job costs: bytes per rank and node, times, storage, "
+                         "intervals, lost time."),
     ("daemon_cmd", "daemon", "Run the node daemon: promote, replicate, scrub and serve the committed steps of "
                              "local roots."),
 )

@@ -1,0 +1,263 @@
+"""``ckptd plan``: what checkpointing a planned job will cost, before it runs.
+
+From a model size (``--params`` or ``--config``), the bytes each parameter's state takes (``--state`` and the
+per-component ``--*-bytes``), a layout (``--tp --pp --dp --ep --zero-stage --gpus-per-node``), bandwidths
+(given, defaults, or ``--measure``d here), retention and a failure rate, it prints per rank and per node the
+bytes of a checkpoint, the staging stall, the durable time, restore time and storage of each tier, the
+checkpoint interval per tier and the expected fraction of time lost. The arithmetic and the ``--json``
+schema are documented in :mod:`ckptd.planning.plan`. Bad input exits 2 with one line naming the option.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import click
+
+from ckptd.cli.options import json_option, print_json, s3_options, storage_options
+
+_COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+#: The fleet record the issue cites (Llama 3 405B pre-training), used when no failure rate is given.
+_DEFAULT_FAILURES = (419.0, 54.0, 16384)
+_BANDWIDTH_HELP = {
+    "d2h": "device-to-host copy per GPU (pinned)",
+    "host_memcpy": "host-memory copy per node (all its ranks together)",
+    "disk": "local disk write per node",
+    "peer": "network to the buddy node, per node",
+    "object": "object-store upload per node",
+    "object_job": "object-store limit for the whole job (default: none)",
+}
+
+
+def _parse_count(value: str | None, option: str) -> int | None:
+    """A parameter count: ``70e9``, ``70B``, ``6.74b``, ``175_000_000_000``."""
+    if value is None:
+        return None
+    match = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-zA-Z]?)\s*", value, flags=re.I)
+    if not match or match.group(2).lower() not in _COUNT_SUFFIXES:
+        raise click.BadParameter(f"{value!r} is not a parameter count like 70e9 or 70B", param_hint=option)
+    count = round(float(match.group(1).replace("_", "")) * _COUNT_SUFFIXES[match.group(2).lower()])
+    if count < 1:
+        raise click.BadParameter(f"{value!r}: the count must be at least 1", param_hint=option)
+    return count
+
+
+def _bandwidth_options(command: Any) -> Any:
+    for name in reversed(list(_BANDWIDTH_HELP)):
+        flag = name.replace("_", "-")
+        variable = f"CKPTD_PLAN_{name.upper()}_GBPS"
+        default = "" if name == "object_job" else " (default: see README)"
+        command = click.option(f"--{flag}-gbps", name, type=float, default=None, envvar=variable,
+                               help=f"GB/s (1e9 bytes/s, not bits), {_BANDWIDTH_HELP[name]}{default}. "
+                                    f"[env: {variable}]")(command)
+    return command
+
+
+@click.command("plan")
+@click.option("--params", "params", default=None, metavar="COUNT",
+              help="Parameter count (70e9, 70B). Or give --config.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), default=None,
+              help="A model config (HF-style config.json, or TOML) to count the parameters from.")
+@click.option("--tied-embeddings/--untied-embeddings", default=None,
+              help="Whether the LM head shares the embedding (default: the config's tie_word_embeddings).")
+@click.option("--expert-params", default=None, metavar="COUNT",
+              help="With --params: how many of them are in experts (split over --ep).")
+@click.option("--state", "preset", type=click.Choice(["adam-mixed", "adam-mixed-no-grads", "adam-fp32",
+                                                      "sgd-momentum-mixed"]),
+              default="adam-mixed", show_default=True,
+              help="Bytes per parameter a checkpoint holds: adam-mixed = bf16 weights 2 + bf16 grads 2 + fp32 "
+                   "master 4 + two fp32 moments 8 = 16.")
+@click.option("--weight-bytes", type=float, default=None, help="Override: weight bytes per parameter.")
+@click.option("--grad-bytes", type=float, default=None, help="Override: gradient bytes per parameter (0: not saved).")
+@click.option("--master-bytes", type=float, default=None, help="Override: master-weight bytes per parameter.")
+@click.option("--moment-bytes", type=float, default=None,
+              help="Override: optimizer-moment bytes per parameter, all moments together.")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size.")
+@click.option("--pp", type=int, default=1, show_default=True, help="Pipeline-parallel stages.")
+@click.option("--dp", type=int, default=None, help="Data-parallel size (default 1, or what --world-size leaves).")
+@click.option("--ep", type=int, default=1, show_default=True, help="Expert-parallel size (divides --dp).")
+@click.option("--world-size", type=int, default=None, help="GPUs of the job; --dp is derived from it.")
+@click.option("--zero-stage", type=int, default=0, show_default=True,
+              help="ZeRO stage: 1 shards optimizer state over DP, 2 also grads, 3 also weights (FSDP).")
+@click.option("--gpus-per-node", type=int, default=8, show_default=True, envvar="CKPTD_PLAN_GPUS_PER_NODE",
+              help="GPUs (ranks) per node. [env: CKPTD_PLAN_GPUS_PER_NODE]")
+@click.option("--dedup/--no-dedup", default=True, show_default=True,
+              help="Replicas written once (ckptd), or every replica writes its copy.")
+@_bandwidth_options
+@click.option("--measure", is_flag=True,
+              help="Measure host memcpy, device-to-host (with a GPU), the disk of --local and the object store "
+                   "of --measure-object here; bandwidths given as options win.")
+@click.option("--local", "local_dir", type=click.Path(file_okay=False), default=None,
+              help="With --measure: a directory on the local checkpoint disk.")
+@click.option("--measure-object", default=None, metavar="URL",
+              help="With --measure: an s3:// URL to upload a probe object to (it is deleted).")
+@click.option("--measure-mib", type=int, default=256, show_default=True, help="MiB each measurement moves.")
+@s3_options
+@click.option("--keep-local", type=int, default=2, show_default=True, help="Steps the local tier keeps.")
+@click.option("--keep-peer", type=int, default=1, show_default=True, help="Steps the peer tier keeps.")
+@click.option("--keep-remote", type=int, default=5, show_default=True, help="Steps the object tier keeps.")
+@click.option("--mtbf-hours", type=float, default=None,
+              help="The job's mean time between failures. Or give --failures --days --gpus.")
+@click.option("--failures", type=float, default=None,
+              help="Unexpected interruptions seen in a fleet (default 419: Llama 3 405B pre-training).")
+@click.option("--days", type=float, default=None, help="Days over which --failures were seen (default 54).")
+@click.option("--gpus", type=int, default=None, help="GPUs of that fleet (default 16384).")
+@click.option("--restart-minutes", type=float, default=10.0, show_default=True,
+              help="Time to notice a failure and restart, before the restore.")
+@json_option
+def plan(params: str | None, config_path: str | None, tied_embeddings: bool | None, expert_params: str | None,
+         preset: str, weight_bytes: float | None, grad_bytes: float | None, master_bytes: float | None,
+         moment_bytes: float | None, tp: int, pp: int, dp: int | None, ep: int, world_size: int | None,
+         zero_stage: int, gpus_per_node: int, dedup: bool, measure: bool, local_dir: str | None,
+         measure_object: str | None, measure_mib: int, endpoint_url: str | None, region: str | None,
+         keep_local: int, keep_peer: int, keep_remote: int, mtbf_hours: float | None, failures: float | None,
+         days: float | None, gpus: int | None, restart_minutes: float, as_json: bool, **gbps: float | None) -> None:
+    """Show what checkpointing a planned job costs: bytes per rank and node, times, storage, intervals, lost time."""
+    from dataclasses import replace
+
+    from ckptd.planning import (PRESETS, Bandwidths, Layout, ParameterCount, PlanInputs, Retention, job_mtbf_hours,
+                                load_config, make_plan, per_gpu_failures_per_hour, shape_from_config)
+    from ckptd.planning.plan import DEFAULT_GBPS
+
+    if (params is None) == (config_path is None):
+        raise click.UsageError("give the model size: exactly one of --params COUNT and --config FILE")
+    if config_path is not None:
+        if expert_params is not None:
+            raise click.UsageError("--expert-params goes with --params; a --config counts its experts itself")
+        count = shape_from_config(load_config(config_path), source=config_path,
+                                  tied_embeddings=tied_embeddings).parameters()
+        source = f"config {click.format_filename(config_path)}"
+    else:
+        count = ParameterCount.flat(_parse_count(params, "--params") or 0,
+                                    _parse_count(expert_params, "--expert-params") or 0)
+        source = "--params"
+    overrides = {name: value for name, value in (("weights", weight_bytes), ("grads", grad_bytes),
+                                                 ("master", master_bytes), ("moments", moment_bytes))
+                 if value is not None}
+    state = replace(PRESETS[preset], **overrides)
+    others = {"ep": ep, "zero_stage": zero_stage, "gpus_per_node": gpus_per_node}
+    layout = Layout.for_world(world_size, tp=tp, pp=pp, dp=dp, **others) if world_size is not None \
+        else Layout(tp=tp, pp=pp, dp=1 if dp is None else dp, **others)
+    if mtbf_hours is not None and any(value is not None for value in (failures, days, gpus)):
+        raise click.UsageError("give the failure rate one way: --mtbf-hours, or --failures --days --gpus")
+    rate = None
+    if mtbf_hours is None:
+        record = (failures, days, gpus)
+        if any(value is None for value in record) and any(value is not None for value in record):
+            raise click.UsageError("--failures, --days and --gpus go together (a fleet's interruptions, the days "
+                                   "they were seen over, and its GPU count)")
+        record = tuple(_DEFAULT_FAILURES if failures is None else record)
+        rate = per_gpu_failures_per_hour(*record)
+        mtbf_hours = job_mtbf_hours(*record, job_gpus=layout.world_size)
+    values, sources = _bandwidths(gbps, measure=measure, local_dir=local_dir, measure_object=measure_object,
+                                  nbytes=measure_mib << 20, options=storage_options(endpoint_url, region),
+                                  defaults=DEFAULT_GBPS)
+    inputs = PlanInputs(parameters=count, parameters_from=source, state=state, layout=layout, mtbf_hours=mtbf_hours,
+                        mtbf_from="given" if rate is None else "failures", per_gpu_failures_per_hour=rate,
+                        restart_s=restart_minutes * 60.0, dedup=dedup,
+                        bandwidths=Bandwidths(**values, sources=sources),
+                        retention=Retention(keep_local=keep_local, keep_peer=keep_peer, keep_remote=keep_remote))
+    result = make_plan(inputs)
+    if as_json:
+        print_json(result.as_json())
+        return
+    _print_plan(result.as_json())
+
+
+def _bandwidths(given: dict[str, float | None], *, measure: bool, local_dir: str | None, measure_object: str | None,
+                nbytes: int, options: dict[str, Any] | None,
+                defaults: dict[str, float | None]) -> tuple[dict[str, float | None], dict[str, str]]:
+    """Each bandwidth and where it came from: given on the command line, measured here, or the default."""
+    from ckptd.errors import ConfigError
+
+    if not measure and (local_dir is not None or measure_object is not None):
+        raise ConfigError("--local and --measure-object name what --measure measures; add --measure")
+    values: dict[str, float | None] = dict(defaults)
+    sources = {name: "default" for name in defaults}
+    if measure:
+        from ckptd.planning import measure as probe
+
+        if nbytes < 1:
+            raise ConfigError("--measure-mib must be at least 1")
+        measured: dict[str, float | None] = {"host_memcpy": probe.host_memcpy_gbps(nbytes),
+                                             "d2h": probe.device_to_host_gbps(nbytes)}
+        if local_dir is not None:
+            measured["disk"] = probe.disk_gbps(local_dir, nbytes)
+        if measure_object is not None:
+            measured["object"] = probe.object_gbps(measure_object, nbytes, storage_options=options)
+        for name, value in measured.items():
+            if value is not None and given.get(name) is None:
+                values[name], sources[name] = value, "measured"
+    for name, value in given.items():
+        if value is not None:
+            values[name], sources[name] = value, "given"
+    return values, sources
+
+
+def _size(value: float | None) -> str:
+    """Bytes in decimal units (1 TB = 1e12 bytes), three significant digits."""
+    if value is None:
+        return "-"
+    for unit, scale in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g} {unit}"
+    return f"{value:.0f} B"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds / 3600:.3g} h"
+
+
+def _print_plan(document: dict[str, Any]) -> None:
+    """The plan as a few lines and two rich tables (bytes; tiers)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    inputs, layout = document["inputs"], document["inputs"]["layout"]
+    per_parameter = inputs["bytes_per_parameter"]
+    console.print(f"model: {inputs['parameters'] / 1e9:.4g} B parameters (from {inputs['parameters_from']}"
+                  + (f", {inputs['expert_parameters'] / 1e9:.4g} B in experts" if inputs["expert_parameters"] else "")
+                  + f"), {per_parameter['total']:g} bytes each (weights {per_parameter['weights']:g}, grads "
+                  f"{per_parameter['grads']:g}, master {per_parameter['master']:g}, moments {per_parameter['moments']:g})")
+    console.print(f"layout: tp {layout['tp']} x pp {layout['pp']} x dp {layout['dp']}"
+                  + (f" (ep {layout['ep']})" if layout["ep"] > 1 else "")
+                  + f" = {layout['world_size']} GPUs on {layout['nodes']} node(s) of {layout['gpus_per_node']}, "
+                  f"ZeRO stage {layout['zero_stage']}, "
+                  + ("replicas written once" if inputs["dedup"] else "every replica writes its copy"))
+    rank, node = document["rank"], document["node"]
+    table = Table("bytes", "checkpoint", f"rank {rank['busiest']} holds", f"rank {rank['busiest']} writes",
+                  f"node {node['busiest']} writes", title="one checkpoint (busiest rank and node)")
+    for name in ("weights", "grads", "master", "moments", "total"):
+        table.add_row(name, _size(document["checkpoint"]["unique_bytes"][name]), _size(rank["held_bytes"][name]),
+                      _size(rank["written_bytes"][name]), _size(node["written_bytes"][name]))
+    console.print(table)
+    staging = document["staging"]
+    console.print(f"staging stall: {_duration(staging['seconds'])} ({staging['bound']} bound)")
+    gbps, sources = inputs["bandwidths_gbps"], inputs["bandwidth_sources"]
+    console.print("bandwidths, GB/s: " + ", ".join(
+        f"{name.replace('_', ' ')} {value:.3g} ({sources[name]})" for name, value in gbps.items() if value is not None))
+    tiers = Table("tier", "durable", "restore", "kept/node", "job total", "every", "Young", "lost",
+                  title=f"tiers: MTBF {_duration(inputs['failures']['mtbf_hours'] * 3600)}, interval by Daly")
+    for name, tier in document["tiers"].items():
+        interval = tier["interval"]
+        tiers.add_row(name, _duration(tier["durable_seconds"]),
+                      _duration(tier["restore_seconds"]), _size(tier["storage_bytes_per_node"]),
+                      _size(tier["storage_bytes_total"]),
+                      _duration(interval["seconds"]) + ("*" if interval["bound"] == "tier" else ""),
+                      _duration(interval["young_seconds"]), f"{tier['lost_fraction']['total']:.2%}")
+    console.print(tiers)
+    if any(tier["interval"]["bound"] == "tier" for tier in document["tiers"].values()):
+        console.print("*: raised to what the tier can absorb (a save reaches it before the next one does)")
+    failures = inputs["failures"]
+    if failures["mtbf_from"] == "failures":
+        console.print(f"MTBF {failures['mtbf_hours']:.3g} h for {layout['world_size']} GPUs at "
+                      f"{failures['per_gpu_failures_per_hour']:.3g} failures per GPU-hour; restart "
+                      f"{_duration(failures['restart_s'])} plus the restore")
+    for warning in document["warnings"]:
+        console.print(f"warning: {warning}", style="yellow")

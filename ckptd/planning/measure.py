@@ -1,0 +1,100 @@
+"""Bandwidths measured on this machine for ``ckptd plan --measure``: short, bounded runs of a few hundred MiB.
+
+- host memory: one process copying a buffer (numpy), the median of ``repeats`` copies. This is one copier;
+  a node's ranks copy in parallel, so the node's figure is usually higher (give ``--host-memcpy-gbps``);
+- device to host: a pinned copy from the first CUDA device, when torch sees one (else not measured);
+- disk: writing ``nbytes`` to a file in ``--local DIR`` in 8 MiB pieces, then fsync; the file is removed;
+- object store: one upload of ``nbytes`` to the given URL through ckptd's tier (the same client a save
+  uses), then the object is deleted.
+
+Each function returns GB/s (1e9 bytes/s). Main thread; each run is one pass over ``nbytes``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from ckptd.errors import ConfigError, StorageError
+
+_PIECE = 8 << 20
+
+
+def host_memcpy_gbps(nbytes: int, *, repeats: int = 3) -> float:
+    """Median GB/s of copying ``nbytes`` between two host buffers (after one warm-up copy)."""
+    import numpy as np
+
+    source = np.ones(nbytes, dtype=np.uint8)
+    target = np.empty_like(source)
+    np.copyto(target, source)
+    times = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        np.copyto(target, source)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def device_to_host_gbps(nbytes: int, *, repeats: int = 3) -> float | None:
+    """Median GB/s of a pinned device-to-host copy on CUDA device 0, or None without torch or a CUDA device."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    device = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.copy_(device, non_blocking=True)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        host.copy_(device, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def disk_gbps(directory: str | Path, nbytes: int) -> float:
+    """GB/s of writing ``nbytes`` into ``directory`` and fsyncing it (the probe file is removed after)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ConfigError("--local must name an existing directory to measure its disk", path=str(directory))
+    piece = memoryview(os.urandom(min(_PIECE, nbytes)))
+    path = directory / f".ckptd-plan-probe-{uuid.uuid4().hex}"
+    try:
+        start = time.perf_counter()
+        with open(path, "wb", buffering=0) as handle:
+            left = nbytes
+            while left > 0:
+                left -= handle.write(piece[:min(left, len(piece))])
+            os.fsync(handle.fileno())
+        elapsed = time.perf_counter() - start
+    except OSError as exc:
+        raise StorageError(f"cannot write the disk probe: {exc.strerror or exc}", path=str(path), tier="local",
+                           hint="give --disk-gbps instead of measuring") from exc
+    finally:
+        path.unlink(missing_ok=True)
+    return nbytes / elapsed / 1e9
+
+
+def object_gbps(url: str, nbytes: int, *, storage_options: dict[str, Any] | None = None) -> float:
+    """GB/s of uploading one object of ``nbytes`` under ``url`` (deleted after) through ckptd's tier."""
+    from ckptd.tiers import open_tier
+
+    tier = open_tier(url, storage_options=storage_options)
+    name = f"ckptd-plan-probe-{uuid.uuid4().hex}"
+    data = os.urandom(nbytes)
+    try:
+        start = time.perf_counter()
+        tier.write_bytes(name, data)
+        elapsed = time.perf_counter() - start
+        tier.delete_files([name])
+    finally:
+        tier.close()
+    return nbytes / elapsed / 1e9
