@@ -42,6 +42,7 @@ from ckptd.errors import (
     WorkerError,
 )
 from ckptd.policy import KeepEvery, KeepLatest, Policy, RetentionPolicy
+from ckptd.format.mesh_layout import Layout
 
 if TYPE_CHECKING:
     from ckptd.data import (DatasetManifest, ShardDataset, ShardLoader, index_dataset, load_dataset_manifest,
@@ -81,6 +82,7 @@ __all__ = [
     "CheckpointManager",
     "KeepEvery",
     "KeepLatest",
+    "Layout",
     "Policy",
     "RetentionPolicy",
     "__version__",

@@ -37,6 +37,7 @@ from ckptd.errors import FormatError, FormatVersionError, IntegrityError
 from ckptd.format import codecs
 from ckptd.format.hashing import CHUNK_DIGEST_ALGORITHM, chunk_digest
 from ckptd.format.layout import safe_name
+from ckptd.format.mesh_layout import SavedLayout
 
 if TYPE_CHECKING:
     import torch
@@ -45,6 +46,11 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 3
 #: Versions this ckptd can read.
 READABLE_FORMAT_VERSIONS = frozenset({1, 2, 3})
+#: Format version of a manifest that records the job's layout (:mod:`ckptd.format.mesh_layout`): its ranks
+#: may hold pieces another rank wrote (replicas written once). Its rank indexes keep their own version.
+LAYOUT_SINCE = 4
+#: Versions of a manifest this ckptd can read (a rank index: READABLE_FORMAT_VERSIONS).
+READABLE_MANIFEST_VERSIONS = READABLE_FORMAT_VERSIONS | {LAYOUT_SINCE}
 #: Format version from which a data file may be a pack.
 PACKED_FILES_SINCE = 3
 _PACKED = "packed"
@@ -57,7 +63,8 @@ _DIGEST = re.compile(r"^[0-9a-f]{32}$")
 DTYPE_ITEMSIZES: dict[str, int] = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "complex128": 16, "complex64": 8,
     "complex32": 4, "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "uint16": 2, "uint32": 4,
-    "uint64": 8, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "uint64": 8, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "float8_e4m3fnuz": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
 }
 
 
@@ -65,7 +72,7 @@ DTYPE_ITEMSIZES: dict[str, int] = {
 def _torch_dtypes() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
     import torch  # on first use: reading manifests and listing steps (``ckptd ls``) need no torch
 
-    by_name = {name: getattr(torch, name) for name in DTYPE_ITEMSIZES}
+    by_name = {name: getattr(torch, name) for name in DTYPE_ITEMSIZES if hasattr(torch, name)}
     return by_name, {dtype: name for name, dtype in by_name.items()}
 
 
@@ -224,15 +231,28 @@ class RankEntry:
     index_size: int
     index_digest: str
     data_files: tuple[DataFile, ...]
+    #: The rank's mesh coordinates (a step with a layout), else None.
+    coordinates: tuple[int, ...] | None = None
+    #: Pieces this rank holds but another rank wrote: name -> the writer's rank.
+    replicas: dict[str, int] = field(default_factory=dict)
+    #: Pieces this rank wrote that other ranks hold too: name -> every holder's rank.
+    shared: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def data_size(self) -> int:
         return total_size(self.data_files)
 
     def to_json(self) -> dict[str, Any]:
-        return {"rank": self.rank, "index_file": self.index_file, "index_size": self.index_size,
-                "index_digest": self.index_digest,
-                "data_files": [data_file.to_json() for data_file in self.data_files]}
+        body: dict[str, Any] = {"rank": self.rank, "index_file": self.index_file, "index_size": self.index_size,
+                                "index_digest": self.index_digest,
+                                "data_files": [data_file.to_json() for data_file in self.data_files]}
+        if self.coordinates is not None:
+            body["coordinates"] = list(self.coordinates)
+        if self.replicas:
+            body["replicas"] = dict(self.replicas)
+        if self.shared:
+            body["shared"] = {name: list(holders) for name, holders in self.shared.items()}
+        return body
 
     @classmethod
     def from_json(cls, item: Any, *, step: int, path: str, version: int = FORMAT_VERSION) -> RankEntry:
@@ -252,6 +272,8 @@ class Manifest:
     extra: dict[str, Any] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     ckptd_version: str = __version__
+    #: The job's layout (format version 4), None for steps without one.
+    layout: SavedLayout | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -278,6 +300,8 @@ class Manifest:
             "ranks": [entry.to_json() for entry in self.ranks],
             "extra": self.extra,
         }
+        if self.layout is not None:
+            body["layout"] = self.layout.to_json()
         body["manifest_digest"] = chunk_digest(_canonical(body))
         return json.dumps(body, indent=1).encode()
 
@@ -309,6 +333,9 @@ class Manifest:
         created = body.get("created")
         if not isinstance(created, (int, float)):
             problems.fail("'created' is not a number")
+        layout = None
+        if body["format_version"] >= LAYOUT_SINCE and body.get("layout") is not None:
+            layout = SavedLayout.from_json(body["layout"], world_size=world_size, path=path, step=manifest_step)
         return cls(
             step=manifest_step,
             world_size=world_size,
@@ -318,6 +345,7 @@ class Manifest:
             extra=extra,
             format_version=body["format_version"],
             ckptd_version=problems.text(body.get("ckptd_version"), "ckptd_version"),
+            layout=layout,
         )
 
 
@@ -356,10 +384,11 @@ def _load_json(raw: bytes, *, path: str, step: int | None, tier: str | None, kin
     if not isinstance(body, dict) or body.get("format") != FORMAT_NAME or body.get("kind") != kind:
         raise FormatError(f"file is not a ckptd {kind}", path=path, step=step, tier=tier)
     version = body.get("format_version")
-    if version not in READABLE_FORMAT_VERSIONS:
+    readable = READABLE_MANIFEST_VERSIONS if kind == "manifest" else READABLE_FORMAT_VERSIONS
+    if version not in readable:
         raise FormatVersionError(
             f"{kind} has format version {version!r}; this ckptd {__version__} reads versions "
-            f"{sorted(READABLE_FORMAT_VERSIONS)}", path=path, step=step, tier=tier,
+            f"{sorted(readable)}", path=path, step=step, tier=tier,
             hint="upgrade ckptd to read it, or restore a step written by this version")
     return body
 
@@ -376,7 +405,29 @@ def _parse_entry(item: Any, problems: _Problems, step: int, version: int) -> Ran
         index_size=problems.non_negative_int(item.get("index_size"), "index_size"),
         index_digest=digest,
         data_files=_parse_data_files(item, problems, step, version),
+        **_parse_holdings(item, problems),
     )
+
+
+def _parse_holdings(item: dict[str, Any], problems: _Problems) -> dict[str, Any]:
+    """The layout fields of a rank entry (absent before format version 4)."""
+    found: dict[str, Any] = {}
+    coords = item.get("coordinates")
+    if coords is not None:
+        if not isinstance(coords, list):
+            problems.fail("'coordinates' of a rank entry is not a list")
+        found["coordinates"] = tuple(problems.non_negative_int(c, "coordinate") for c in coords)
+    replicas = item.get("replicas") or {}
+    shared = item.get("shared") or {}
+    if not isinstance(replicas, dict) or not isinstance(shared, dict) \
+            or not all(isinstance(holders, list) for holders in shared.values()):
+        problems.fail("'replicas' or 'shared' of a rank entry has the wrong type")
+    found["replicas"] = {problems.text(name, "piece name"): problems.non_negative_int(writer, "writer rank")
+                         for name, writer in replicas.items()}
+    found["shared"] = {problems.text(name, "piece name"): tuple(problems.non_negative_int(r, "holder rank")
+                                                                for r in holders)
+                       for name, holders in shared.items()}
+    return found
 
 
 def _parse_data_files(body: dict[str, Any], problems: _Problems, step: int, version: int) -> tuple[DataFile, ...]:

@@ -230,5 +230,8 @@ class StoreCoordinator:
         if not failures:
             entries = [RankEntry.from_json(r["entry"], step=step, path=f"{base}/rank/{rank}")
                        for rank, r in enumerate(reports)]
-            manifest = build(entries).to_json_bytes().decode()
+            try:  # a manifest that cannot be built fails the step on every rank, none waits for it in vain
+                manifest = build(entries).to_json_bytes().decode()
+            except CommitError as error:
+                failures = {0: str(error)}
         self.store.set(f"{base}/outcome", json.dumps({"failures": failures, "manifest": manifest}))

@@ -20,6 +20,8 @@ from ckptd.format import codecs
 from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, rank_file_prefix
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator, StoreCoordinator
 from ckptd.manager.directories import DirectorySharing, directory_identity, set_aside_step
+from ckptd.format.mesh_layout import Layout
+from ckptd.manager.holdings import LayoutRecorder
 from ckptd.policy import Policy
 from ckptd.manager.daemon_handoff import (DaemonHandoff, SharedLoss, leftover_pins, open_peer_tier,
                                           split_peer_options)
@@ -86,6 +88,15 @@ class CheckpointManager:
     and the object tier; without it, the peer the daemon names (its buddy's replica of this root) is used.
     Its token comes from ``storage_options["peer_token"]`` or ``["peer_token_file"]`` (not passed to s3fs),
     else ``CKPTD_PEER_TOKEN`` / ``CKPTD_PEER_TOKEN_FILE``.
+
+    ``layout`` (a :class:`~ckptd.Layout`) states the job's device mesh, ZeRO stage and which mesh dimensions
+    hold plain tensors identically; without it the layout is taken from the state's DTensors, if any. The
+    manifest records the mesh, every rank's coordinates and who holds each replicated piece. With
+    ``write_replicas="once"`` (default) a piece held identically by several ranks (a DTensor's ``Replicate``
+    placements, a key the layout marks replicated) is staged and written by one of them, spread by bytes over
+    the holders; restore reads it from whichever holder wrote it, through every tier (a rank of another
+    node finds it on the object or peer tier). ``"every-rank"``: every rank writes its whole state. A step
+    restores into another layout (TP, PP, DP or FSDP sharding changed) through DCP's resharding.
     """
 
     def __init__(
@@ -104,6 +115,8 @@ class CheckpointManager:
         repopulate_local: bool = False,
         daemon: str | None = None,
         peer: str | None = None,
+        layout: Layout | None = None,
+        write_replicas: str = "once",
     ) -> None:
         self.policy = policy or Policy()
         self.codec = codecs.chosen_codec(codec)
@@ -123,8 +136,11 @@ class CheckpointManager:
             removed = self.local.remove_temporaries(self._own_prefixes)
             if removed:
                 log.info("removed %d temporary file(s) left by an earlier crash", len(removed))
+            self.layout = layout
+            recorder = LayoutRecorder(self.rank, layout, world_size=self.world_size, write_replicas=write_replicas)
             self._saver = Saver(self.local, self.coordinator, policy=self.policy, codec=self.codec,
-                                allow_pickle=allow_pickle, capture_rng=capture_rng, sharing=self.sharing)
+                                allow_pickle=allow_pickle, capture_rng=capture_rng, sharing=self.sharing,
+                                layout=recorder)
             self.last_restore: RestoreResult | None = None
             self._prepare_staging = True  # see save(): staging buffers are prepared on the first step not saved
             self._closed = False

@@ -40,12 +40,15 @@ from ckptd.dcp.resharding import TensorReader, live_reader, resharded_source
 from ckptd.errors import CkptdError, NoIntactCheckpointError, NotFoundError, PickleRefusedError, \
     ResumeMismatchError, StorageError, TierUnreachableError
 from ckptd.format.records import Manifest, RankIndex
-from ckptd.stepio.step_reader import ChunkSource, FallbackEvent, StepReader, load_step_manifest, load_rank_index
+from ckptd.stepio.step_reader import ChunkSource, FallbackEvent, StepReader, load_step_manifest, load_rank_index, \
+    settle_all
+from ckptd.manager.relayout import relayout_source
+from ckptd.state.replicas import mesh_of_state
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator
 from ckptd.manager.saving import MemoryCopy
 from ckptd.state import rng
 from ckptd.state.saved_values import saved_keys, select_keys, stateful_keys
-from ckptd.state.tree import load_into, no_pending_reads
+from ckptd.state.tree import flatten, load_into, no_pending_reads
 from ckptd.tiers.base import StorageTier
 
 log = logging.getLogger("ckptd.restore")
@@ -329,17 +332,27 @@ def _source(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
     """The skeleton to load, the reader of its tensors, what waits for reads that are still running, and
     what counts, once they are done, the chunks each tier supplied."""
     saved_world = _saved_world_size(metadata, step)
+    saved = _manifest(metadata, step)
+    if saved.layout is not None and (saved_world != world_size or _mesh_changed(saved, state)):
+        holding = metadata.listings.holding(step)
+        result.resharded, result.tier = True, holding[0].label
+        skeleton, relaid, readers = relayout_source(holding, step, state, rank=rank, allow_pickle=allow_pickle)
+        return skeleton, relaid, lambda **kw: settle_all(readers, **kw), dict
     if saved_world != world_size:
         holding = metadata.listings.holding(step)
         result.resharded, result.tier = True, holding[0].label
         return (*resharded_source(holding, step, state, rank=rank, allow_pickle=allow_pickle), no_pending_reads,
                 dict)
     read_names: list[str] = []
+    replicas = saved.entry(rank).replicas
+    others = _ReplicaReaders(metadata, step, rank, world_size)
     if memory is not None and memory.step == step and memory.committed:
         result.tier = "memory"
         staged = memory.staged.tensors
 
         def from_memory(name: str, out: torch.Tensor | None) -> torch.Tensor:
+            if name not in staged and name in replicas:  # another rank wrote it: read through the tiers
+                return others.read(name, replicas[name], out)
             read_names.append(name)
             if out is None:
                 return staged[name].clone()
@@ -347,17 +360,74 @@ def _source(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
                 out.copy_(staged[name])
             return out
 
-        return (memory.values.skeleton, live_reader(from_memory), no_pending_reads,
-                lambda: {"memory": len(read_names)} if read_names else {})
+        return (memory.values.skeleton, live_reader(from_memory), others.settle,
+                lambda: others.supplied({"memory": len(read_names)} if read_names else {}))
     reader = StepReader(_sources(metadata, step, rank, world_size))
     result.tier, result.events = reader.sources[0].tier.label, reader.events
 
     def read_deferred(name: str, out: torch.Tensor | None) -> torch.Tensor:
+        if name in replicas and name not in reader.index.tensors:
+            return others.read(name, replicas[name], out)
         read_names.append(name)
         return reader.read_tensor(name, out, defer=True)
 
+    def settle(*, raise_errors: bool = True) -> None:
+        settle_all([reader, *others.readers.values()], raise_errors=raise_errors)
+
     skeleton = manager_skeleton(parse_values(reader.index.values), step=step)
-    return skeleton, live_reader(read_deferred), reader.settle, lambda: _chunks_by_tier(reader, read_names)
+    return skeleton, live_reader(read_deferred), settle, \
+        lambda: others.supplied(_chunks_by_tier(reader, read_names))
+
+
+class _ReplicaReaders:
+    """Readers of the shares of other saved ranks, for the pieces they wrote for this rank (replicas written
+    once): each found through every tier that holds the step, nearest first."""
+
+    def __init__(self, metadata: _Metadata, step: int, rank: int, world_size: int) -> None:
+        self.metadata, self.step, self.rank, self.world_size = metadata, step, rank, world_size
+        self.readers: dict[int, StepReader] = {}
+        self.names: dict[int, list[str]] = {}
+
+    def read(self, name: str, writer: int, out: torch.Tensor | None) -> torch.Tensor:
+        reader = self.readers.get(writer)
+        if reader is None:
+            try:
+                reader = self.readers[writer] = StepReader(_sources(self.metadata, self.step, writer, self.world_size))
+            except NotFoundError as error:
+                tiers = ", ".join(t.label for t in self.metadata.listings.holding(self.step)) or "none"
+                raise NotFoundError(
+                    f"tensor {name!r} of rank {self.rank} is a replica that rank {writer} wrote, and no tier this "
+                    f"rank reads ({tiers}) holds rank {writer}'s share of the step: {error.message}", step=self.step,
+                    tier=tiers, hint="give the manager the object tier (remote=) or a peer tier that holds every "
+                    "rank's files, or save with write_replicas='every-rank'") from error
+        self.names.setdefault(writer, []).append(name)
+        return reader.read_tensor(name, out, defer=True)
+
+    def settle(self, *, raise_errors: bool = True) -> None:
+        settle_all(self.readers.values(), raise_errors=raise_errors)
+
+    def supplied(self, counts: dict[str, int]) -> dict[str, int]:
+        """``counts`` plus the chunks each tier supplied to the replicas read here."""
+        total = Counter(counts)
+        for writer, reader in self.readers.items():
+            total.update(_chunks_by_tier(reader, self.names.get(writer, [])))
+        return dict(total)
+
+
+def _manifest(metadata: _Metadata, step: int) -> Manifest:
+    errors = []
+    for tier in metadata.listings.holding(step):
+        try:
+            return metadata.manifest(tier, step)
+        except CkptdError as error:
+            errors.append(str(error))
+    raise NotFoundError(f"no tier has a readable manifest of step {step}: " + " | ".join(errors), step=step)
+
+
+def _mesh_changed(saved: Manifest, state: MutableMapping[str, Any]) -> bool:
+    """Whether the live state's DTensors lie on another mesh than the step's layout records."""
+    found = mesh_of_state(flatten(dict(state), allow_pickle=True).tensors)
+    return found is not None and list(found[0].items()) != list(saved.layout.mesh.items())  # type: ignore[union-attr]
 
 
 def _chunks_by_tier(reader: StepReader, names: list[str]) -> dict[str, int]:

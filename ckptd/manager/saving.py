@@ -46,6 +46,7 @@ from ckptd.stepio.rank_writer import RankWriter, lease_io_pool, lower_thread_pri
 from ckptd.format.records import Manifest, RankEntry
 from ckptd.manager.commit import SKIPPED, CommitCoordinator, SkippedStep, UndecidedCommitError
 from ckptd.manager.directories import DirectorySharing
+from ckptd.manager.holdings import Holdings, LayoutRecorder
 from ckptd.policy import Policy
 from ckptd.state.staging import StagedState, Stager
 from ckptd.state import rng
@@ -63,6 +64,8 @@ class _WriteJob:
     values: Any = None
     #: Why this rank could not stage the step (reported to the other ranks); None: skipped when busy.
     failure: str | None = None
+    #: Where this rank sits in the job's layout and which replicated pieces it writes (None: no layout).
+    holdings: Holdings | None = None
 
 
 @dataclass(frozen=True)
@@ -80,8 +83,10 @@ class Saver:
 
     def __init__(self, local: LocalTier, coordinator: CommitCoordinator, *, policy: Policy, codec: str,
                  allow_pickle: bool, capture_rng: bool, stager: Stager | None = None,
-                 sharing: DirectorySharing | None = None) -> None:
+                 sharing: DirectorySharing | None = None, layout: LayoutRecorder | None = None) -> None:
         self.local, self.coordinator, self.policy = local, coordinator, policy
+        #: Records the job's layout in the manifest and writes each replicated piece once (see holdings).
+        self.layout = layout or LayoutRecorder(coordinator.rank)
         #: Which ranks share this rank's directory; its owner commits, applies retention and cleans up.
         #: Default: one directory shared by the job (the CheckpointManager passes what the ranks found).
         self.sharing = sharing or DirectorySharing(coordinator.rank, ("job",) * coordinator.world_size)
@@ -136,11 +141,15 @@ class Saver:
                 self._raise_stored()
         flat = flatten(self._with_rng(state), allow_pickle=self.allow_pickle, step=step)
         self._memory = None
-        staged = self.stager.stage(flat.tensors)
-        shards = {name: (name, placement) for name, placement in staged.placements.items()}
+        holdings = self.layout.holdings(flat.tensors)
+        written = flat.tensors if holdings is None else \
+            {name: tensor for name, tensor in flat.tensors.items() if holdings.plan.writes(name)}
+        staged = self.stager.stage(written)
+        placements = dict(staged.placements) if holdings is None else holdings.placements(flat.tensors)
+        shards = {name: (name, placement) for name, placement in placements.items()}
         values = SavedValues(skeleton=flat.skeleton, shards=shards)
         self._memory = MemoryCopy(step, values, staged, committed=False)
-        self._enqueue(_WriteJob(step, staged, values.to_json()))
+        self._enqueue(_WriteJob(step, staged, values.to_json(), holdings=holdings))
         return True
 
     @property
@@ -282,13 +291,16 @@ class Saver:
                 for name, tensor in job.staged.tensors.items():
                     writer.add(name, tensor)
                 entry = writer.finish(job.values)
+                if job.holdings is not None:
+                    entry = job.holdings.entry(entry)
             except Exception as exc:  # reported to every rank, so that none waits for this one in vain
                 if writer is not None:
                     writer.abort()
                 if self.world_size == 1:
                     raise
                 error = str(exc) if isinstance(exc, CkptdError) else f"{type(exc).__name__}: {exc}"
-        manifest_bytes = self.coordinator.agree(job.step, entry, error, self._manifest_builder(job.step))
+        manifest_bytes = self.coordinator.agree(job.step, entry, error,
+                                                self._manifest_builder(job.step, job.holdings))
         if error is not None:  # the coordinator raises first; kept for coordinators that do not
             raise WorkerError(f"step {job.step} failed", {self.rank: error}, step=job.step)
         written: CkptdError | None = None
@@ -326,9 +338,10 @@ class Saver:
         for callback in self.on_commit:
             callback(step)
 
-    def _manifest_builder(self, step: int) -> Callable[[list[RankEntry]], Manifest]:
+    def _manifest_builder(self, step: int, holdings: Holdings | None) -> Callable[[list[RankEntry]], Manifest]:
         def build(entries: list[RankEntry]) -> Manifest:
-            return Manifest(step=step, world_size=self.world_size, ranks=tuple(entries), codec=self.codec)
+            manifest = Manifest(step=step, world_size=self.world_size, ranks=tuple(entries), codec=self.codec)
+            return manifest if holdings is None else holdings.manifest(manifest)
         return build
 
     def _apply_retention(self) -> None:
