@@ -1,0 +1,177 @@
+"""``ckptd plan`` on the command line: the JSON schema, the table, the failure options, bad input (exit 2) and
+``--measure`` against a real directory and moto's S3 server."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from ckptd.cli.main import cli
+
+LLAMA2_7B = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 11008, "vocab_size": 32000,
+             "num_attention_heads": 32, "num_key_value_heads": 32, "tie_word_embeddings": False}
+
+#: Every key of schema 1, level by level (see ckptd.planning.plan).
+SCHEMA_KEYS = {
+    "": {"schema", "inputs", "checkpoint", "rank", "node", "stages", "staging", "tiers", "warnings"},
+    "inputs": {"parameters", "expert_parameters", "parameters_from", "bytes_per_parameter", "layout", "dedup",
+               "bandwidths_gbps", "bandwidth_sources", "retention", "failures"},
+    "inputs.bytes_per_parameter": {"weights", "grads", "master", "moments", "total"},
+    "inputs.layout": {"tp", "pp", "dp", "ep", "zero_stage", "gpus_per_node", "world_size", "nodes"},
+    "inputs.bandwidths_gbps": {"d2h", "host_memcpy", "disk", "peer", "object", "object_job"},
+    "inputs.bandwidth_sources": {"d2h", "host_memcpy", "disk", "peer", "object", "object_job"},
+    "inputs.retention": {"keep_local", "keep_peer", "keep_remote"},
+    "inputs.failures": {"mtbf_hours", "mtbf_from", "per_gpu_failures_per_hour", "restart_s"},
+    "checkpoint": {"unique_bytes", "held_bytes_all_ranks", "replication_factor"},
+    "checkpoint.unique_bytes": {"weights", "grads", "master", "moments", "total"},
+    "rank": {"busiest", "held_bytes", "written_bytes", "mean_written_bytes"},
+    "node": {"busiest", "held_bytes", "written_bytes"},
+    "staging": {"seconds", "bound"},
+    "tiers": {"local", "peer", "object"},
+    "tiers.local": {"write_seconds", "durable_seconds", "restore_seconds", "storage_bytes_per_node",
+                    "peak_bytes_per_node", "storage_bytes_total", "interval", "lost_fraction"},
+    "tiers.local.interval": {"young_seconds", "daly_seconds", "seconds", "formula", "bound"},
+    "tiers.local.lost_fraction": {"overhead", "recompute", "restart", "total"},
+}
+
+
+def _run(*args: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(cli, ["plan", *args], env=env)
+
+
+def _json(*args: str, env: dict[str, str] | None = None) -> dict:
+    result = _run(*args, "--json", env=env)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_the_json_schema_is_stable():
+    document = _json("--params", "70e9", "--tp", "8", "--pp", "4", "--dp", "4", "--zero-stage", "1")
+    assert document["schema"] == 1
+    for path, keys in SCHEMA_KEYS.items():
+        node = document
+        for part in filter(None, path.split(".")):
+            node = node[part]
+        assert set(node) == keys, path
+    assert set(document["stages"][0]) == {"stage", "parameters", "expert_parameters", "rank_held_bytes",
+                                          "rank_written_bytes"}
+    assert len(document["stages"]) == 4
+    assert document["tiers"]["local"]["interval"]["formula"] == "daly"
+    assert set(document["tiers"]["object"]) == SCHEMA_KEYS["tiers.local"]
+
+
+def test_70b_at_16_bytes_and_zero_1_on_the_command_line():
+    document = _json("--params", "70e9", "--dp", "8", "--zero-stage", "1", "--no-dedup")
+    assert document["checkpoint"]["unique_bytes"]["total"] == 1_120_000_000_000
+    assert document["rank"]["held_bytes"] == {"weights": 140 * 10**9, "grads": 140 * 10**9, "master": 35 * 10**9,
+                                              "moments": 70 * 10**9, "total": 385 * 10**9}
+    assert document["inputs"]["layout"]["world_size"] == 8 and document["inputs"]["layout"]["nodes"] == 1
+    assert _json("--params", "70B", "--dp", "8")["rank"]["written_bytes"]["total"] == 140 * 10**9
+
+
+def test_state_bytes_and_presets():
+    no_grads = _json("--params", "1e9", "--state", "adam-mixed-no-grads")
+    assert no_grads["checkpoint"]["unique_bytes"]["total"] == 14 * 10**9
+    assert _json("--params", "1e9", "--grad-bytes", "4")["inputs"]["bytes_per_parameter"]["total"] == 18
+
+
+def test_a_config_is_counted_and_staged_by_layers(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA2_7B))
+    document = _json("--config", str(config), "--pp", "4", "--gpus-per-node", "4")
+    assert document["inputs"]["parameters"] == 6_738_415_616
+    assert document["inputs"]["parameters_from"] == f"config {config}"
+    assert [stage["parameters"] for stage in document["stages"]] == [1_750_138_880, 1_619_066_880, 1_619_066_880,
+                                                                     1_750_142_976]
+    assert document["rank"]["busiest"] == 3
+    toml = tmp_path / "model.toml"
+    toml.write_text("\n".join(f"{key} = {json.dumps(value).lower()}" for key, value in LLAMA2_7B.items()))
+    assert _json("--config", str(toml), "--tied-embeddings")["inputs"]["parameters"] == 6_738_415_616 - 32000 * 4096
+
+
+def test_mtbf_from_a_fleet_record_for_this_jobs_gpus():
+    document = _json("--params", "70e9", "--tp", "8", "--dp", "128", "--failures", "419", "--days", "54",
+                     "--gpus", "16384")
+    failures = document["inputs"]["failures"]
+    assert failures["mtbf_from"] == "failures"
+    assert failures["per_gpu_failures_per_hour"] == pytest.approx(419 / (54 * 24 * 16384))
+    assert failures["mtbf_hours"] == pytest.approx(54 * 24 / 419 * 16)  # 1024 of the fleet's 16384 GPUs
+    given = _json("--params", "70e9", "--mtbf-hours", "12")["inputs"]["failures"]
+    assert given == {"mtbf_hours": 12.0, "mtbf_from": "given", "per_gpu_failures_per_hour": None, "restart_s": 600.0}
+
+
+def test_given_bandwidths_win_and_say_so():
+    document = _json("--params", "7e9", "--disk-gbps", "2", env={"CKPTD_PLAN_OBJECT_GBPS": "1"})
+    sources = document["inputs"]["bandwidth_sources"]
+    assert sources["disk"] == "given" and sources["object"] == "given" and sources["peer"] == "default"
+    assert document["inputs"]["bandwidths_gbps"]["object"] == 1.0
+    assert document["tiers"]["local"]["write_seconds"] == pytest.approx(7e9 * 16 / 2e9)
+
+
+def test_the_table_for_people():
+    result = _run("--params", "70e9", "--tp", "8", "--pp", "4", "--dp", "32", "--zero-stage", "1")
+    assert result.exit_code == 0, result.output
+    for says in ("1.12 TB", "staging stall", "local", "peer", "object", "MTBF 49.5 h", "1024 GPUs"):
+        assert says in result.stdout, says
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (("--params", "-5"), "is not a parameter count"),
+    (("--params", "70e9", "--tp", "-1"), "--tp must be a positive integer"),
+    (("--params", "70e9", "--zero-stage", "5"), "unknown ZeRO stage 5"),
+    (("--params", "70e9", "--world-size", "100", "--tp", "8"), "does not divide the world size 100"),
+    (("--params", "70e9", "--world-size", "64", "--tp", "8", "--dp", "3"), "but the world size is 64"),
+    (("--params", "70e9", "--dp", "6", "--ep", "4"), "--ep 4 does not divide --dp 6"),
+    (("--params", "70e9", "--disk-gbps", "-1"), "--disk-gbps must be a positive number"),
+    (("--params", "70e9", "--keep-remote", "-2"), "--keep-remote must be an integer >= 0"),
+    (("--params", "70e9", "--mtbf-hours", "0"), "--mtbf-hours must be a positive number"),
+    (("--params", "70e9", "--mtbf-hours", "3", "--failures", "10"), "give the failure rate one way"),
+    (("--params", "70e9", "--failures", "10"), "--failures, --days and --gpus go together"),
+    (("--params", "70e9", "--days", "-3", "--failures", "1", "--gpus", "8"), "--days must be a positive number"),
+    ((), "exactly one of --params COUNT and --config FILE"),
+    (("--params", "70e9", "--local", "."), "add --measure"),
+])
+def test_bad_input_exits_2_with_one_line(args, says):
+    result = _run(*args)
+    assert result.exit_code == 2, result.output
+    assert says in result.stderr, result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_a_bad_config_file_is_named(tmp_path):
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    result = _run("--config", str(broken))
+    assert result.exit_code == 2 and "not valid JSON" in result.stderr and "broken.json" in result.stderr
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps({"hidden_size": 4096}))
+    result = _run("--config", str(partial))
+    assert result.exit_code == 2 and "missing num_attention_heads" in result.stderr
+    assert "partial.json" in result.stderr
+
+
+@pytest.mark.s3
+def test_measure_here_writes_probes_and_removes_them(tmp_path, s3_server, s3_bucket, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    local = tmp_path / "nvme"
+    local.mkdir()
+    document = _json("--params", "1e9", "--measure", "--local", str(local), "--measure-mib", "4",
+                     "--measure-object", f"s3://{s3_bucket}/probe", "--endpoint-url", s3_server.endpoint_url,
+                     "--region", "us-east-1", "--peer-gbps", "7")
+    sources, gbps = document["inputs"]["bandwidth_sources"], document["inputs"]["bandwidths_gbps"]
+    assert sources["host_memcpy"] == sources["disk"] == sources["object"] == "measured"
+    assert sources["peer"] == "given" and gbps["peer"] == 7.0
+    assert sources["d2h"] in {"measured", "default"}  # measured only where torch sees a CUDA device
+    for name in ("host_memcpy", "disk", "object"):
+        assert 0 < gbps[name] < 10_000, name
+    assert document["tiers"]["local"]["write_seconds"] == pytest.approx(
+        document["node"]["written_bytes"]["total"] / (gbps["disk"] * 1e9))
+    assert list(local.iterdir()) == [], "the disk probe is removed"
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_server.endpoint_url, region_name="us-east-1",
+                          aws_access_key_id="testing", aws_secret_access_key="testing")
+    assert client.list_objects_v2(Bucket=s3_bucket).get("KeyCount", 0) == 0, "the object probe is removed"
