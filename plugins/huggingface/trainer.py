@@ -1,0 +1,249 @@
+"""``transformers.Trainer`` checkpoints through ckptd: :class:`CkptdCallback` saves, :func:`ckptd_resume` resumes.
+
+Use::
+
+    callback = CkptdCallback("/nvme/ckpt/run1", remote="s3://bucket/run1")
+    trainer = Trainer(model, args, train_dataset=dataset, callbacks=[callback])
+    trainer.train(resume_from_checkpoint=ckptd_resume(trainer))    # None on a fresh run
+    callback.close()
+
+**Saving.** The Trainer decides when to save (``save_strategy``, ``save_steps``, the last step). When its
+``DefaultFlowCallback`` asks for a save at the end of a step or an epoch, the callback takes the request
+(``control.should_save`` is cleared, so the Trainer writes no ``checkpoint-N`` directory of its own and
+stalls for none) and saves once the Trainer has logged and evaluated that step, at the next callback event
+(the next step's or epoch's start, the epoch's or the training's end): at the moment the Trainer would
+have saved, with the same model, optimizer, scheduler, RNG and trainer state. The save returns once the
+state is staged in host memory; writing, verification, the commit and promotion to ``remote`` run in the
+background. Saves the Trainer decides only after evaluating (``save_strategy="best"``), and every save
+with ``trainer_checkpoints=True`` (needed by ``load_best_model_at_end``), leave the Trainer's own
+checkpoint in place and are also saved through ckptd from ``on_save``.
+
+**Resuming.** The Trainer reads a checkpoint only from a directory and skips the batches it already trained
+on only when given one. :func:`ckptd_resume` restores the newest step intact on the nearest tier (local,
+else the object tier) and writes a small resume directory under ``output_dir/ckptd-resume/``: the trainer
+state (global step, log history, best metric, callback states), the RNG states and the model weights in
+the Trainer's own formats (``trainer_state.json``, ``rng_state.pth``, ``model.safetensors``). The Trainer
+then resumes through its own code: same epoch, same skipped batches (the data order is a function of seed
+and epoch), RNG set after the skip. The optimizer, scheduler and gradient scaler never touch that
+directory: the callback loads them from ckptd when the training begins (right after the Trainer created
+them, before any step).
+
+Single process or one ckptd manager per rank (``torch.distributed`` jobs: the ranks agree on commits through
+the process group's store).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import ckptd
+from ckptd.errors import ConfigError
+from ckptd.plugins.huggingface.random_states import RandomStates
+from ckptd.plugins.huggingface.requirements import require
+
+transformers = require("transformers", needed_by="ckptd.plugins.huggingface.CkptdCallback")
+require("safetensors", needed_by="ckptd.plugins.huggingface.ckptd_resume")
+import torch  # noqa: E402  (after the framework check)
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
+from transformers.trainer_callback import ExportableState  # noqa: E402
+
+log = logging.getLogger("ckptd.plugins.huggingface")
+
+#: The directory under ``args.output_dir`` that holds the resume directory :func:`ckptd_resume` writes.
+RESUME_DIRECTORY = "ckptd-resume"
+#: Keys of the saved state: read by :func:`ckptd_resume` before the optimizer exists, and by the callback
+#: when the training begins.
+_RESUME_KEYS = ("model", "trainer_state", "rng")
+_TRAINING_KEYS = ("optimizer", "scheduler")
+_SCALER_KEY = "scaler"
+
+
+class CkptdCallback(TrainerCallback):
+    """Saves the checkpoints a ``transformers.Trainer`` asks for through ckptd (see the module docstring).
+
+    ``local`` is ckptd's local tier (a directory); ``remote`` (``s3://bucket/prefix``) adds the object tier
+    and ``storage_options`` reach it; ``policy`` decides what each tier keeps (default: the newest 2 steps
+    locally, every step promoted). Other keyword arguments go to :class:`ckptd.CheckpointManager`. Pass
+    ``manager=`` to use one made elsewhere instead. ``trainer_checkpoints=True`` keeps the Trainer's own
+    ``checkpoint-N`` directories as well (for ``load_best_model_at_end``).
+
+    The callback owns its manager: :meth:`close` waits for pending writes and uploads and releases it.
+    """
+
+    def __init__(self, local: str | os.PathLike[str] | None = None, *, remote: str | None = None,
+                 storage_options: dict[str, Any] | None = None, policy: ckptd.Policy | None = None,
+                 manager: Any = None, trainer_checkpoints: bool = False, **manager_options: Any) -> None:
+        if manager is None:
+            if local is None:
+                raise ConfigError("CkptdCallback needs a local directory (or manager=)",
+                                  hint="CkptdCallback('/nvme/ckpt/run1', remote='s3://bucket/run1')")
+            manager = ckptd.CheckpointManager(local, remote=remote, storage_options=storage_options,
+                                              policy=policy or ckptd.Policy(every_steps=1),
+                                              capture_rng=False, **manager_options)
+        elif local is not None or remote is not None:
+            raise ConfigError("CkptdCallback takes either manager= or local=/remote=, not both")
+        #: The ckptd manager every save and restore goes through.
+        self.manager = manager
+        self.trainer_checkpoints = trainer_checkpoints
+        #: The Trainer this callback serves, set by :func:`ckptd_resume` (for its callbacks' states and scaler).
+        self.trainer: Any = None
+        self._random_states = RandomStates()
+        self._due: int | None = None  # a step whose save waits for the Trainer's logging and evaluation
+        self._objects: dict[str, Any] = {}  # model, optimizer, scheduler, as the events pass them
+        self._resumed_step: int | None = None
+        self._last_saved: int | None = None
+
+    # --- saving -------------------------------------------------------------------------------
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        self._remember(kwargs)
+        self._take_save_request(state, control)
+
+    def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        self._remember(kwargs)
+        self._save_due(state)  # the last step's save: the Trainer has logged and evaluated it by now
+        self._take_save_request(state, control)
+
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        self._save_due(state)
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        self._save_due(state)
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                **kwargs: Any) -> None:
+        self._remember(kwargs)
+        if self._last_saved != state.global_step:  # a save the Trainer wrote itself (best, or trainer_checkpoints)
+            self._save(state)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        self._save_due(state)
+        self.manager.wait_uploads()
+
+    def _take_save_request(self, state: TrainerState, control: TrainerControl) -> None:
+        if control.should_save and not self.trainer_checkpoints:
+            control.should_save = False
+            self._due = state.global_step
+
+    def _save_due(self, state: TrainerState) -> None:
+        if self._due is not None and self._due == state.global_step:
+            self._save(state)
+        self._due = None
+
+    def _remember(self, kwargs: dict[str, Any]) -> None:
+        for name, key in (("model", "model"), ("optimizer", "optimizer"), ("lr_scheduler", "scheduler")):
+            if kwargs.get(name) is not None:
+                self._objects[key] = kwargs[name]
+
+    def _save(self, state: TrainerState) -> None:
+        missing = [key for key in ("model", *_TRAINING_KEYS) if key not in self._objects]
+        if missing:
+            raise ConfigError(f"CkptdCallback cannot save step {state.global_step}: the Trainer passed no "
+                              f"{', '.join(missing)}", step=state.global_step,
+                              hint="use CkptdCallback with transformers.Trainer, through callbacks=[...]")
+        self._update_callback_states(state)
+        saved = self.manager.save(state.global_step, self._state(json.dumps(dataclasses.asdict(state),
+                                                                            indent=2, sort_keys=True)), force=True)
+        self._last_saved = state.global_step
+        if saved:
+            log.info("step %d staged for ckptd (written in the background)", state.global_step)
+
+    def _state(self, trainer_state: str | None = None) -> dict[str, Any]:
+        values: dict[str, Any] = {"model": self._objects.get("model"), "optimizer": self._objects.get("optimizer"),
+                                  "scheduler": self._objects.get("scheduler"), "rng": self._random_states,
+                                  "trainer_state": trainer_state}
+        scaler = self._scaler()
+        if scaler is not None:
+            values[_SCALER_KEY] = scaler
+        return values
+
+    def _scaler(self) -> Any:
+        accelerator = getattr(self.trainer, "accelerator", None)
+        return getattr(accelerator, "scaler", None)
+
+    def _update_callback_states(self, state: TrainerState) -> None:
+        """What the Trainer does before it writes ``trainer_state.json``: the states of its stateful callbacks."""
+        if self.trainer is None:
+            return
+        for callback in [*self.trainer.callback_handler.callbacks, self.trainer.control]:
+            if isinstance(callback, ExportableState):
+                name = callback.__class__.__name__
+                if isinstance(state.stateful_callbacks.get(name), list):
+                    state.stateful_callbacks[name].append(callback.state())
+                else:
+                    state.stateful_callbacks[name] = callback.state()
+
+    # --- resuming -----------------------------------------------------------------------------
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        self._remember(kwargs)
+        if self._resumed_step is None:
+            return
+        keys = list(_TRAINING_KEYS) + ([_SCALER_KEY] if self._scaler() is not None else [])
+        values = {key: self._state()[key] for key in keys}
+        self.manager.restore(values, step=self._resumed_step, keys=keys)
+        log.info("optimizer and scheduler of step %d restored from ckptd", self._resumed_step)
+
+    def resume(self, trainer: Any) -> str | None:
+        """Restore the newest intact step for ``trainer`` and write its resume directory; see :func:`ckptd_resume`."""
+        self.trainer = trainer
+        self._objects["model"] = trainer.model
+        values: dict[str, Any] = {"model": trainer.model, "trainer_state": None, "rng": self._random_states}
+        step = self.manager.restore(values, keys=list(_RESUME_KEYS))
+        if step is None:
+            return None
+        self._resumed_step = step
+        directory = Path(trainer.args.output_dir) / RESUME_DIRECTORY / f"checkpoint-{step}"
+        if directory.exists():
+            shutil.rmtree(directory)
+        directory.mkdir(parents=True)
+        (directory / transformers.trainer.TRAINER_STATE_NAME).write_text(values["trainer_state"], encoding="utf-8")
+        _write_random_states(self._random_states, directory, trainer.args)
+        trainer.save_model(str(directory))  # the Trainer loads the model only from a weights file
+        log.info("step %d restored from ckptd tier(s) %s into %s", step,
+                 ", ".join(getattr(self.manager.last_restore, "tiers", ()) or ()), directory)
+        return str(directory)
+
+    def close(self) -> None:
+        """Wait for pending writes and uploads, then release the manager. Safe to call twice."""
+        self.manager.close()
+
+
+def _write_random_states(states: RandomStates, directory: Path, args: TrainingArguments) -> None:
+    """``rng_state.pth`` as the Trainer writes it (tensors, tuples, a numpy array: it loads it with
+    ``weights_only=True``), so that it sets the generators where it would for its own checkpoint."""
+    saved = dict(states.saved or {})
+    cuda = saved.pop("cuda", None)
+    if cuda is not None:
+        saved["cuda"] = cuda if args.world_size > 1 else cuda[torch.cuda.current_device()]
+    name = "rng_state.pth" if args.world_size <= 1 else f"rng_state_{args.process_index}.pth"
+    torch.save(saved, directory / name)
+
+
+def _callback_of(trainer: Any) -> CkptdCallback:
+    found = [callback for callback in trainer.callback_handler.callbacks if isinstance(callback, CkptdCallback)]
+    if len(found) != 1:
+        raise ConfigError(f"ckptd_resume needs exactly one CkptdCallback among the Trainer's callbacks, found "
+                          f"{len(found)}", hint="Trainer(..., callbacks=[CkptdCallback(local_dir)])")
+    return found[0]
+
+
+def ckptd_resume(trainer: Any) -> str | None:
+    """Restore the newest step intact on the nearest ckptd tier for ``trainer``; returns the directory to pass
+    as ``trainer.train(resume_from_checkpoint=...)``, or None when ckptd holds no step (a fresh run).
+
+    Call it once, after building the Trainer (with a :class:`CkptdCallback` among its callbacks) and before
+    ``train()``. Every chunk read is verified; a bad copy falls back to the next tier, then to an older step.
+    The model is loaded now; the optimizer and scheduler when the training begins.
+    """
+    return _callback_of(trainer).resume(trainer)
