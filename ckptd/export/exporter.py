@@ -152,11 +152,12 @@ def export_safetensors(tiers: str | list[StorageTier], step: int, out: str | os.
                        progress: Callable[[int], None] | None = None) -> ExportReport:
     """Export ``step`` from ``tiers`` (a root URL, or tiers nearest first) into the directory ``out``:
     :func:`plan_export`, then :func:`write_export` (their errors)."""
-    opened = [open_tier(tiers)] if isinstance(tiers, str) else None
+    opened = [open_tier(tiers)] if isinstance(tiers, str) else []
     try:
-        return write_export(plan_export(opened or tiers, step, out, options), progress=progress)  # type: ignore[arg-type]
+        plan = plan_export(opened or list(tiers), step, out, options)
+        return write_export(plan, progress=progress)
     finally:
-        for tier in opened or ():
+        for tier in opened:
             tier.close()
 
 

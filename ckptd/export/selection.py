@@ -5,7 +5,8 @@ that saved ``{"model": model, "optim": optim}`` holds ``model.<parameter name>``
 exp_avg``; a step written by ``dcp.save`` holds the fqns DCP chose. A tensor that was sharded when
 saved (a DTensor, or a DCP write item of part of a tensor) is a set of pieces, one per rank that held
 a part, each with its offsets in the global tensor; a tensor every rank saved whole (replicated state)
-is read from the lowest rank. ckptd's own RNG states are never exported.
+is read from the lowest rank that wrote it (a rank may leave a replicated piece to another holder: its
+state names the tensor, its index does not). ckptd's own RNG states are never exported.
 
 Everything here reads only the rank indexes (metadata); no tensor bytes are read.
 """
@@ -78,6 +79,7 @@ def step_contents(indexes: list[RankIndex]) -> StepContents:
     groups: dict[str, list[tuple[Any, TensorPiece]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     other: dict[str, None] = {}
+    unlisted: dict[str, str] = {}
     for index in indexes:
         path = step_file(index.step, rank_index_name(index.rank))
         values = parse_values(index.values, path=path, step=index.step)
@@ -91,9 +93,9 @@ def step_contents(indexes: list[RankIndex]) -> StepContents:
                 other[key] = None
                 continue
             record = index.tensors.get(name)
-            if record is None:
-                raise FormatError(f"the state refers to tensor {name!r}, which the index does not list",
-                                  path=path, step=index.step)
+            if record is None:  # a replicated piece this rank left to another holder, which wrote it
+                unlisted.setdefault(key, path)
+                continue
             fqn, placement = values.placement(name, record.shape)
             key = key if values.skeleton is not None else fqn
             piece = TensorPiece(index.rank, name, placement.offsets, record.shape)
@@ -105,6 +107,10 @@ def step_contents(indexes: list[RankIndex]) -> StepContents:
                                   step=index.step)
             shapes[key] = placement.global_shape
             pieces.append((record.torch_dtype, piece))
+    for key, path in unlisted.items():
+        if key not in groups:
+            raise FormatError(f"the state refers to tensor {key!r}, which no rank's index lists", path=path,
+                              step=step, hint="the step is incomplete; export another step or another tier")
     tensors = {key: SavedTensor(key, pieces[0][0], shapes[key], tuple(piece for _, piece in pieces))
                for key, pieces in groups.items()}
     return StepContents(step, tensors, tuple(key for key in other if key not in tensors))
