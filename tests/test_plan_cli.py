@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -68,7 +70,12 @@ def test_70b_at_16_bytes_and_zero_1_on_the_command_line():
     assert document["rank"]["held_bytes"] == {"weights": 140 * 10**9, "grads": 140 * 10**9, "master": 35 * 10**9,
                                               "moments": 70 * 10**9, "total": 385 * 10**9}
     assert document["inputs"]["layout"]["world_size"] == 8 and document["inputs"]["layout"]["nodes"] == 1
-    assert _json("--params", "70B", "--dp", "8")["rank"]["written_bytes"]["total"] == 140 * 10**9
+    deduplicated = _json("--params", "70B", "--dp", "8", "--keep-local", "2", "--keep-remote", "5")
+    assert deduplicated["rank"]["written_bytes"]["total"] == deduplicated["rank"]["mean_written_bytes"] == 140 * 10**9
+    tiers = deduplicated["tiers"]
+    assert tiers["local"]["storage_bytes_per_node"] == 2 * 1_120 * 10**9  # one node holds every rank's share
+    assert tiers["local"]["peak_bytes_per_node"] == 3 * 1_120 * 10**9
+    assert tiers["object"]["storage_bytes_total"] == 5 * 1_120 * 10**9 and tiers["object"]["storage_bytes_per_node"] is None
 
 
 def test_state_bytes_and_presets():
@@ -108,6 +115,15 @@ def test_given_bandwidths_win_and_say_so():
     assert sources["disk"] == "given" and sources["object"] == "given" and sources["peer"] == "default"
     assert document["inputs"]["bandwidths_gbps"]["object"] == 1.0
     assert document["tiers"]["local"]["write_seconds"] == pytest.approx(7e9 * 16 / 2e9)
+
+
+def test_ckptd_plan_runs_without_torch():
+    code = ("import sys; from click.testing import CliRunner; from ckptd.cli.main import cli; "
+            "result = CliRunner().invoke(cli, ['plan', '--params', '70e9', '--tp', '8', '--json']); "
+            "assert result.exit_code == 0, result.output; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", "the arithmetic needs neither torch nor numpy"
 
 
 def test_the_table_for_people():

@@ -219,6 +219,8 @@ def _print_plan(document: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:
+        console.width = 120  # a file or pipe does not wrap
     inputs, layout = document["inputs"], document["inputs"]["layout"]
     per_parameter = inputs["bytes_per_parameter"]
     console.print(f"model: {inputs['parameters'] / 1e9:.4g} B parameters (from {inputs['parameters_from']}"

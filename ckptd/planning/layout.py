@@ -24,6 +24,7 @@ Pure arithmetic; no torch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 from ckptd.errors import ConfigError
@@ -163,14 +164,16 @@ class ComponentBytes:
 
     def as_dict(self) -> dict[str, int]:
         """Whole bytes per component and their ``total`` (rounded up: a byte is never split)."""
-        values = {name: _whole(getattr(self, name)) for name in COMPONENTS}
-        values["total"] = _whole(self.total)
+        values = {name: whole_bytes(getattr(self, name)) for name in COMPONENTS}
+        values["total"] = whole_bytes(self.total)
         return values
 
 
-def _whole(value: float) -> int:
+def whole_bytes(value: float) -> int:
+    """``value`` bytes as an integer: the nearest one when float arithmetic left it a hair off (relative
+    1e-9), else rounded up (a byte is never split)."""
     rounded = round(value)
-    return int(rounded) if abs(value - rounded) < 1e-6 * max(1.0, abs(value)) else int(value) + 1
+    return int(rounded) if abs(value - rounded) <= 1e-9 * max(1.0, abs(value)) else math.ceil(value)
 
 
 @dataclass(frozen=True)

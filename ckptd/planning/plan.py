@@ -58,7 +58,7 @@ from typing import Any
 
 from ckptd.errors import ConfigError
 from ckptd.planning.failures import LostTime, daly_interval_s, lost_fraction, young_interval_s
-from ckptd.planning.layout import CheckpointSplit, Layout, StateBytes, split_checkpoint
+from ckptd.planning.layout import CheckpointSplit, Layout, StateBytes, split_checkpoint, whole_bytes
 from ckptd.planning.model import ParameterCount
 
 SCHEMA = 1
@@ -189,7 +189,7 @@ class Plan:
             "checkpoint": {"unique_bytes": s.unique.as_dict(), "held_bytes_all_ranks": s.held_all_ranks.as_dict(),
                            "replication_factor": s.held_all_ranks.total / s.unique.total},
             "rank": {"busiest": s.busiest_rank, "held_bytes": s.rank_held.as_dict(),
-                     "written_bytes": s.rank_written.as_dict(), "mean_written_bytes": s.mean_rank_written},
+                     "written_bytes": s.rank_written.as_dict(), "mean_written_bytes": whole_bytes(s.mean_rank_written)},
             "node": {"busiest": s.busiest_node, "held_bytes": s.node_held.as_dict(),
                      "written_bytes": s.node_written.as_dict()},
             "stages": [{"stage": stage.stage, "parameters": stage.parameters,
@@ -210,7 +210,7 @@ class Plan:
 
 
 def _bytes(value: float | None) -> int | None:
-    return None if value is None else math.ceil(value - 1e-6 * max(1.0, value))
+    return None if value is None else whole_bytes(value)
 
 
 def make_plan(inputs: PlanInputs) -> Plan:
