@@ -1,0 +1,175 @@
+"""``CkptdCheckpointIO``: Lightning saves and restores through ckptd's tiers.
+
+Lightning's ``Strategy`` calls a ``CheckpointIO`` on the training thread: ``save_checkpoint(checkpoint,
+path)`` on global rank 0 for every checkpoint ``ModelCheckpoint`` (or ``trainer.save_checkpoint``) makes,
+``load_checkpoint(path)`` on every rank when ``fit(ckpt_path=...)`` resumes, ``remove_checkpoint(path)``
+when ``save_top_k`` drops one, ``teardown()`` at the end of a stage. This one maps them onto one
+:class:`ckptd.CheckpointManager`:
+
+- **save**: the checkpoint dict (weights, ``optimizer_states``, ``lr_schedulers``, ``loops``,
+  ``callbacks``, the data module's state, ``hyper_parameters``...) is saved as ckptd step
+  ``global_step``. The call returns once the tensors are copied into host buffers (the only blocking
+  part, like Lightning's ``AsyncCheckpointIO``, which clones them); hashing, writing, the commit and the
+  upload to ``remote`` run in the background. A pointer file naming the step is written at ``path``,
+  so that Lightning's own logic (``ckpt_path="last"``, ``save_top_k``) sees its files. Several paths at
+  one global step (``epoch=0-step=40.ckpt`` and ``last.ckpt``) share the step saved first.
+- **load**: the pointer names the step; it is read from the nearest tier with an intact copy (local,
+  then S3), every chunk verified. A step that never committed (the process died while writing it) falls
+  back to the newest older committed step, with a warning. RNG states of torch, numpy and ``random`` are
+  restored with it (``capture_rng``), so a shuffled ``DataLoader`` continues as it would have.
+- **remove**: the pointer goes; the step is deleted from the tiers at the next commit once no path of
+  this process points to it (see :mod:`ckptd.plugins.lightning.retention`).
+- **teardown**: waits for pending writes and uploads (:meth:`ckptd.CheckpointManager.close`).
+
+Nothing is pickled: values that need pickle (an object in ``hyper_parameters``) raise
+``PickleRefusedError`` naming the entry unless ``allow_pickle=True`` (then loading needs it too). The
+manager saves as one process (rank 0 of world size 1), as Lightning's checkpoint is the full state that
+global rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+
+import ckptd
+from ckptd.errors import CommitError, ConfigError, NoIntactCheckpointError, NotFoundError
+from ckptd.plugins.lightning.pointer import Pointer, read_pointer, remove_pointer, write_pointer
+from ckptd.plugins.lightning.retention import PointerRetention
+
+log = logging.getLogger("ckptd.plugins.lightning")
+
+
+def _path_key(path: str | os.PathLike[str]) -> str:
+    text = os.fspath(path)
+    return text if "://" in text else os.path.normpath(os.path.abspath(text))
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return type(value)((key, _to_device(child, device)) for key, child in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(child, device) for child in value)
+    return value
+
+
+class CkptdCheckpointIO(CheckpointIO):
+    """A Lightning ``CheckpointIO`` that saves through ckptd to ``local`` (then ``remote``) and restores
+    from the nearest intact tier (see the module docstring)::
+
+        io = CkptdCheckpointIO("/nvme/ckpt/run1", remote="s3://bucket/run1")
+        trainer = Trainer(plugins=[io], callbacks=[ModelCheckpoint(every_n_train_steps=100, save_last=True)])
+        trainer.fit(model, datamodule=data, ckpt_path="last")
+
+    ``storage_options`` go to s3fs (endpoint, credentials). ``codec``, ``capture_rng``,
+    ``allow_pickle``, ``daemon`` and ``repopulate_local`` are those of :class:`ckptd.CheckpointManager`;
+    ``remote_every_steps`` promotes only the global steps that are multiples of it (default: every one).
+    The manager is opened on first use and closed by :meth:`teardown`.
+    """
+
+    def __init__(self, local: str | os.PathLike[str], *, remote: str | None = None,
+                 storage_options: dict[str, Any] | None = None, codec: str | None = None,
+                 capture_rng: bool = True, allow_pickle: bool = False, daemon: str | None = None,
+                 repopulate_local: bool = False, remote_every_steps: int | None = None) -> None:
+        super().__init__()
+        self.local = os.fspath(local)
+        self.remote = remote
+        self._manager_options: dict[str, Any] = {
+            "remote": remote, "storage_options": storage_options, "codec": codec, "capture_rng": capture_rng,
+            "allow_pickle": allow_pickle, "daemon": daemon, "repopulate_local": repopulate_local}
+        self._retention = PointerRetention()
+        self._policy = ckptd.Policy(every_steps=1, remote_every_steps=remote_every_steps,
+                                    keep_local=self._retention, keep_remote=self._retention)
+        self._manager: ckptd.CheckpointManager | None = None
+        self._steps_here: set[int] = set()  # saved or loaded by this process: a new path may point to them
+
+    @property
+    def manager(self) -> ckptd.CheckpointManager:
+        """The CheckpointManager behind this plugin (opened now if it is not open)."""
+        if self._manager is None:
+            self._manager = ckptd.CheckpointManager(self.local, policy=self._policy, rank=0, world_size=1,
+                                                    **self._manager_options)
+        return self._manager
+
+    def __getstate__(self) -> dict[str, Any]:  # strategies that spawn copy their plugins: no open manager
+        state = dict(self.__dict__)
+        state["_manager"] = None
+        return state
+
+    # --- Lightning's CheckpointIO ------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
+                        storage_options: Any | None = None) -> None:
+        """Save ``checkpoint`` as ckptd step ``checkpoint["global_step"]`` and write the pointer at ``path``;
+        returns once the state is staged (the write and the upload run in the background)."""
+        if storage_options is not None:
+            raise ConfigError("CkptdCheckpointIO takes no storage_options per save",
+                              hint="pass storage_options= (s3fs options) to CkptdCheckpointIO itself")
+        step = int(checkpoint.get("global_step", 0))
+        manager = self.manager
+        if step not in self._steps_here:
+            if step in manager.committed_steps():
+                raise CommitError(f"global step {step} is committed already by an earlier run and is never "
+                                  f"overwritten", step=step, path=self.local,
+                                  hint="resume from the newest checkpoint (ckpt_path='last') or use a new directory")
+            manager.save(step, checkpoint, force=True)
+            self._steps_here.add(step)
+        epoch = checkpoint.get("epoch")
+        write_pointer(path, Pointer(step=step, epoch=epoch if isinstance(epoch, int) else None,
+                                    local=self.local, remote=self.remote))
+        self._retention.point(_path_key(path), step)
+
+    def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint the pointer at ``path`` names, read from the nearest intact tier and verified.
+        ``weights_only`` changes nothing: ckptd unpickles nothing unless built with ``allow_pickle=True``."""
+        pointer = read_pointer(path)
+        manager = self.manager
+        state: dict[str, Any] = {}
+        step = self._restore(manager, state, pointer.step, path)
+        self._steps_here.add(step)
+        self._retention.point(_path_key(path), step)
+        report = manager.last_restore
+        log.info("restored Lightning checkpoint %s from ckptd step %d (tiers: %s)", os.fspath(path), step,
+                 ", ".join(report.tiers) if report is not None else "?")
+        if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != "cpu":
+            state = _to_device(state, torch.device(map_location))
+        return state
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Delete the pointer at ``path``; its step leaves the tiers once no other path points to it."""
+        remove_pointer(path)
+        self._retention.unpoint(_path_key(path))
+
+    def teardown(self) -> None:
+        """Wait for pending writes and uploads and release the tiers (reopened on next use)."""
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.close()
+
+    # --- helpers -----------------------------------------------------------------------------------
+    @staticmethod
+    def _restore(manager: ckptd.CheckpointManager, state: dict[str, Any], step: int,
+                 path: str | os.PathLike[str]) -> int:
+        try:
+            restored = manager.restore(state, step=step)
+        except (NotFoundError, NoIntactCheckpointError) as error:
+            older = [candidate for candidate in manager.committed_steps() if candidate < step]
+            if not older:
+                raise NotFoundError(f"the Lightning checkpoint points to ckptd step {step}, which no tier holds "
+                                    f"intact, and no older step is committed", step=step, path=os.fspath(path),
+                                    hint="resume from another checkpoint, or check the tiers with `ckptd ls`") \
+                    from error
+            log.warning("the Lightning checkpoint %s points to ckptd step %d, which no tier holds intact (%s): "
+                        "restoring step %d, the newest older one", os.fspath(path), step, error, older[-1])
+            state.clear()
+            restored = manager.restore(state, step=older[-1])
+        if restored is None:
+            raise NotFoundError("no ckptd checkpoint to restore", step=step, path=os.fspath(path))
+        return restored
+

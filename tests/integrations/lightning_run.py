@@ -1,0 +1,114 @@
+"""One Lightning training run for the integration tests, as a child process.
+
+``python lightning_run.py CONFIG_JSON``: trains a tiny MLP (Adam, StepLR, a shuffled DataLoader, a data
+module with state) on CPU with ``CkptdCheckpointIO`` and ``ModelCheckpoint`` saving every epoch
+(``every_n_train_steps`` = batches per epoch), resuming with ``ckpt_path`` from the config. Writes the
+final weights (``torch.save`` of the state dict) and a JSON summary (where fit started, what the data
+module received, which tiers the restore read). With ``block_after_step`` it stops after that step's
+checkpoint is committed, writes ``ready`` and waits to be SIGKILLed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from ckptd.plugins.lightning import CkptdCheckpointIO
+
+BATCH, SAMPLES = 8, 64
+STEPS_PER_EPOCH = SAMPLES // BATCH
+
+
+class TinyModel(L.LightningModule):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+
+    def training_step(self, batch, batch_index):
+        inputs, targets = batch
+        return torch.nn.functional.mse_loss(self.net(inputs), targets)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=0.01)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.8)}
+
+
+class TinyData(L.LightningDataModule):
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(1234)
+        inputs = torch.randn(SAMPLES, 8, generator=generator)
+        self.dataset = TensorDataset(inputs, inputs.sum(dim=1, keepdim=True).sin())
+        self.loaders_made = 0
+        self.loaded_state: dict | None = None
+
+    def train_dataloader(self):
+        self.loaders_made += 1
+        return DataLoader(self.dataset, batch_size=BATCH, shuffle=True, num_workers=0)
+
+    def state_dict(self):
+        return {"loaders_made": self.loaders_made, "note": "tiny"}
+
+    def load_state_dict(self, state):
+        self.loaded_state = dict(state)
+        self.loaders_made = int(state["loaders_made"])
+
+
+class BlockAfter(Callback):
+    """Stop after the checkpoint of ``step`` is committed: write ``ready`` and wait for SIGKILL."""
+
+    def __init__(self, io: CkptdCheckpointIO, step: int, ready: Path) -> None:
+        self.io, self.step, self.ready = io, step, ready
+
+    def on_train_batch_start(self, trainer, *args) -> None:  # ModelCheckpoint saved at the previous batch's end
+        if trainer.global_step == self.step:
+            self.io.manager.wait()
+            self.ready.write_text(str(self.step))
+            while True:
+                time.sleep(1)
+
+
+def main(config: dict) -> None:
+    L.seed_everything(7, workers=True)
+    torch.set_num_threads(1)
+    out = Path(config["out"])
+    io = CkptdCheckpointIO(config["local"], remote=config.get("remote"),
+                           storage_options=config.get("storage_options"))
+    checkpoints = ModelCheckpoint(dirpath=config["dirpath"], every_n_train_steps=STEPS_PER_EPOCH, save_top_k=1,
+                                  save_last=True)
+    callbacks: list[Callback] = [checkpoints]
+    if config.get("block_after_step"):
+        callbacks.append(BlockAfter(io, int(config["block_after_step"]), out / "ready"))
+    trainer = L.Trainer(max_epochs=config["max_epochs"], plugins=[io], callbacks=callbacks, deterministic=True,
+                        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=str(out))
+    model, data = TinyModel(), TinyData()
+    started: dict = {}
+
+    class Started(Callback):
+        def on_train_start(self, trainer, module) -> None:
+            started.update(global_step=trainer.global_step, epoch=trainer.current_epoch,
+                           lr=trainer.optimizers[0].param_groups[0]["lr"],
+                           adam_steps=sorted(float(s["step"]) for s in trainer.optimizers[0].state.values()))
+            report = io.manager.last_restore
+            if report is not None:
+                started.update(restored_step=report.step, tiers=list(report.tiers))
+
+    trainer.callbacks.append(Started())
+    trainer.fit(model, datamodule=data, ckpt_path=config.get("ckpt_path"))
+    torch.save({name: value.detach().clone() for name, value in model.state_dict().items()}, out / "weights.pt")
+    summary = {"started": started, "global_step": trainer.global_step, "data_state": data.loaded_state}
+    io.teardown()  # Lightning tore it down at the end of fit already: a second call does nothing
+    (out / "summary.json").write_text(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
