@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
+    MetadataIndex,
     StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
@@ -36,7 +37,9 @@ MANIFEST_KEY = "dcp"
 class StoredPiece:
     """Where one piece of the checkpoint lives: the rank whose files hold it and its name there.
 
-    ``kind`` is ``tensor``, ``object`` (a JSON value) or ``pickled`` (DCP's bytes, opt-in only).
+    ``kind`` is ``tensor``, ``object`` (a JSON value), ``bytesio`` (the bytes of an ``io.BytesIO``) or
+    ``pickled`` (DCP's bytes, opt-in only). It is also the ``storage_data`` of each item in DCP's
+    ``Metadata`` (keyed by ``MetadataIndex``), as ``FileSystemWriter`` keeps its file and offsets there.
     """
 
     rank: int
@@ -48,16 +51,21 @@ class StoredPiece:
 PieceKey = tuple[str, "tuple[int, ...] | None"]
 
 
-def derive_metadata(indexes: list[RankIndex], extra: dict[str, Any]) -> tuple[Metadata, dict[PieceKey, StoredPiece]]:
-    """Build DCP ``Metadata`` and the piece locations from every rank's index (ordered by rank)."""
+def derive_metadata(indexes: list[RankIndex], extra: dict[str, Any], *, checkpoint_id: str | None = None
+                    ) -> tuple[Metadata, dict[PieceKey, StoredPiece]]:
+    """Build DCP ``Metadata`` and the piece locations from every rank's index (ordered by rank).
+
+    The metadata's ``storage_data`` maps each item's ``MetadataIndex`` to its :class:`StoredPiece`; its
+    ``storage_meta`` names ``checkpoint_id`` and the save id the writer recorded."""
     state: dict[str, Any] = {}
     pieces: dict[PieceKey, StoredPiece] = {}
     for index in indexes:
         path = step_file(index.step, rank_index_name(index.rank))
         values = parse_values(index.values, path=path, step=index.step)
         for name, record in index.tensors.items():
-            if name in values.pickled:
-                _add_bytes(state, pieces, name, StoredPiece(index.rank, name, "pickled"), path)
+            if name in values.pickled or name in values.buffers:
+                kind = "pickled" if name in values.pickled else "bytesio"
+                _add_bytes(state, pieces, name, StoredPiece(index.rank, name, kind), path)
                 continue
             fqn, placement = values.placement(name, record.shape)
             key = (fqn, placement.offsets)
@@ -76,8 +84,12 @@ def derive_metadata(indexes: list[RankIndex], extra: dict[str, Any]) -> tuple[Me
         for fqn in values.objects:
             _add_bytes(state, pieces, fqn, StoredPiece(index.rank, fqn, "object"), path)
     saved = extra.get(MANIFEST_KEY, {}) if isinstance(extra, dict) else {}
+    save_id = saved.get("save_id") if isinstance(saved.get("save_id"), str) else None
+    storage_data = {MetadataIndex(fqn, offsets): piece
+                    for (fqn, offsets), piece in pieces.items()}
     metadata = Metadata(state_dict_metadata=state, planner_data=planner_data_from_json(saved.get("planner_data")),
-                        storage_data=None, storage_meta=StorageMeta(),
+                        storage_data=storage_data, storage_meta=StorageMeta(checkpoint_id=checkpoint_id,
+                                                                            save_id=save_id),
                         version=saved.get("version") if isinstance(saved.get("version"), str) else None)
     return metadata, pieces
 

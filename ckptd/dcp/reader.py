@@ -12,14 +12,18 @@ verifies every chunk against its xxh3-128 digest (falling back chunk by chunk to
 the step) and copies the requested regions into the planner's tensors. The world size may differ from
 the one that saved: DCP's planners decide which regions each rank reads.
 
-``tiers`` may be a root path or a list of tiers, nearest first. Values saved as JSON come back as the
-same values; values saved with pickle are refused unless ``allow_pickle=True``.
+``tiers`` may be a root path or a list of tiers, nearest first. Without ``step`` the newest step
+committed on any of them is read. A checkpoint id passed to ``dcp.load`` may name a step directory
+(``<root>/step-<12 digits>``) or any directory a :class:`~ckptd.dcp.writer.CkptdStorageWriter` saved to
+(its newest committed step). Values saved as JSON come back as the same values, ``io.BytesIO`` values
+as ``io.BytesIO`` with the same bytes; values saved with pickle are refused unless ``allow_pickle=True``.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import uuid
 from collections import defaultdict
 from typing import Any
 
@@ -72,6 +76,25 @@ def open_step(tiers: list[StorageTier], step: int) -> tuple[Manifest, list[StepR
     return manifest, readers
 
 
+def newest_committed_step(tiers: list[StorageTier]) -> int:
+    """The newest step committed on any of ``tiers``; NotFoundError naming them when none has one."""
+    newest: int | None = None
+    errors: list[str] = []
+    for tier in tiers:
+        try:
+            steps = tier.committed_steps()
+        except CkptdError as error:  # another tier may answer
+            errors.append(str(error))
+            continue
+        if steps:
+            newest = steps[-1] if newest is None else max(newest, steps[-1])
+    if newest is None:
+        where = ", ".join(tier.label for tier in tiers)
+        raise NotFoundError(f"no committed step in {where}" + (": " + " | ".join(errors) if errors else ""),
+                            hint="pass the directory a save wrote to, or a step directory")
+    return newest
+
+
 class CkptdStorageReader(StorageReader):
     """Reads one committed step (``root``/list of tiers + ``step``, or a step directory as checkpoint id)."""
 
@@ -80,6 +103,8 @@ class CkptdStorageReader(StorageReader):
         super().__init__()
         self.allow_pickle = allow_pickle
         self.step = step
+        self._requested_step = step
+        self.load_id = uuid.uuid4().hex
         self._tiers: list[StorageTier] | None = None
         if isinstance(tiers, list):
             self._tiers = tiers
@@ -92,8 +117,10 @@ class CkptdStorageReader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Every rank, first: a checkpoint id (a step directory) overrides the tiers and step."""
         if checkpoint_id is not None:
-            root, self.step = split_checkpoint_id(checkpoint_id)
+            root, id_step = split_checkpoint_id(checkpoint_id)
+            self.step = id_step if id_step is not None else self._requested_step
             self._tiers = [open_tier(root)]
+        self.load_id = uuid.uuid4().hex
         self._readers, self._pieces, self.manifest = [], {}, None
 
     @property
@@ -104,10 +131,15 @@ class CkptdStorageReader(StorageReader):
 
     def read_metadata(self) -> Metadata:
         """Every rank: read the manifest and all indexes (digest-checked) and derive DCP's Metadata."""
-        if not self._tiers or self.step is None:
-            raise ConfigError("CkptdStorageReader needs tiers and step (or a step directory as checkpoint_id)")
+        if not self._tiers:
+            raise ConfigError("CkptdStorageReader needs tiers (or a directory as checkpoint_id)",
+                              hint="CkptdStorageReader(root, step=N), or dcp.load(..., checkpoint_id=DIR)")
+        if self.step is None:
+            self.step = newest_committed_step(self._tiers)
         self.manifest, self._readers = open_step(self._tiers, self.step)
-        metadata, self._pieces = derive_metadata([r.index for r in self._readers], self.manifest.extra)
+        metadata, self._pieces = derive_metadata([r.index for r in self._readers], self.manifest.extra,
+                                                 checkpoint_id=self.checkpoint_id)
+        metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
         return metadata
 
     def step_reader(self, rank: int) -> StepReader:
@@ -182,6 +214,10 @@ class CkptdStorageReader(StorageReader):
 
     def _value_bytes(self, piece: StoredPiece) -> bytes:
         reader = self._readers[piece.rank]
+        if piece.kind == "bytesio":
+            buffer = io.BytesIO()  # DCP's load_bytes expects torch.save bytes; built here from the raw bytes
+            torch.save(io.BytesIO(bytes(reader.read_tensor(piece.name).numpy())), buffer)
+            return buffer.getvalue()
         if piece.kind == "pickled":
             if not self.allow_pickle:
                 raise PickleRefusedError(f"{piece.name!r} was saved with pickle; ckptd does not unpickle by default",

@@ -14,16 +14,33 @@ With ``async_save`` the writer is also the stager (:meth:`stage`): tensors are c
 buffers (:class:`~ckptd.state.staging.Stager`) on the training thread, and DCP runs the rest on its
 own thread. Like DCP's ``FileSystemWriter``, all ranks must see the same directory (a shared file system).
 
-Non-tensor values are kept as JSON (:mod:`ckptd.format.values`); a value JSON cannot hold is refused
-unless ``allow_pickle=True``. DCP's ``Metadata`` is never pickled: readers rebuild it from the indexes.
+Which step a save writes (the checkpoint id, see :func:`split_checkpoint_id`):
+
+- ``CkptdStorageWriter(root, step=N)``, or ``checkpoint_id="<root>/step-<12 digits>"``: step ``N``.
+- ``CkptdStorageWriter(root)`` or ``checkpoint_id="/ckpt/epoch_3"`` (any directory, as users of DCP's
+  ``FileSystemWriter`` pass): that directory is a ckptd root and the save writes its next step (one
+  past the highest step directory there), chosen by the coordinator in :meth:`prepare_global_plan` and
+  sent to every rank in its plan's ``storage_data`` (:class:`SaveTarget`). Saving twice to one directory
+  therefore never rewrites the committed step; :class:`~ckptd.dcp.reader.CkptdStorageReader` given that
+  directory reads its newest committed step.
+
+The writer is picklable (``async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)``
+sends it to DCP's checkpoint process with every save): its pickled state holds only settings; the tier,
+the staging buffers and their event are made again where it runs.
+
+Non-tensor values are kept as JSON (:mod:`ckptd.format.values`), ``io.BytesIO`` values as their bytes
+(a uint8 tensor, chunked and verified like any tensor); a value neither can hold is refused unless
+``allow_pickle=True``. DCP's ``Metadata`` is never pickled: readers rebuild it from the indexes.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import os
 import threading
 import uuid
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,7 +51,7 @@ from torch.futures import Future
 
 from ckptd.config import settings
 from ckptd.format.values import SavedValues, ShardPlacement
-from ckptd.dcp.metadata import MANIFEST_KEY, planner_data_to_json
+from ckptd.dcp.metadata import MANIFEST_KEY, StoredPiece, planner_data_to_json
 from ckptd.errors import CommitError, ConfigError, PickleRefusedError
 from ckptd.format import codecs
 from ckptd.format.layout import MANIFEST_NAME, parse_step_dir, step_dir, step_file
@@ -49,48 +66,90 @@ from ckptd.tiers.local import LocalTier
 _RANK_ENTRY_FQN = "__ckptd_rank_entry__"
 
 
-def split_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[str, int]:
-    """``<root>/step-<12 digits>`` -> (root, step); raises ConfigError for anything else."""
-    path = Path(checkpoint_id)
-    step = parse_step_dir(path.name)
+def split_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[str, int | None]:
+    """``<root>/step-<12 digits>`` -> (root, step); any other directory or URL -> (it, None): a root
+    whose step the caller chooses. ConfigError for an empty id."""
+    text = os.fspath(checkpoint_id)
+    if not isinstance(text, str) or not text.strip():
+        raise ConfigError(f"checkpoint id {checkpoint_id!r} is empty",
+                          hint="pass a directory, <root>/step-<12-digit step>, or root= and step=")
+    text = text.rstrip("/") or text
+    name = text.rsplit("/", 1)[-1]
+    step = parse_step_dir(name)
     if step is None:
-        raise ConfigError(f"checkpoint id {str(checkpoint_id)!r} does not name a ckptd step directory",
-                          hint="pass <root>/step-<12-digit step>, or root= and step=")
-    return str(path.parent), step
+        return text, None
+    return text[:-len(name)].rstrip("/") or "/", step
+
+
+@dataclass(frozen=True)
+class SaveTarget:
+    """The ``storage_data`` of every rank's plan: the step the coordinator chose and its save id."""
+
+    step: int
+    save_id: str
 
 
 class CkptdStorageWriter(StorageWriter):
-    """Writes one step of a checkpoint root (``root`` + ``step``, or a step directory as checkpoint id)."""
+    """Writes one step of a checkpoint root (``root`` + ``step``, a step directory as checkpoint id, or
+    the next step of a root: see the module docstring)."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None, *,
                  codec: str | None = None, allow_pickle: bool = False, stager: Stager | None = None) -> None:
         super().__init__()
         self.codec = codecs.chosen_codec(codec)
         self.allow_pickle = allow_pickle
-        self.root = None if root is None else str(root)
+        self.root = None if root is None else os.fspath(root)
+        #: The step this save writes (None until chosen, when the writer picks the root's next step).
         self.step = step
+        self._requested_step = step
+        self.save_id = uuid.uuid4().hex
         self.rank, self.is_coordinator = 0, True
         self.world_size = 1
         self.use_collectives = True
         self._stager = stager
+        self._staged_elsewhere = False
         self._buffers_free = threading.Event()
         self._buffers_free.set()
         self._tier: LocalTier | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy in DCP's checkpoint process gets: settings only (no tier, buffers or event)."""
+        if not self._buffers_free.is_set():
+            # This process cannot see when the copy is done with the staged buffers: the next stage()
+            # here stages into new ones.
+            self._staged_elsewhere = True
+        state = dict(self.__dict__)
+        for name in ("_stager", "_buffers_free", "_tier"):
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._stager, self._tier, self._staged_elsewhere = None, None, False
+        self._buffers_free = threading.Event()
+        self._buffers_free.set()
+
     # --- DCP interface, in call order ------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Every rank, first: choose the step to write (a checkpoint id overrides root and step)."""
+        """Every rank, first: the root and step to write (a checkpoint id overrides the root, and the
+        step when it names a step directory) and a new save id."""
+        self.step = self._requested_step
         if checkpoint_id is not None:
-            self.root, self.step = split_checkpoint_id(checkpoint_id)
-        if self.root is None or self.step is None:
-            raise ConfigError("CkptdStorageWriter needs root and step (or a step directory as checkpoint_id)")
+            self.root, id_step = split_checkpoint_id(checkpoint_id)
+            if id_step is not None:
+                self.step = id_step
+        if self.root is None:
+            raise ConfigError("CkptdStorageWriter needs a root (or a directory as checkpoint_id)",
+                              hint="CkptdStorageWriter(root, step=N), or dcp.save(..., checkpoint_id=DIR)")
+        self.save_id = uuid.uuid4().hex
         self._tier = LocalTier(self.root)
 
     @property
     def checkpoint_id(self) -> str | None:
-        if self.root is None or self.step is None:
+        """The step directory this save writes (the root while the step is not chosen yet)."""
+        if self.root is None:
             return None
-        return f"{self.root}/{step_dir(self.step)}"
+        return self.root if self.step is None else f"{self.root.rstrip('/')}/{step_dir(self.step)}"
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         """Every rank: learn this rank's number and whether it writes the manifest."""
@@ -106,18 +165,29 @@ class CkptdStorageWriter(StorageWriter):
         self.use_collectives = bool(kwargs.get("use_collectives", True))
         if self._tier is None:
             self.reset()
-        step_commit(self._local).check_writable(self.step)  # type: ignore[arg-type]
+        if self.step is not None:
+            step_commit(self._local).check_writable(self.step)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
+        """Coordinator: choose the step (the root's next one unless given) and send it, with this save's
+        id, to every rank in its plan's ``storage_data``."""
+        if self.step is None:
+            self.step = max(self._local.list_step_numbers(), default=-1) + 1
+        target = SaveTarget(step=self.step, save_id=self.save_id)
+        return [dataclasses.replace(plan, storage_data=target) for plan in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Every rank: write this rank's items and index; the future is already done when returned."""
         future: Future[list[WriteResult]] = Future()
         try:
+            if isinstance(plan.storage_data, SaveTarget):
+                self.step, self.save_id = plan.storage_data.step, plan.storage_data.save_id
+            if self.step is None:
+                raise ConfigError("CkptdStorageWriter got a plan without its step (prepare_global_plan was "
+                                  "not called)", path=self.root, hint="save with dcp.save or dcp.async_save")
             future.set_result(self._write(plan.items, planner))
         except BaseException as error:  # DCP gathers it and fails the save on every rank
             future.set_exception(error)
@@ -142,18 +212,27 @@ class CkptdStorageWriter(StorageWriter):
                               hint="save with use_collectives=True, or use ckptd.CheckpointManager, whose ranks "
                               "agree through the job's store")
         extra = {MANIFEST_KEY: {"planner_data": planner_data_to_json(metadata.planner_data),
-                                "version": metadata.version}}
+                                "version": metadata.version, "save_id": self.save_id}}
         manifest = Manifest(step=self.step, world_size=world_size, ranks=tuple(entries),  # type: ignore[arg-type]
                             codec=self.codec, extra=extra)
         step_commit(self._local).commit(self.step, manifest.to_json_bytes(),  # type: ignore[arg-type]
                                         world_size=world_size)
+        metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results
+                                 if isinstance(r.storage_data, StoredPiece)}
+        metadata.storage_meta = self.storage_meta()
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return parse_step_dir(Path(checkpoint_id).name) is not None
+        """Any directory or URL (a step directory, or a root whose next step a save writes)."""
+        try:
+            split_checkpoint_id(checkpoint_id)
+        except (ConfigError, TypeError):
+            return False
+        return True
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=uuid.uuid4().hex)
+        """This save's checkpoint id (its step directory, once chosen) and save id."""
+        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
 
     # --- async_save staging (AsyncStager protocol) ------------------------------------------------
     _synchronize_after_execute = False
@@ -168,6 +247,9 @@ class CkptdStorageWriter(StorageWriter):
         The buffers are reused, so this waits (up to ``CKPTD_COMMIT_TIMEOUT_S``) until the previous
         save with this writer has written them (back-pressure), then raises CommitError.
         """
+        if self._staged_elsewhere:  # the last staged copy went to DCP's checkpoint process: keep it intact
+            self._stager, self._staged_elsewhere = None, False
+            self._buffers_free.set()
         if not self._buffers_free.wait(settings().commit_timeout_s):
             raise CommitError("the previous async_save with this writer is still writing its staged copy",
                               step=self.step, path=self.checkpoint_id,
@@ -199,12 +281,13 @@ class CkptdStorageWriter(StorageWriter):
         shards: dict[str, tuple[str, ShardPlacement]] = {}
         objects: dict[str, Any] = {}
         pickled: set[str] = set()
+        buffers: set[str] = set()
         results: list[WriteResult] = []
         try:
             for item in items:
                 fqn = item.index.fqn
                 if item.type == WriteItemType.BYTE_IO:
-                    results.append(self._write_value(item, planner, writer, objects, pickled))
+                    results.append(self._write_value(item, planner, writer, objects, pickled, buffers))
                     continue
                 tensor = planner.resolve_data(item).detach()  # type: ignore[union-attr]
                 local = tensor.to("cpu").contiguous()
@@ -216,8 +299,9 @@ class CkptdStorageWriter(StorageWriter):
                 if name != fqn or global_shape != tuple(local.shape):
                     shards[name] = (fqn, ShardPlacement(global_shape, offsets))
                 results.append(WriteResult(index=item.index, size_in_bytes=local.numel() * local.element_size(),
-                                           storage_data=name))
-            values = SavedValues(shards=shards, objects=objects, pickled=frozenset(pickled))
+                                           storage_data=StoredPiece(self.rank, name)))
+            values = SavedValues(shards=shards, objects=objects, pickled=frozenset(pickled),
+                                 buffers=frozenset(buffers))
             entry: RankEntry = writer.finish(values.to_json())
         except BaseException:
             writer.abort()
@@ -227,23 +311,35 @@ class CkptdStorageWriter(StorageWriter):
         return results
 
     def _write_value(self, item: WriteItem, planner: SavePlanner, writer: RankWriter, objects: dict[str, Any],
-                     pickled: set[str]) -> WriteResult:
+                     pickled: set[str], buffers: set[str]) -> WriteResult:
         fqn = item.index.fqn
         lookup = getattr(planner, "lookup_object", None)
         if lookup is not None:
             value = lookup(item.index)
+            if isinstance(value, io.BytesIO):
+                data = bytearray(value.getbuffer())
+                writer.add(fqn, _bytes_tensor(data))
+                buffers.add(fqn)
+                return WriteResult(index=item.index, size_in_bytes=len(data),
+                                   storage_data=StoredPiece(self.rank, fqn, "bytesio"))
             try:
                 flat = flatten({"value": value})
             except PickleRefusedError:
                 flat = None
             if flat is not None and not flat.tensors:
                 objects[fqn] = flat.skeleton
-                return WriteResult(index=item.index, size_in_bytes=0, storage_data=fqn)
+                return WriteResult(index=item.index, size_in_bytes=0,
+                                   storage_data=StoredPiece(self.rank, fqn, "object"))
         if not self.allow_pickle:
             raise PickleRefusedError(f"state entry {fqn!r} on rank {self.rank} can only be saved with pickle",
                                      step=self.step, hint="pass allow_pickle=True to CkptdStorageWriter and "
                                      "CkptdStorageReader if you trust this checkpoint")
         data = bytearray(planner.resolve_data(item).getbuffer())  # type: ignore[union-attr]
-        writer.add(fqn, torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8))
+        writer.add(fqn, _bytes_tensor(data))
         pickled.add(fqn)
-        return WriteResult(index=item.index, size_in_bytes=len(data), storage_data=fqn)
+        return WriteResult(index=item.index, size_in_bytes=len(data),
+                           storage_data=StoredPiece(self.rank, fqn, "pickled"))
+
+
+def _bytes_tensor(data: bytearray) -> torch.Tensor:
+    return torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)

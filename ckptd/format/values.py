@@ -13,6 +13,8 @@ working) with these keys added after the skeleton's own:
 - ``objects``: ``{fqn: skeleton}`` for non-tensor values DCP asked to save, kept as JSON (never pickled).
 - ``pickled``: names of uint8 tensors holding DCP's pickled bytes for values JSON cannot hold; written
   and read only when the caller opted in with ``allow_pickle=True``.
+- ``buffers``: names of uint8 tensors holding the bytes of an ``io.BytesIO`` value DCP asked to save
+  (no pickle; read back as an ``io.BytesIO`` with the same content).
 
 DCP's ``Metadata`` is derived from these records by :mod:`ckptd.dcp.metadata`; nothing is pickled.
 An index whose values lack ``layout`` (written before it existed) is read as a bare skeleton.
@@ -26,7 +28,7 @@ from typing import Any
 from ckptd.errors import FormatError, ResumeMismatchError
 
 STATE_LAYOUT = "ckptd-state/1"
-_EXTRA_KEYS = frozenset({"layout", "source", "shards", "objects", "pickled"})
+_EXTRA_KEYS = frozenset({"layout", "source", "shards", "objects", "pickled", "buffers"})
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class SavedValues:
     shards: dict[str, tuple[str, ShardPlacement]] = field(default_factory=dict)
     objects: dict[str, Any] = field(default_factory=dict)
     pickled: frozenset[str] = frozenset()
+    buffers: frozenset[str] = frozenset()
 
     def to_json(self) -> dict[str, Any]:
         if self.skeleton is not None and not (isinstance(self.skeleton, dict) and "dict" in self.skeleton):
@@ -58,6 +61,8 @@ class SavedValues:
             "objects": self.objects,
             "pickled": sorted(self.pickled),
         })
+        if self.buffers:
+            body["buffers"] = sorted(self.buffers)
         return body
 
     def placement(self, name: str, shape: tuple[int, ...]) -> tuple[str, ShardPlacement]:
@@ -88,12 +93,14 @@ def parse_values(values: Any, *, path: str | None = None, step: int | None = Non
         shards[name] = (item[0], ShardPlacement(tuple(item[1]), tuple(item[2])))
     objects = values.get("objects") or {}
     pickled = values.get("pickled") or []
-    if not isinstance(objects, dict) or not isinstance(pickled, list):
-        fail("'objects' or 'pickled' has the wrong type")
+    buffers = values.get("buffers") or []
+    if not isinstance(objects, dict) or not isinstance(pickled, list) or not isinstance(buffers, list):
+        fail("'objects', 'pickled' or 'buffers' has the wrong type")
     skeleton = None
     if values.get("source") == "manager":
         skeleton = {key: value for key, value in values.items() if key not in _EXTRA_KEYS}
-    return SavedValues(skeleton=skeleton, shards=shards, objects=objects, pickled=frozenset(str(n) for n in pickled))
+    return SavedValues(skeleton=skeleton, shards=shards, objects=objects, pickled=frozenset(str(n) for n in pickled),
+                       buffers=frozenset(str(n) for n in buffers))
 
 
 def manager_skeleton(values: SavedValues, *, step: int) -> Any:

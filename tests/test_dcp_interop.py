@@ -1,0 +1,108 @@
+"""What users of plain DCP pass to ckptd's storage plugins: picklable writers for
+``async_save(..., AsyncCheckpointerType.PROCESS)``, ``io.BytesIO`` values without pickle, every dtype DCP
+stores, any directory as ``checkpoint_id``, and meaningful ``storage_meta``/``storage_data``. Saves
+in DCP's checkpoint process, save after save, run in tests/test_dcp_training_loop.py."""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from ckptd.dcp import CkptdStorageReader, CkptdStorageWriter
+from ckptd.dcp.metadata import StoredPiece
+from ckptd.errors import AlreadyCommittedError
+from ckptd.format.layout import rank_index_name, step_dir
+
+
+def _raw(tensor: torch.Tensor) -> bytes:
+    return tensor.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def test_writer_pickles_after_staging_and_the_copy_writes(tmp_path: Path) -> None:
+    writer = CkptdStorageWriter(tmp_path, step=2)
+    staged = writer.stage({"w": torch.arange(5.0)})
+    copy = pickle.loads(pickle.dumps(writer))  # failed with "cannot pickle '_thread.lock'"
+    assert copy.root == str(tmp_path) and copy.step == 2 and copy._stager is None
+    dcp.save(staged, storage_writer=copy)
+    loaded = {"w": torch.zeros(5)}
+    dcp.load(loaded, storage_reader=CkptdStorageReader(tmp_path, step=2))
+    assert torch.equal(loaded["w"], torch.arange(5.0))
+    again = writer.stage({"w": torch.full((5,), 7.0)})  # the staged copy went elsewhere: new buffers
+    assert again["w"].data_ptr() != staged["w"].data_ptr() and torch.equal(staged["w"], torch.arange(5.0))
+    writer.close()
+
+
+def test_bytesio_values_are_stored_as_bytes_without_pickle(tmp_path: Path) -> None:
+    payload = bytes(range(256)) * 9
+    state = {"w": torch.ones(4), "train_state": io.BytesIO(payload), "empty": io.BytesIO()}
+    dcp.save(state, storage_writer=CkptdStorageWriter(tmp_path, step=1))  # allow_pickle is False
+    index = json.loads((tmp_path / step_dir(1) / rank_index_name(0)).read_text())
+    assert index["values"]["pickled"] == [] and sorted(index["values"]["buffers"]) == ["empty", "train_state"]
+    assert index["tensors"]["train_state"]["dtype"] == "uint8"
+    loaded = {"w": torch.zeros(4), "train_state": io.BytesIO(), "empty": io.BytesIO(b"x")}
+    dcp.load(loaded, storage_reader=CkptdStorageReader(tmp_path, step=1))  # allow_pickle is False
+    assert isinstance(loaded["train_state"], io.BytesIO) and loaded["train_state"].getvalue() == payload
+    assert loaded["empty"].getvalue() == b""
+
+
+_ONE_BYTE_FLOATS = [name for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                      "float8_e8m0fnu", "float4_e2m1fn_x2") if hasattr(torch, name)]
+
+
+@pytest.mark.parametrize("name", _ONE_BYTE_FLOATS)
+def test_every_float8_dtype_round_trips_bit_for_bit(tmp_path: Path, name: str) -> None:
+    dtype = getattr(torch, name)
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(3)  # every bit pattern, NaNs too
+    tensor = bits.view(dtype)
+    dcp.save({"t": tensor}, storage_writer=CkptdStorageWriter(tmp_path, step=0, codec="byteplane"))
+    loaded = {"t": torch.zeros(768, dtype=torch.uint8).view(dtype)}
+    dcp.load(loaded, storage_reader=CkptdStorageReader(tmp_path, step=0))
+    assert loaded["t"].dtype == dtype and _raw(loaded["t"]) == _raw(tensor)
+
+
+def test_any_directory_is_a_checkpoint_id_and_each_save_is_a_new_step(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt" / "epoch_3"
+    first = {"w": torch.arange(6.0), "epoch": 3}
+    meta = dcp.save(first, checkpoint_id=str(target), storage_writer=CkptdStorageWriter())
+    assert meta.storage_meta is not None and meta.storage_meta.checkpoint_id == f"{target}/{step_dir(0)}"
+    assert meta.storage_meta.save_id and meta.storage_data == {
+        MetadataIndex("w", torch.Size([0])): StoredPiece(0, "w", "tensor"),
+        MetadataIndex("epoch"): StoredPiece(0, "epoch", "object")}
+    second = {"w": torch.arange(6.0) * 2, "epoch": 4}
+    dcp.save(second, checkpoint_id=str(target), storage_writer=CkptdStorageWriter())  # FileSystemWriter overwrites
+    assert sorted(p.name for p in target.iterdir()) == [step_dir(0), step_dir(1)]  # step 0 stays as committed
+
+    loaded = {"w": torch.zeros(6), "epoch": 0}
+    dcp.load(loaded, checkpoint_id=str(target), storage_reader=CkptdStorageReader())
+    assert torch.equal(loaded["w"], second["w"]) and loaded["epoch"] == 4
+    reader = CkptdStorageReader(target, step=0)
+    dcp.load(loaded, storage_reader=reader)
+    assert torch.equal(loaded["w"], first["w"]) and loaded["epoch"] == 3
+    metadata = reader.read_metadata()
+    assert metadata.storage_meta.checkpoint_id == f"{target}/{step_dir(0)}"  # type: ignore[union-attr]
+    assert metadata.storage_meta.save_id == meta.storage_meta.save_id  # type: ignore[union-attr]
+    assert metadata.storage_meta.load_id  # type: ignore[union-attr]
+    assert metadata.storage_data[MetadataIndex("w", torch.Size([0]))] == StoredPiece(0, "w", "tensor")
+
+
+def test_root_plus_step_and_step_directory_ids_keep_committed_steps(tmp_path: Path) -> None:
+    dcp.save({"w": torch.ones(3)}, storage_writer=CkptdStorageWriter(tmp_path, step=7))
+    with pytest.raises(BaseException) as caught:
+        dcp.save({"w": torch.zeros(3)}, checkpoint_id=str(tmp_path / step_dir(7)),
+                 storage_writer=CkptdStorageWriter())
+    assert isinstance(caught.value, AlreadyCommittedError) or "AlreadyCommittedError" in str(caught.value)
+    dcp.save({"w": torch.full((3,), 2.0)}, checkpoint_id=str(tmp_path), storage_writer=CkptdStorageWriter())
+    loaded = {"w": torch.zeros(3)}
+    dcp.load(loaded, storage_reader=CkptdStorageReader(tmp_path, step=7))
+    assert torch.equal(loaded["w"], torch.ones(3))
+    dcp.load(loaded, storage_reader=CkptdStorageReader(tmp_path))  # newest: the root's next step, 8
+    assert torch.equal(loaded["w"], torch.full((3,), 2.0))
+    assert CkptdStorageWriter.validate_checkpoint_id("/ckpt/epoch_3")
+    assert not CkptdStorageWriter.validate_checkpoint_id("")
