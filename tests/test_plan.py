@@ -20,6 +20,10 @@ LLAMA3_8B = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 
              "num_attention_heads": 32, "num_key_value_heads": 8}
 MIXTRAL_8X7B = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 32000,
                 "num_attention_heads": 32, "num_key_value_heads": 8, "num_local_experts": 8}
+MISTRAL_7B = {"model_type": "mistral", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+              "vocab_size": 32000, "num_attention_heads": 32, "num_key_value_heads": 8}
+QWEN25_7B = {"model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584, "intermediate_size": 18944,
+             "vocab_size": 152064, "num_attention_heads": 28, "num_key_value_heads": 4, "tie_word_embeddings": False}
 GPT2 = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
 
 
@@ -85,10 +89,17 @@ def test_experts_split_over_ep_and_zero_over_the_expert_replicas():
     (LLAMA2_7B, 6_738_415_616),     # Llama-2-7B's published count
     (LLAMA3_8B, 8_030_261_248),     # Llama-3-8B (grouped-query attention, 8 key-value heads)
     (MIXTRAL_8X7B, 46_702_792_704),  # Mixtral-8x7B (8 experts per layer and a router)
+    (MISTRAL_7B, 7_241_732_096),    # Mistral-7B-v0.1
+    (QWEN25_7B, 7_615_616_512),     # Qwen2.5-7B (biases on q, k and v)
     (GPT2, 124_439_808),            # GPT-2 small (tied head, biases, position embeddings)
 ])
 def test_parameter_counts_from_configs_match_the_published_ones(config, known):
     assert shape_from_config(config).parameters().total == known
+
+
+def test_tensor_parallel_may_replicate_key_value_heads():
+    shape_from_config(LLAMA3_8B).check_tensor_parallel(16)  # 8 key-value heads, each on two ranks
+    shape_from_config(LLAMA3_8B).check_tensor_parallel(4)
 
 
 def test_tied_embeddings_drop_the_head_and_experts_are_counted():
@@ -186,6 +197,10 @@ def test_a_tier_that_cannot_keep_up_bounds_the_interval():
     (lambda: shape_from_config({**LLAMA2_7B, "num_key_value_heads": 5}), "not a multiple of num_key_value_heads"),
     (lambda: shape_from_config(LLAMA2_7B).parameters().stages(33), "--pp 33 exceeds the model's 32 layers"),
     (lambda: per_gpu_failures_per_hour(-1, 54, 16384), "--failures must be a positive number"),
+    (lambda: shape_from_config(LLAMA3_8B).check_tensor_parallel(3), "--tp 3 does not divide the model's 32"),
+    (lambda: shape_from_config({**LLAMA3_8B, "num_attention_heads": 24, "head_dim": 128}).check_tensor_parallel(6),
+     "--tp 6 and the model's 8 key-value heads"),
+    (lambda: shape_from_config({**MIXTRAL_8X7B, "n_shared_experts": 2}), "give --params and --expert-params"),
     (lambda: Bandwidths(disk=0), "--disk-gbps must be a positive number"),
     (lambda: Retention(keep_local=-1), "--keep-local must be an integer >= 0"),
 ])

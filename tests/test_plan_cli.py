@@ -109,6 +109,14 @@ def test_mtbf_from_a_fleet_record_for_this_jobs_gpus():
     assert given == {"mtbf_hours": 12.0, "mtbf_from": "given", "per_gpu_failures_per_hour": None, "restart_s": 600.0}
 
 
+def test_warnings_say_what_the_plan_cannot_see():
+    warnings = _json("--params", "70e9", "--pp", "4", "--dp", "8", "--ep", "4", "--no-dedup")["warnings"]
+    assert any("spreads the parameters evenly over pipeline stages" in warning for warning in warnings)
+    assert any("--ep 4 splits no expert parameters" in warning for warning in warnings)
+    assert any("every data-parallel replica writes its copy: 8.00x" in warning for warning in warnings)
+    assert _json("--params", "7e9", "--dp", "8")["warnings"] == []
+
+
 def test_given_bandwidths_win_and_say_so():
     document = _json("--params", "7e9", "--disk-gbps", "2", env={"CKPTD_PLAN_OBJECT_GBPS": "1"})
     sources = document["inputs"]["bandwidth_sources"]
@@ -148,6 +156,7 @@ def test_the_table_for_people():
     (("--params", "70e9", "--days", "-3", "--failures", "1", "--gpus", "8"), "--days must be a positive number"),
     ((), "exactly one of --params COUNT and --config FILE"),
     (("--params", "70e9", "--local", "."), "add --measure"),
+    (("--params", "70e9", "--config", "config.json"), "exactly one of --params COUNT and --config FILE"),
 ])
 def test_bad_input_exits_2_with_one_line(args, says):
     result = _run(*args)
@@ -166,6 +175,10 @@ def test_a_bad_config_file_is_named(tmp_path):
     result = _run("--config", str(partial))
     assert result.exit_code == 2 and "missing num_attention_heads" in result.stderr
     assert "partial.json" in result.stderr
+    llama = tmp_path / "llama.json"
+    llama.write_text(json.dumps(LLAMA2_7B))
+    result = _run("--config", str(llama), "--tp", "3")
+    assert result.exit_code == 2 and "--tp 3 does not divide the model's 32 attention heads" in result.stderr
 
 
 @pytest.mark.s3

@@ -116,22 +116,9 @@ def plan(params: str | None, config_path: str | None, tied_embeddings: bool | No
     """Show what checkpointing a planned job costs: bytes per rank and node, times, storage, intervals, lost time."""
     from dataclasses import replace
 
-    from ckptd.planning import (PRESETS, Bandwidths, Layout, ParameterCount, PlanInputs, Retention, job_mtbf_hours,
-                                load_config, make_plan, per_gpu_failures_per_hour, shape_from_config)
+    from ckptd.planning import PRESETS, Bandwidths, Layout, PlanInputs, Retention, make_plan
     from ckptd.planning.plan import DEFAULT_GBPS
 
-    if (params is None) == (config_path is None):
-        raise click.UsageError("give the model size: exactly one of --params COUNT and --config FILE")
-    if config_path is not None:
-        if expert_params is not None:
-            raise click.UsageError("--expert-params goes with --params; a --config counts its experts itself")
-        count = shape_from_config(load_config(config_path), source=config_path,
-                                  tied_embeddings=tied_embeddings).parameters()
-        source = f"config {click.format_filename(config_path)}"
-    else:
-        count = ParameterCount.flat(_parse_count(params, "--params") or 0,
-                                    _parse_count(expert_params, "--expert-params") or 0)
-        source = "--params"
     overrides = {name: value for name, value in (("weights", weight_bytes), ("grads", grad_bytes),
                                                  ("master", master_bytes), ("moments", moment_bytes))
                  if value is not None}
@@ -139,17 +126,8 @@ def plan(params: str | None, config_path: str | None, tied_embeddings: bool | No
     others = {"ep": ep, "zero_stage": zero_stage, "gpus_per_node": gpus_per_node}
     layout = Layout.for_world(world_size, tp=tp, pp=pp, dp=dp, **others) if world_size is not None \
         else Layout(tp=tp, pp=pp, dp=1 if dp is None else dp, **others)
-    if mtbf_hours is not None and any(value is not None for value in (failures, days, gpus)):
-        raise click.UsageError("give the failure rate one way: --mtbf-hours, or --failures --days --gpus")
-    rate = None
-    if mtbf_hours is None:
-        record = (failures, days, gpus)
-        if any(value is None for value in record) and any(value is not None for value in record):
-            raise click.UsageError("--failures, --days and --gpus go together (a fleet's interruptions, the days "
-                                   "they were seen over, and its GPU count)")
-        record = tuple(_DEFAULT_FAILURES if failures is None else record)
-        rate = per_gpu_failures_per_hour(*record)
-        mtbf_hours = job_mtbf_hours(*record, job_gpus=layout.world_size)
+    count, source = _parameters(params, config_path, tied_embeddings, expert_params, tp=layout.tp)
+    mtbf_hours, rate = _mtbf(mtbf_hours, failures, days, gpus, job_gpus=layout.world_size)
     values, sources = _bandwidths(gbps, measure=measure, local_dir=local_dir, measure_object=measure_object,
                                   nbytes=measure_mib << 20, options=storage_options(endpoint_url, region),
                                   defaults=DEFAULT_GBPS)
@@ -163,6 +141,40 @@ def plan(params: str | None, config_path: str | None, tied_embeddings: bool | No
         print_json(result.as_json())
         return
     _print_plan(result.as_json())
+
+
+def _parameters(params: str | None, config_path: str | None, tied_embeddings: bool | None,
+                expert_params: str | None, *, tp: int) -> tuple[Any, str]:
+    """The model's :class:`~ckptd.planning.ParameterCount` and where it came from."""
+    from ckptd.planning import ParameterCount, load_config, shape_from_config
+
+    if (params is None) == (config_path is None):
+        raise click.UsageError("give the model size: exactly one of --params COUNT and --config FILE")
+    if config_path is None:
+        return ParameterCount.flat(_parse_count(params, "--params") or 0,
+                                   _parse_count(expert_params, "--expert-params") or 0), "--params"
+    if expert_params is not None:
+        raise click.UsageError("--expert-params goes with --params; a --config counts its experts itself")
+    shape = shape_from_config(load_config(config_path), source=config_path, tied_embeddings=tied_embeddings)
+    shape.check_tensor_parallel(tp)
+    return shape.parameters(), f"config {click.format_filename(config_path)}"
+
+
+def _mtbf(mtbf_hours: float | None, failures: float | None, days: float | None, gpus: int | None, *,
+          job_gpus: int) -> tuple[float, float | None]:
+    """(the job's MTBF in hours, the per-GPU failure rate it came from or None when given directly)."""
+    from ckptd.planning import job_mtbf_hours, per_gpu_failures_per_hour
+
+    record = (failures, days, gpus)
+    if mtbf_hours is not None:
+        if any(value is not None for value in record):
+            raise click.UsageError("give the failure rate one way: --mtbf-hours, or --failures --days --gpus")
+        return mtbf_hours, None
+    if any(value is None for value in record) and any(value is not None for value in record):
+        raise click.UsageError("--failures, --days and --gpus go together (a fleet's interruptions, the days "
+                               "they were seen over, and its GPU count)")
+    fleet = _DEFAULT_FAILURES if failures is None else record
+    return job_mtbf_hours(*fleet, job_gpus=job_gpus), per_gpu_failures_per_hour(*fleet)  # type: ignore[arg-type]
 
 
 def _bandwidths(given: dict[str, float | None], *, measure: bool, local_dir: str | None, measure_object: str | None,

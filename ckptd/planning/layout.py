@@ -260,7 +260,7 @@ def _busiest_node(stages: list[StageBytes], layout: Layout) -> tuple[ComponentBy
     for node in range(layout.nodes):
         first, last = node * layout.ranks_per_node, (node + 1) * layout.ranks_per_node
         held, written = ComponentBytes(), ComponentBytes()
-        for stage in stages:
+        for stage in stages[first // ranks_per_stage:(last - 1) // ranks_per_stage + 1]:
             low, high = stage.stage * ranks_per_stage, (stage.stage + 1) * ranks_per_stage
             overlap = max(0, min(last, high) - max(first, low))
             if overlap:

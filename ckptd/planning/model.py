@@ -6,7 +6,8 @@ pipeline stages. The count follows the decoder families these configs describe:
 
 - Llama-style (``num_hidden_layers``, ``hidden_size``, ``intermediate_size``, ``vocab_size``,
   ``num_attention_heads``, optional ``num_key_value_heads``, ``head_dim``, ``tie_word_embeddings``,
-  ``attention_bias``, ``mlp_bias``): token embedding; per layer q/k/v/o projections (k and v sized by the
+  ``attention_bias``, ``mlp_bias``; Mistral and Qwen2, whose q/k/v biases are implied by ``model_type``):
+  token embedding; per layer q/k/v/o projections (k and v sized by the
   key-value heads), a gated MLP (gate, up, down) and two RMSNorm weights; a final norm; an LM head unless
   the embeddings are tied. Mixture-of-experts configs (``num_local_experts`` as Mixtral, or
   ``num_experts``) hold that many MLPs per layer plus a router (hidden x experts).
@@ -27,7 +28,10 @@ from typing import Any
 from ckptd.errors import ConfigError
 
 #: MoE layouts this count does not model (shared experts, dense first layers): refused with a hint.
-_UNSUPPORTED_MOE_KEYS = ("n_routed_experts", "n_shared_experts", "moe_layer_freq", "first_k_dense_replace")
+_UNSUPPORTED_MOE_KEYS = ("n_routed_experts", "n_shared_experts", "moe_layer_freq", "first_k_dense_replace",
+                         "shared_expert_intermediate_size", "decoder_sparse_step")
+#: Model types whose q, k and v projections carry a bias though their configs do not say so.
+_QKV_BIAS_TYPES = frozenset({"qwen2"})
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class ModelShape:
     experts: int = 1
     gated_mlp: bool = True
     attention_bias: bool = False
+    qkv_bias: bool = False
     mlp_bias: bool = False
     norm_bias: bool = False
     positions: int = 0
@@ -60,13 +65,21 @@ class ModelShape:
             raise ConfigError(f"model config: num_attention_heads ({self.heads}) is not a multiple of "
                               f"num_key_value_heads ({self.kv_heads})")
 
+    def check_tensor_parallel(self, tp: int) -> None:
+        """Raise :class:`ConfigError` unless ``tp`` ranks can split the attention heads (each rank takes whole
+        query heads, and whole key-value heads or a replica of one)."""
+        if self.heads % tp:
+            raise ConfigError(f"--tp {tp} does not divide the model's {self.heads} attention heads")
+        if self.kv_heads % tp and tp % self.kv_heads:
+            raise ConfigError(f"--tp {tp} and the model's {self.kv_heads} key-value heads do not divide one another")
+
     def parameters(self) -> ParameterCount:
         """Every parameter, split into the embedding and head (pipeline ends), the layers, and experts."""
         h = self.hidden
         q_width, kv_width = self.heads * self.head_dim, self.kv_heads * self.head_dim
         attention = h * q_width + 2 * h * kv_width + q_width * h
-        if self.attention_bias:
-            attention += q_width + 2 * kv_width + h
+        if self.attention_bias or self.qkv_bias:
+            attention += q_width + 2 * kv_width + (h if self.attention_bias else 0)
         mlp_matrices = 3 if self.gated_mlp else 2
         one_mlp = mlp_matrices * h * self.intermediate
         if self.mlp_bias:
@@ -185,7 +198,7 @@ def shape_from_config(config: Mapping[str, Any], *, source: str = "model config"
         vocab=_integer(config, source, "vocab_size"), heads=heads,
         kv_heads=_integer(config, source, "num_key_value_heads", default=heads), head_dim=head_dim,
         tied_embeddings=tied, experts=experts, attention_bias=bool(config.get("attention_bias", False)),
-        mlp_bias=bool(config.get("mlp_bias", False)))
+        qkv_bias=config.get("model_type") in _QKV_BIAS_TYPES, mlp_bias=bool(config.get("mlp_bias", False)))
 
 
 def _head_dim(hidden: int, heads: int, source: str) -> int:

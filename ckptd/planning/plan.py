@@ -264,6 +264,9 @@ def make_plan(inputs: PlanInputs) -> Plan:
     if inputs.parameters.layers == 0 and layout.pp > 1:
         warnings.append("--params spreads the parameters evenly over pipeline stages; give --config to place the "
                         "embeddings and LM head on the first and last stage")
+    if layout.ep > 1 and not inputs.parameters.expert:
+        warnings.append(f"--ep {layout.ep} splits no expert parameters: give --expert-params or a mixture-of-experts "
+                        "--config")
     if not inputs.dedup and layout.dp > 1:
         warnings.append(f"without dedup every data-parallel replica writes its copy: "
                         f"{split.held_all_ranks.total / split.unique.total:.2f}x the unique bytes")
