@@ -46,6 +46,8 @@ _SUBCOMMANDS: tuple[tuple[str, ...], ...] = (
                          "intervals, lost time."),
     ("daemon_cmd", "daemon", "Run the node daemon: promote, replicate, scrub and serve the committed steps of "
                              "local roots."),
+    ("plugins_cmd", "plugins", "List installed plugins per entry-point group, the extra each needs and whether "
+                               "it imports now."),
 )
 
 
