@@ -254,19 +254,19 @@ def split_checkpoint(stage_parameters: list[tuple[int, int]], state: StateBytes,
 
 
 def _busiest_node(stages: list[StageBytes], layout: Layout) -> tuple[ComponentBytes, ComponentBytes, int]:
-    """(held, written, node) of the node that writes the most: the sum over its ranks, stage by stage."""
+    """(held, written, node) of the node that writes the most (the first of equals)."""
+    totals = [(*_node_bytes(stages, layout, node), node) for node in range(layout.nodes)]
+    return max(totals, key=lambda entry: (entry[1].total, -entry[2]))
+
+
+def _node_bytes(stages: list[StageBytes], layout: Layout, node: int) -> tuple[ComponentBytes, ComponentBytes]:
+    """(held, written) of one node: the sum over its ranks, stage by stage."""
     ranks_per_stage = layout.tp * layout.dp
-    best: tuple[ComponentBytes, ComponentBytes, int] | None = None
-    for node in range(layout.nodes):
-        first, last = node * layout.ranks_per_node, (node + 1) * layout.ranks_per_node
-        held, written = ComponentBytes(), ComponentBytes()
-        for stage in stages[first // ranks_per_stage:(last - 1) // ranks_per_stage + 1]:
-            low, high = stage.stage * ranks_per_stage, (stage.stage + 1) * ranks_per_stage
-            overlap = max(0, min(last, high) - max(first, low))
-            if overlap:
-                held = held.plus(stage.rank_held.times(overlap))
-                written = written.plus(stage.rank_written.times(overlap))
-        if best is None or written.total > best[1].total + 1e-9:
-            best = (held, written, node)
-    assert best is not None
-    return best
+    first, last = node * layout.ranks_per_node, (node + 1) * layout.ranks_per_node
+    held, written = ComponentBytes(), ComponentBytes()
+    for stage in stages[first // ranks_per_stage:(last - 1) // ranks_per_stage + 1]:
+        low, high = stage.stage * ranks_per_stage, (stage.stage + 1) * ranks_per_stage
+        overlap = min(last, high) - max(first, low)
+        held = held.plus(stage.rank_held.times(overlap))
+        written = written.plus(stage.rank_written.times(overlap))
+    return held, written
