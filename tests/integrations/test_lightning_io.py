@@ -1,0 +1,154 @@
+"""``CkptdCheckpointIO`` in one process: what each CheckpointIO call does to the tiers and the pointers.
+
+Checkpoint dicts here have the shape Lightning gives them (``state_dict``, ``optimizer_states`` with
+integer keys, ``loops``, ``callbacks`` with tensors, ``hyper_parameters``); one test runs a real
+``Trainer`` to resume from an explicit path.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from ckptd.errors import CommitError, FormatError, NotFoundError, PickleRefusedError
+from ckptd.format.layout import step_dir
+from ckptd.plugins.lightning import CkptdCheckpointIO
+from ckptd.testing.compare import state_differences
+from lightning_run import STEPS_PER_EPOCH, TinyData, TinyModel
+
+
+def _checkpoint(step: int, **extra: Any) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(step)
+    return {
+        "epoch": step // 8, "global_step": step, "pytorch-lightning_version": L.__version__,
+        "state_dict": collections.OrderedDict(weight=torch.randn(4, 3, generator=generator), bias=torch.zeros(4)),
+        "loops": {"fit_loop": {"epoch_progress": {"total": {"ready": step // 8, "completed": step // 8}}}},
+        "callbacks": {"ModelCheckpoint{'monitor': None}": {"best_model_score": None, "kth_value": torch.tensor(float("inf")),
+                                                           "dirpath": "/somewhere"}},
+        "optimizer_states": [{"state": {0: {"step": torch.tensor(float(step)), "exp_avg": torch.ones(4, 3)}},
+                              "param_groups": [{"lr": 0.01, "betas": (0.9, 0.999), "params": [0, 1]}]}],
+        "lr_schedulers": [{"step_size": 1, "gamma": 0.8, "last_epoch": step // 8}],
+        "hparams_name": "kwargs", "hyper_parameters": {"width": 16},
+        **extra,
+    }
+
+
+def _steps(local: Path) -> list[str]:
+    return sorted(name for name in os.listdir(local) if name.startswith("step-"))
+
+
+def test_a_checkpoint_roundtrips_with_its_types(tmp_path: Path) -> None:
+    io = CkptdCheckpointIO(tmp_path / "ckpt")
+    saved = _checkpoint(8)
+    io.save_checkpoint(saved, tmp_path / "lc" / "epoch=0-step=8.ckpt")
+    io.teardown()
+    loaded = CkptdCheckpointIO(tmp_path / "ckpt").load_checkpoint(tmp_path / "lc" / "epoch=0-step=8.ckpt")
+    assert state_differences(loaded, saved) == []
+    assert isinstance(loaded["state_dict"], collections.OrderedDict)
+    assert list(loaded["optimizer_states"][0]["state"]) == [0], "integer keys stay integers"
+    assert loaded["optimizer_states"][0]["param_groups"][0]["betas"] == (0.9, 0.999)
+
+
+def test_paths_at_one_step_share_it_and_removed_steps_leave_the_tier(tmp_path: Path) -> None:
+    io = CkptdCheckpointIO(tmp_path / "ckpt")
+    lc = tmp_path / "lc"
+    for step in (8, 16, 24):
+        io.save_checkpoint(_checkpoint(step), lc / f"step={step}.ckpt")
+        io.save_checkpoint(_checkpoint(step), lc / "last.ckpt")  # ModelCheckpoint's save_last: same step
+        if step > 8:
+            io.remove_checkpoint(lc / f"step={step - 8}.ckpt")
+        io.manager.wait()
+    assert sorted(os.listdir(lc)) == ["last.ckpt", "step=24.ckpt"]
+    # step 16 was released after the commit of 24: it goes at the next commit's retention pass
+    io.save_checkpoint(_checkpoint(32), lc / "step=32.ckpt")
+    io.teardown()
+    assert _steps(tmp_path / "ckpt") == [step_dir(24), step_dir(32)]
+
+
+def test_a_pointer_to_a_step_that_never_committed_falls_back_to_the_newest_older(tmp_path: Path, caplog) -> None:
+    io = CkptdCheckpointIO(tmp_path / "ckpt")
+    io.save_checkpoint(_checkpoint(8), tmp_path / "lc" / "a.ckpt")
+    io.teardown()
+    # the pointer of a save whose process died before the commit: written, its step never committed
+    (tmp_path / "lc" / "last.ckpt").write_text('{"format": "ckptd-lightning-pointer/1", "step": 16}')
+    with caplog.at_level(logging.WARNING, logger="ckptd.plugins.lightning"):
+        loaded = CkptdCheckpointIO(tmp_path / "ckpt").load_checkpoint(tmp_path / "lc" / "last.ckpt")
+    assert loaded["global_step"] == 8 and state_differences(loaded, _checkpoint(8)) == []
+    assert "points to ckptd step 16" in caplog.text and "restoring step 8" in caplog.text
+
+
+def test_paths_that_hold_no_pointer_are_refused_clearly(tmp_path: Path) -> None:
+    io = CkptdCheckpointIO(tmp_path / "ckpt")
+    torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")
+    with pytest.raises(FormatError, match="not a ckptd checkpoint pointer") as caught:
+        io.load_checkpoint(tmp_path / "plain.ckpt")
+    assert "plain.ckpt" in str(caught.value)
+    with pytest.raises(NotFoundError, match="no Lightning checkpoint at this path"):
+        io.load_checkpoint(tmp_path / "missing.ckpt")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "nothing.ckpt").write_text('{"format": "ckptd-lightning-pointer/1", "step": 3}')
+    with pytest.raises(NotFoundError, match="no tier holds intact"):
+        CkptdCheckpointIO(tmp_path / "empty").load_checkpoint(tmp_path / "nothing.ckpt")
+    io.teardown()
+
+
+def test_values_that_need_pickle_are_refused_unless_allowed(tmp_path: Path) -> None:
+    class Settings:  # an object in hyper_parameters: only pickle can save it
+        width = 16
+
+    io = CkptdCheckpointIO(tmp_path / "ckpt")
+    with pytest.raises(PickleRefusedError, match="hyper_parameters/settings"):
+        io.save_checkpoint(_checkpoint(8, hyper_parameters={"settings": Settings()}), tmp_path / "a.ckpt")
+    assert not (tmp_path / "a.ckpt").exists(), "no pointer to a step that was not saved"
+    io.teardown()
+    allowed = CkptdCheckpointIO(tmp_path / "other", allow_pickle=True)
+    allowed.save_checkpoint(_checkpoint(8, hyper_parameters={"width": 3, "dtype": torch.float16}), tmp_path / "b.ckpt")
+    allowed.teardown()
+    assert CkptdCheckpointIO(tmp_path / "other").load_checkpoint(tmp_path / "b.ckpt")["hyper_parameters"] == \
+        {"width": 3, "dtype": torch.float16}
+
+
+def test_a_step_an_earlier_run_committed_is_never_overwritten(tmp_path: Path) -> None:
+    first = CkptdCheckpointIO(tmp_path / "ckpt")
+    for step in (8, 16):
+        first.save_checkpoint(_checkpoint(step), tmp_path / f"{step}.ckpt")
+    first.teardown()
+    again = CkptdCheckpointIO(tmp_path / "ckpt")
+    again.load_checkpoint(tmp_path / "8.ckpt")  # resumed from the older one: training re-reaches step 16
+    with pytest.raises(CommitError, match="global step 16 is committed already") as caught:
+        again.save_checkpoint(_checkpoint(16, epoch=99), tmp_path / "16-again.ckpt")
+    assert "new directory" in str(caught.value)
+    again.teardown()
+    loaded = CkptdCheckpointIO(tmp_path / "ckpt").load_checkpoint(tmp_path / "16.ckpt")
+    assert state_differences(loaded, _checkpoint(16)) == []
+
+
+def _trainer(io: CkptdCheckpointIO, dirpath: Path, epochs: int) -> L.Trainer:
+    return L.Trainer(max_epochs=epochs, plugins=[io], deterministic=True, accelerator="cpu", devices=1, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(dirpath),
+                     callbacks=[ModelCheckpoint(dirpath=dirpath, every_n_train_steps=STEPS_PER_EPOCH, save_top_k=-1)])
+
+
+def test_fit_resumes_from_an_explicit_path(tmp_path: Path) -> None:
+    torch.set_num_threads(1)
+    L.seed_everything(3)
+    first = _trainer(CkptdCheckpointIO(tmp_path / "ckpt"), tmp_path / "lc", 2)
+    first.fit(TinyModel(), datamodule=TinyData())
+    explicit = tmp_path / "lc" / f"epoch=1-step={2 * STEPS_PER_EPOCH}.ckpt"
+    assert explicit.exists() and _steps(tmp_path / "ckpt") == [step_dir(8), step_dir(16)]
+    model = TinyModel()
+    second = _trainer(CkptdCheckpointIO(tmp_path / "ckpt"), tmp_path / "lc", 3)
+    second.fit(model, datamodule=TinyData(), ckpt_path=str(explicit))
+    assert second.global_step == 3 * STEPS_PER_EPOCH
+    assert _steps(tmp_path / "ckpt") == [step_dir(8), step_dir(16), step_dir(24)], "save_top_k=-1 keeps every step"
+    loaded = CkptdCheckpointIO(tmp_path / "ckpt").load_checkpoint(tmp_path / "lc" / "epoch=2-step=24.ckpt")
+    assert state_differences(loaded["state_dict"], model.state_dict()) == []
+    assert loaded["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 2
