@@ -141,8 +141,9 @@ def relayout_source(tiers: list[StorageTier], step: int, live: MutableMapping[st
 
     def mismatch(name: str, saved: str, shape: tuple[int, ...], target: torch.Tensor) -> ResumeMismatchError:
         return ResumeMismatchError(
-            f"tensor {name!r} was saved as {saved} {list(shape)} but the live state holds {DTYPE_NAMES.get(target.dtype)} "
-            f"{list(target.shape)} there: the target cannot hold it", step=step, tier=tier,
+            f"tensor {name!r} was saved as {saved} {list(shape)} but the live state holds "
+            f"{DTYPE_NAMES.get(target.dtype)} {list(target.shape)} there: the target cannot hold it", step=step,
+            tier=tier,
             hint="build the model with the saved sizes and dtypes (`ckptd inspect` lists them)")
 
     targets: dict[str, torch.Tensor] = {}

@@ -1,0 +1,120 @@
+"""DDP-style replicas on real gloo processes: every rank holds the same full state, the layout marks it
+replicated across ``dp``, and each tensor is written by exactly one rank, the bytes spread over the ranks.
+(:mod:`test_replica_node_roots` runs it with one directory per node.)
+``write_replicas="every-rank"`` keeps the old behaviour."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import ckptd
+from ckptd.errors import NoIntactCheckpointError
+from ckptd.state.rng import RNG_KEY
+from ckptd.stepio.step_reader import load_rank_index, load_step_manifest
+from ckptd.testing import run_multirank
+from ckptd.tiers.atomicity import ranks_held
+from ckptd.tiers.local import LocalTier
+from test_promotion_support import object_tier
+
+pytestmark = pytest.mark.multirank
+
+STEP = 3
+WORLD = 4
+LAYOUT = ckptd.Layout(mesh={"dp": WORLD}, replicated=("dp",))
+POLICY = ckptd.Policy(keep_local=None, remote_every_steps=1)
+
+
+def _trained() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(*[nn.Linear(48 + 16 * i, 48 + 16 * (i + 1)) for i in range(6)]))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(STEP):
+        inputs = torch.randn(8, 48, generator=torch.Generator().manual_seed(step + 100 * torch.distributed.get_rank()))
+        model(inputs).pow(2).mean().backward()  # DDP all-reduces the gradients: every replica stays equal
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def _fresh() -> dict[str, Any]:
+    torch.manual_seed(99)
+    model = DistributedDataParallel(nn.Sequential(*[nn.Linear(48 + 16 * i, 48 + 16 * (i + 1)) for i in range(6)]))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.zeros(1, 48)).sum().backward()
+    optimizer.step()  # creates the moments, so that the live optimizer has the saved structure
+    optimizer.zero_grad()
+    return {"model": model, "optim": optimizer}
+
+
+def _bytes(state: dict[str, Any]) -> dict[str, bytes]:
+    found = {f"model/{k}": v.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+             for k, v in state["model"].state_dict().items()}
+    for index, moments in state["optim"].state_dict()["state"].items():
+        for key, value in moments.items():
+            found[f"optim/{index}/{key}"] = value.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+    return found
+
+
+def _save(rank: int, world_size: int, roots: list[str], remote: str | None, options: dict[str, Any],
+          write_replicas: str) -> dict[str, bytes]:
+    model, optimizer = _trained()
+    state = {"model": model, "optim": optimizer}
+    with ckptd.CheckpointManager(roots[rank], layout=LAYOUT, write_replicas=write_replicas, remote=remote,
+                                 storage_options=options, policy=POLICY, codec="raw") as manager:
+        assert manager.save(STEP, state, force=True)
+    return _bytes(state)
+
+
+def _restore(rank: int, world_size: int, roots: list[str], remote: str | None,
+             options: dict[str, Any]) -> dict[str, Any]:
+    state = _fresh()
+    with ckptd.CheckpointManager(roots[rank], layout=LAYOUT, remote=remote, storage_options=options,
+                                 policy=POLICY) as manager:
+        try:
+            step = manager.restore(state)
+        except NoIntactCheckpointError as error:
+            return {"error": str(error)}
+        result = manager.last_restore
+    return {"step": step, "bytes": _bytes(state), "chunks_by_tier": result.chunks_by_tier}
+
+
+def _written(root: Path) -> dict[int, dict[str, int]]:
+    """Tensor bytes each rank held here wrote (its RNG states left out), by rank and name."""
+    tier = LocalTier(root)
+    manifest = load_step_manifest(tier, STEP)
+    return {rank: {name: record.nbytes for name, record in load_rank_index(tier, manifest, rank).tensors.items()
+                   if not name.startswith(RNG_KEY)} for rank in ranks_held(tier, STEP, manifest)}
+
+
+def test_ddp_replicas_are_written_once_overall_and_restore_bit_for_bit(tmp_path: Path) -> None:
+    root = str(tmp_path / "shared")
+    saved = run_multirank(_save, WORLD, [root] * WORLD, None, {}, "once", timeout_s=120)
+    assert all(saved[rank] == saved[0] for rank in range(WORLD)), "DDP keeps every replica equal"
+    written = _written(Path(root))
+    names = [name for by_name in written.values() for name in by_name]
+    assert len(names) == len(set(names)), "a replicated tensor was written by two ranks"
+    one_replica = sum(len(value) for value in saved[0].values())
+    per_rank = [sum(by_name.values()) for by_name in written.values()]
+    assert sum(per_rank) == one_replica, f"{per_rank} add up to {sum(per_rank)}, one replica is {one_replica}"
+    assert max(per_rank) <= 1.25 * one_replica / WORLD, f"busiest rank {max(per_rank)} of {per_rank}"
+    manifest = load_step_manifest(LocalTier(root), STEP)
+    assert manifest.layout.source == "given" and manifest.layout.mesh == {"dp": WORLD}
+    assert all(piece.holders == (0, 1, 2, 3) for piece in manifest.layout.replicated)
+
+    restored = run_multirank(_restore, WORLD, [root] * WORLD, None, {}, timeout_s=120)
+    for rank, result in enumerate(restored):
+        assert result["step"] == STEP and result["bytes"] == saved[0], f"rank {rank}"
+
+
+def test_every_rank_writes_its_whole_state_when_asked(tmp_path: Path) -> None:
+    root = str(tmp_path / "shared")
+    saved = run_multirank(_save, WORLD, [root] * WORLD, None, {}, "every-rank", timeout_s=120)
+    one_replica = sum(len(value) for value in saved[0].values())
+    assert [sum(by_name.values()) for by_name in _written(Path(root)).values()] == [one_replica] * WORLD
+    assert load_step_manifest(LocalTier(root), STEP).layout.replicated == ()
