@@ -106,3 +106,47 @@ def test_root_plus_step_and_step_directory_ids_keep_committed_steps(tmp_path: Pa
     assert torch.equal(loaded["w"], torch.full((3,), 2.0))
     assert CkptdStorageWriter.validate_checkpoint_id("/ckpt/epoch_3")
     assert not CkptdStorageWriter.validate_checkpoint_id("")
+
+
+def _quantized() -> dict[str, torch.Tensor]:
+    torch.manual_seed(3)
+    return {"q8": torch.quantize_per_tensor(torch.randn(33), 0.0371, 5, torch.qint8),
+            "qu8": torch.quantize_per_tensor(torch.randn(4, 9), 0.1, 128, torch.quint8),
+            "q32": torch.quantize_per_tensor(torch.randn(7), 1e-4, -3, torch.qint32),
+            "channels": torch.quantize_per_channel(torch.randn(4, 6), torch.rand(4, dtype=torch.float64) / 7 + 0.01,
+                                                   torch.tensor([0, 3, -2, 1]), 0, torch.qint8)}
+
+
+def _targets() -> dict[str, torch.Tensor]:
+    return {"q8": torch.quantize_per_tensor(torch.zeros(33), 1.0, 0, torch.qint8),
+            "qu8": torch.quantize_per_tensor(torch.zeros(4, 9), 1.0, 0, torch.quint8),
+            "q32": torch.quantize_per_tensor(torch.zeros(7), 1.0, 0, torch.qint32),
+            "channels": torch.quantize_per_channel(torch.zeros(4, 6), torch.ones(4, dtype=torch.float64),
+                                                   torch.zeros(4, dtype=torch.int64), 0, torch.qint8)}
+
+
+@pytest.mark.filterwarnings("ignore:.*quantize_per_.*deprecated")
+@pytest.mark.parametrize("async_save", [False, True])
+def test_quantized_tensors_keep_values_scales_and_zero_points(tmp_path: Path, async_save: bool) -> None:
+    state = _quantized()
+    writer = CkptdStorageWriter(tmp_path, step=1)
+    if async_save:
+        dcp.async_save(state, storage_writer=writer).result()
+    else:
+        dcp.save(state, storage_writer=writer)
+    loaded = _targets()
+    dcp.load(loaded, storage_reader=CkptdStorageReader(tmp_path, step=1))
+    for name, expected in state.items():
+        actual = loaded[name]
+        assert actual.dtype == expected.dtype and actual.qscheme() == expected.qscheme()
+        assert _raw(actual.int_repr()) == _raw(expected.int_repr()), name
+        if expected.qscheme() == torch.per_tensor_affine:
+            assert (actual.q_scale(), actual.q_zero_point()) == (expected.q_scale(), expected.q_zero_point())
+        else:
+            assert torch.equal(actual.q_per_channel_scales(), expected.q_per_channel_scales())
+            assert torch.equal(actual.q_per_channel_zero_points(), expected.q_per_channel_zero_points())
+    wrong = _targets()
+    wrong["q8"] = torch.zeros(33)
+    with pytest.raises(BaseException) as caught:
+        dcp.load(wrong, storage_reader=CkptdStorageReader(tmp_path, step=1))
+    assert "saved as a qint8 tensor" in str(caught.value)

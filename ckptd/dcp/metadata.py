@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ckptd.dcp import quantized as quantization
 from ckptd.format.values import parse_values
 from ckptd.errors import FormatError
 from ckptd.format.layout import rank_index_name, step_file
@@ -37,7 +38,8 @@ MANIFEST_KEY = "dcp"
 class StoredPiece:
     """Where one piece of the checkpoint lives: the rank whose files hold it and its name there.
 
-    ``kind`` is ``tensor``, ``object`` (a JSON value), ``bytesio`` (the bytes of an ``io.BytesIO``) or
+    ``kind`` is ``tensor``, ``quantized`` (its integers; parameters in the index's values), ``object``
+    (a JSON value), ``bytesio`` (the bytes of an ``io.BytesIO``) or
     ``pickled`` (DCP's bytes, opt-in only). It is also the ``storage_data`` of each item in DCP's
     ``Metadata`` (keyed by ``MetadataIndex``), as ``FileSystemWriter`` keeps its file and offsets there.
     """
@@ -71,16 +73,19 @@ def derive_metadata(indexes: list[RankIndex], extra: dict[str, Any], *, checkpoi
             key = (fqn, placement.offsets)
             if key in pieces:
                 continue
+            dtype, kind = record.torch_dtype, "tensor"
+            if name in values.quantized:
+                dtype, kind = quantization.parse(values.quantized[name], name=name, stored_dtype=record.dtype,
+                                                 path=path, step=index.step).torch_dtype, "quantized"
             existing = state.setdefault(fqn, TensorStorageMetadata(
-                properties=TensorProperties(dtype=record.torch_dtype), size=torch.Size(placement.global_shape),
-                chunks=[]))
+                properties=TensorProperties(dtype=dtype), size=torch.Size(placement.global_shape), chunks=[]))
             if not isinstance(existing, TensorStorageMetadata) or tuple(existing.size) != placement.global_shape \
-                    or existing.properties.dtype != record.torch_dtype:
+                    or existing.properties.dtype != dtype:
                 raise FormatError(f"pieces of {fqn!r} disagree on dtype or global shape", path=path,
                                   step=index.step)
             existing.chunks.append(ChunkStorageMetadata(offsets=torch.Size(placement.offsets),
                                                         sizes=torch.Size(record.shape)))
-            pieces[key] = StoredPiece(index.rank, name)
+            pieces[key] = StoredPiece(index.rank, name, kind)
         for fqn in values.objects:
             _add_bytes(state, pieces, fqn, StoredPiece(index.rank, fqn, "object"), path)
     saved = extra.get(MANIFEST_KEY, {}) if isinstance(extra, dict) else {}

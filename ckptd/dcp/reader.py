@@ -34,10 +34,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ckptd.dcp import quantized as quantization
 from ckptd.format.values import parse_values
 from ckptd.dcp.metadata import PieceKey, StoredPiece, derive_metadata
 from ckptd.dcp.writer import CkptdStorageWriter, split_checkpoint_id
-from ckptd.errors import CkptdError, ConfigError, NotFoundError, PickleRefusedError
+from ckptd.errors import CkptdError, ConfigError, NotFoundError, PickleRefusedError, ResumeMismatchError
 from ckptd.format.layout import step_dir
 from ckptd.format.records import Manifest
 from ckptd.stepio.step_reader import ChunkSource, StepReader, load_step_manifest, load_rank_index, settle_all
@@ -171,7 +172,9 @@ class CkptdStorageReader(StorageReader):
         arriving: list[tuple[ReadItem, torch.Tensor]] = []
         try:
             for piece, items in groups.items():
-                if piece.kind == "tensor":
+                if piece.kind == "quantized":
+                    self._read_quantized(piece, items, planner)
+                elif piece.kind == "tensor":
                     self._read_tensor(piece, items, planner, arriving)
                 else:
                     data = self._value_bytes(piece)
@@ -210,6 +213,30 @@ class CkptdStorageReader(StorageReader):
             region = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
             with torch.no_grad():
                 target.copy_(region)
+            planner.commit_tensor(item, target)
+
+    def _read_quantized(self, piece: StoredPiece, items: list[ReadItem], planner: LoadPlanner) -> None:
+        """Rebuild a quantized tensor from its integers and parameters and copy it into each target,
+        which takes the saved scale(s) and zero point(s)."""
+        reader = self._readers[piece.rank]
+        record = reader.record(piece.name)
+        params = quantization.parse(parse_values(reader.index.values).quantized.get(piece.name), name=piece.name,
+                                    stored_dtype=record.dtype, step=self.step)
+        stored = quantization.join(reader.read_tensor(piece.name), params)
+        for item in items:
+            # The state's own tensor, not the view resolve_tensor gives: a view's copy_ would leave the
+            # state's quantization parameters as they were.
+            lookup = getattr(planner, "lookup_tensor", None)
+            target = lookup(item.dest_index) if lookup is not None else planner.resolve_tensor(item)
+            if not target.is_quantized or target.dtype != stored.dtype or target.qscheme() != stored.qscheme() \
+                    or tuple(target.shape) != tuple(stored.shape):
+                raise ResumeMismatchError(
+                    f"{piece.name!r} was saved as a {params.dtype} tensor ({params.scheme}) of shape "
+                    f"{tuple(stored.shape)}; the target is {target.dtype} of shape {tuple(target.shape)}",
+                    step=self.step, path=self.checkpoint_id,
+                    hint="load into a quantized tensor of the same dtype, scheme and shape")
+            with torch.no_grad():
+                target.copy_(stored)
             planner.commit_tensor(item, target)
 
     def _value_bytes(self, piece: StoredPiece) -> bytes:

@@ -40,6 +40,7 @@ import io
 import os
 import threading
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,7 @@ from torch.futures import Future
 
 from ckptd.config import settings
 from ckptd.format.values import SavedValues, ShardPlacement
+from ckptd.dcp import quantized as quantization
 from ckptd.dcp.metadata import MANIFEST_KEY, StoredPiece, planner_data_to_json
 from ckptd.errors import CommitError, ConfigError, PickleRefusedError
 from ckptd.format import codecs
@@ -256,7 +258,7 @@ class CkptdStorageWriter(StorageWriter):
                               hint="wait for its future before the next async_save, or use another writer")
         if self._stager is None:
             self._stager = Stager()
-        staged = stage_tree(self._stager, state_dict)
+        staged = _release_held(stage_tree(self._stager, _hold_quantized(state_dict)))
         self._buffers_free.clear()
         return staged
 
@@ -282,6 +284,7 @@ class CkptdStorageWriter(StorageWriter):
         objects: dict[str, Any] = {}
         pickled: set[str] = set()
         buffers: set[str] = set()
+        quantized: dict[str, Any] = {}
         results: list[WriteResult] = []
         try:
             for item in items:
@@ -295,13 +298,20 @@ class CkptdStorageWriter(StorageWriter):
                 offsets = tuple(int(o) for o in chunk.offsets)
                 global_shape = tuple(int(s) for s in item.tensor_data.size)  # type: ignore[union-attr]
                 name = fqn if not any(offsets) else f"{fqn}@{','.join(map(str, offsets))}"
+                kind = "tensor"
+                if local.is_quantized:
+                    if name != fqn or global_shape != tuple(local.shape):
+                        raise ConfigError(f"quantized tensor {fqn!r} is sharded; ckptd stores whole quantized "
+                                          "tensors only", step=self.step, path=self.checkpoint_id)
+                    local, params = quantization.split(local, name=fqn)
+                    quantized[name], kind = params.to_json(), "quantized"
                 writer.add(name, local)
                 if name != fqn or global_shape != tuple(local.shape):
                     shards[name] = (fqn, ShardPlacement(global_shape, offsets))
                 results.append(WriteResult(index=item.index, size_in_bytes=local.numel() * local.element_size(),
-                                           storage_data=StoredPiece(self.rank, name)))
+                                           storage_data=StoredPiece(self.rank, name, kind)))
             values = SavedValues(shards=shards, objects=objects, pickled=frozenset(pickled),
-                                 buffers=frozenset(buffers))
+                                 buffers=frozenset(buffers), quantized=quantized)
             entry: RankEntry = writer.finish(values.to_json())
         except BaseException:
             writer.abort()
@@ -339,6 +349,33 @@ class CkptdStorageWriter(StorageWriter):
         pickled.add(fqn)
         return WriteResult(index=item.index, size_in_bytes=len(data),
                            storage_data=StoredPiece(self.rank, fqn, "pickled"))
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A quantized tensor's copy, kept out of the staging buffers (they hold plain dtypes only)."""
+
+    tensor: torch.Tensor
+
+
+def _hold_quantized(node: Any) -> Any:
+    if isinstance(node, torch.Tensor):
+        return _Held(node.clone()) if node.is_quantized else node
+    if isinstance(node, Mapping):
+        return {key: _hold_quantized(child) for key, child in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_hold_quantized(child) for child in node)
+    return node
+
+
+def _release_held(node: Any) -> Any:
+    if isinstance(node, _Held):
+        return node.tensor
+    if isinstance(node, Mapping):
+        return {key: _release_held(child) for key, child in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_release_held(child) for child in node)
+    return node
 
 
 def _bytes_tensor(data: bytearray) -> torch.Tensor:

@@ -15,6 +15,8 @@ working) with these keys added after the skeleton's own:
   and read only when the caller opted in with ``allow_pickle=True``.
 - ``buffers``: names of uint8 tensors holding the bytes of an ``io.BytesIO`` value DCP asked to save
   (no pickle; read back as an ``io.BytesIO`` with the same content).
+- ``quantized``: ``{name: parameters}`` for a quantized tensor stored as its integer representation
+  (dtype, scheme, scale(s), zero point(s), axis; see :mod:`ckptd.dcp.quantized`).
 
 DCP's ``Metadata`` is derived from these records by :mod:`ckptd.dcp.metadata`; nothing is pickled.
 An index whose values lack ``layout`` (written before it existed) is read as a bare skeleton.
@@ -28,7 +30,7 @@ from typing import Any
 from ckptd.errors import FormatError, ResumeMismatchError
 
 STATE_LAYOUT = "ckptd-state/1"
-_EXTRA_KEYS = frozenset({"layout", "source", "shards", "objects", "pickled", "buffers"})
+_EXTRA_KEYS = frozenset({"layout", "source", "shards", "objects", "pickled", "buffers", "quantized"})
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class SavedValues:
     objects: dict[str, Any] = field(default_factory=dict)
     pickled: frozenset[str] = frozenset()
     buffers: frozenset[str] = frozenset()
+    quantized: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         if self.skeleton is not None and not (isinstance(self.skeleton, dict) and "dict" in self.skeleton):
@@ -63,6 +66,8 @@ class SavedValues:
         })
         if self.buffers:
             body["buffers"] = sorted(self.buffers)
+        if self.quantized:
+            body["quantized"] = self.quantized
         return body
 
     def placement(self, name: str, shape: tuple[int, ...]) -> tuple[str, ShardPlacement]:
@@ -94,13 +99,15 @@ def parse_values(values: Any, *, path: str | None = None, step: int | None = Non
     objects = values.get("objects") or {}
     pickled = values.get("pickled") or []
     buffers = values.get("buffers") or []
-    if not isinstance(objects, dict) or not isinstance(pickled, list) or not isinstance(buffers, list):
-        fail("'objects', 'pickled' or 'buffers' has the wrong type")
+    quantized = values.get("quantized") or {}
+    if not isinstance(objects, dict) or not isinstance(pickled, list) or not isinstance(buffers, list) \
+            or not isinstance(quantized, dict):
+        fail("'objects', 'pickled', 'buffers' or 'quantized' has the wrong type")
     skeleton = None
     if values.get("source") == "manager":
         skeleton = {key: value for key, value in values.items() if key not in _EXTRA_KEYS}
     return SavedValues(skeleton=skeleton, shards=shards, objects=objects, pickled=frozenset(str(n) for n in pickled),
-                       buffers=frozenset(str(n) for n in buffers))
+                       buffers=frozenset(str(n) for n in buffers), quantized=quantized)
 
 
 def manager_skeleton(values: SavedValues, *, step: int) -> Any:
