@@ -8,7 +8,6 @@ other work on the machine changes the loop's speed over time. Main thread.
 
 from __future__ import annotations
 
-import math
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from typing import Any
 
 from ckptd.bench import contenders as c
 from ckptd.bench.workloads import ComputeLoop, make_state, median, state_bytes
+from ckptd.planning.failures import young_interval_s
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ def _compare_writers(state: Any, root: Path, loop: ComputeLoop, options: BenchOp
 
 def young_daly_interval_s(save_cost_s: float, mtbf_s: float) -> float:
     """Checkpoint interval that minimises lost time: sqrt(2 x save cost x MTBF) (Young/Daly)."""
-    return math.sqrt(2.0 * max(save_cost_s, 0.0) * mtbf_s)
+    return young_interval_s(save_cost_s, mtbf_s)
 
 
 def ratios(report: BenchReport) -> dict[str, float]:
