@@ -212,11 +212,11 @@ def test_format_2_steps_restore_locally_and_from_the_object_tier(tmp_path, s3_bu
 
 def test_an_unknown_format_version_is_refused_naming_the_file(tmp_path):
     local = save_steps(tmp_path / "local", {5: model_state(5)})
-    tamper.rewrite_manifest(local.root, 5, lambda body: body.update(format_version=4))
+    tamper.rewrite_manifest(local.root, 5, lambda body: body.update(format_version=5))
     with pytest.raises(FormatVersionError) as caught:
         load_step_manifest(local, 5)
     message = str(caught.value)
-    assert "format version 4" in message and MANIFEST_NAME in message and "[1, 2, 3]" in message
+    assert "format version 5" in message and MANIFEST_NAME in message and "[1, 2, 3, 4]" in message
 
 
 def corrupt_remote_pack(server: Any, bucket: str, step: int, offset: int) -> None:
