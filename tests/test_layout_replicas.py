@@ -156,3 +156,22 @@ def test_a_target_of_another_shape_is_refused_naming_the_tensor(saved: tuple[Pat
     messages = run_multirank(_restore_wrong_shape, 2, str(root), timeout_s=120)
     for message in messages:
         assert "model/col0.weight" in message and "[64, 24]" in message and "[64, 25]" in message
+
+
+def test_inspect_shows_the_layout(saved: tuple[Path, list[Any]]) -> None:
+    from click.testing import CliRunner
+
+    from ckptd.cli.main import cli
+
+    root, _ = saved
+    result = CliRunner().invoke(cli, ["inspect", str(root), "--json"])
+    assert result.exit_code == 0, result.output
+    layout = json.loads(result.output)["layout"]
+    assert layout["mesh"] == {"dp": 2, "tp": 2} and layout["source"] == "dtensor"
+    assert [row["coordinates"] for row in layout["ranks"]] == [
+        {"dp": 0, "tp": 0}, {"dp": 0, "tp": 1}, {"dp": 1, "tp": 0}, {"dp": 1, "tp": 1}]
+    assert {(p["name"], tuple(p["holders"])) for p in layout["replicated"]} >= {
+        ("model/norm0.weight", (0, 1, 2, 3)), ("model/col0.weight", (0, 2)), ("model/col0.weight", (1, 3))}
+    text = CliRunner().invoke(cli, ["inspect", str(root)])
+    assert text.exit_code == 0 and "layout: mesh dp=2 x tp=2 (from dtensor)" in text.output
+    assert "dp=1,tp=0" in text.output and "replica model/col0.weight: written by rank" in text.output

@@ -1,6 +1,7 @@
-"""``ckptd inspect``: a step's manifest, the plain values it saved (step counters, a loader's position,
-a config, learning rates) and every tensor: name, dtype, shape, bytes, chunks, digest. Reads only the
-manifest and the rank indexes, never a tensor's bytes."""
+"""``ckptd inspect``: a step's manifest, the job's layout (mesh, each rank's coordinates, ZeRO stage, the
+pieces several ranks hold and who wrote each), the plain values it saved (step counters, a loader's
+position, a config, learning rates) and every tensor: name, dtype, shape, bytes, chunks, digest. Reads only
+the manifest and the rank indexes, never a tensor's bytes."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ import click
 from ckptd.cli.options import json_option, open_cli_tier, print_json, s3_options
 from ckptd.errors import NotFoundError
 from ckptd.format.hashing import chunk_digest
-from ckptd.format.records import RankIndex, TensorRecord
+from ckptd.format.records import Manifest, RankIndex, TensorRecord
 from ckptd.format.values import parse_values
 from ckptd.state.saved_values import saved_values
 from ckptd.tiers import StorageTier
 
 #: Longest value shown in the text listing (``--json`` shows every value whole).
 _VALUE_WIDTH = 72
+#: Replicated pieces listed in the text listing (``--json`` lists all).
+_REPLICAS_SHOWN = 20
 
 
 def tensor_digest(record: TensorRecord) -> str:
@@ -40,6 +43,40 @@ def value_rows(index: RankIndex) -> list[dict[str, Any]]:
         found = [(fqn + value.path.removeprefix("value"), value.value)
                  for fqn, skeleton in sorted(values.objects.items()) for value in saved_values(skeleton)]
     return [{"rank": index.rank, "path": path, "value": value} for path, value in found]
+
+
+def layout_summary(manifest: Manifest) -> dict[str, Any] | None:
+    """The manifest's layout as ``inspect --json`` shows it (None for a step without one): the mesh, each
+    rank's coordinates by dimension name, the ZeRO stage, and every replicated piece with its writer and
+    holders, plus the bytes each rank wrote."""
+    layout = manifest.layout
+    if layout is None:
+        return None
+    dims = list(layout.mesh)
+    return {"mesh": dict(layout.mesh), "source": layout.source, "zero_stage": layout.zero_stage,
+            "ranks": [{"rank": entry.rank, "coordinates": dict(zip(dims, layout.coordinates[entry.rank])),
+                       "data_bytes": entry.data_size, "wrote_for_others": len(entry.shared),
+                       "read_from_others": len(entry.replicas)} for entry in manifest.ranks],
+            "replicated": [{"name": p.name, "writer": p.writer, "holders": list(p.holders)}
+                           for p in layout.replicated]}
+
+
+def _echo_layout(summary: dict[str, Any]) -> None:
+    mesh = " x ".join(f"{name}={size}" for name, size in summary["mesh"].items())
+    stage = "unknown" if summary["zero_stage"] is None else summary["zero_stage"]
+    click.echo(f"layout: mesh {mesh} (from {summary['source']}), ZeRO stage {stage}, "
+               f"{len(summary['replicated'])} replicated piece(s) written once")
+    click.echo(f"{'RANK':>4}  {'COORDINATES':<24} {'DATA BYTES':>12} {'WROTE FOR OTHERS':>16} {'READ FROM OTHERS':>16}")
+    for row in summary["ranks"]:
+        coordinates = ",".join(f"{name}={value}" for name, value in row["coordinates"].items())
+        click.echo(f"{row['rank']:>4}  {coordinates:<24} {row['data_bytes']:>12} {row['wrote_for_others']:>16} "
+                   f"{row['read_from_others']:>16}")
+    for piece in summary["replicated"][:_REPLICAS_SHOWN]:
+        holders = ",".join(map(str, piece["holders"]))
+        click.echo(f"  replica {piece['name']}: written by rank {piece['writer']}, held by ranks {holders}")
+    left = len(summary["replicated"]) - _REPLICAS_SHOWN
+    if left > 0:
+        click.echo(f"  ... {left} more replicated piece(s) (--json lists every one)")
 
 
 def _newest_step(tier: StorageTier) -> int:
@@ -88,10 +125,14 @@ def inspect(path: str, step: int | None, rank: int | None, endpoint_url: str | N
     if as_json:
         print_json({"step": manifest.step, "world_size": manifest.world_size, "codec": manifest.codec,
                     "format_version": manifest.format_version, "ckptd_version": manifest.ckptd_version,
-                    "created": manifest.created, "values": values, "tensors": rows})
+                    "created": manifest.created, "layout": layout_summary(manifest), "values": values,
+                    "tensors": rows})
         return
     click.echo(f"step {manifest.step}: {manifest.world_size} rank(s), codec {manifest.codec}, "
                f"format {manifest.format_version}, written by ckptd {manifest.ckptd_version}")
+    summary = layout_summary(manifest)
+    if summary is not None:
+        _echo_layout(summary)
     if values:
         width = max(len("PATH"), *(len(value["path"]) for value in values))
         click.echo(f"{'RANK':>4}  {'PATH':<{width}}  VALUE")
