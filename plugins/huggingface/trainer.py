@@ -73,23 +73,23 @@ class CkptdCallback(TrainerCallback):
     ``manager=`` to use one made elsewhere instead. ``trainer_checkpoints=True`` keeps the Trainer's own
     ``checkpoint-N`` directories as well (for ``load_best_model_at_end``).
 
-    The callback owns its manager: :meth:`close` waits for pending writes and uploads and releases it.
+    The manager is made on first use (:func:`ckptd_resume`, or the first save), once the Trainer's arguments
+    have set up ``torch.distributed`` in a multi-process job; :meth:`close` waits for pending writes and
+    uploads and releases it.
     """
 
     def __init__(self, local: str | os.PathLike[str] | None = None, *, remote: str | None = None,
                  storage_options: dict[str, Any] | None = None, policy: ckptd.Policy | None = None,
                  manager: Any = None, trainer_checkpoints: bool = False, **manager_options: Any) -> None:
-        if manager is None:
-            if local is None:
-                raise ConfigError("CkptdCallback needs a local directory (or manager=)",
-                                  hint="CkptdCallback('/nvme/ckpt/run1', remote='s3://bucket/run1')")
-            manager = ckptd.CheckpointManager(local, remote=remote, storage_options=storage_options,
-                                              policy=policy or ckptd.Policy(every_steps=1),
-                                              capture_rng=False, **manager_options)
-        elif local is not None or remote is not None:
+        if manager is None and local is None:
+            raise ConfigError("CkptdCallback needs a local directory (or manager=)",
+                              hint="CkptdCallback('/nvme/ckpt/run1', remote='s3://bucket/run1')")
+        if manager is not None and (local is not None or remote is not None):
             raise ConfigError("CkptdCallback takes either manager= or local=/remote=, not both")
-        #: The ckptd manager every save and restore goes through.
-        self.manager = manager
+        self._manager = manager
+        self._manager_options = dict(manager_options, remote=remote, storage_options=storage_options,
+                                     policy=policy or ckptd.Policy(every_steps=1))
+        self._local = local
         self.trainer_checkpoints = trainer_checkpoints
         #: The Trainer this callback serves, set by :func:`ckptd_resume` (for its callbacks' states and scaler).
         self.trainer: Any = None
@@ -98,6 +98,14 @@ class CkptdCallback(TrainerCallback):
         self._objects: dict[str, Any] = {}  # model, optimizer, scheduler, as the events pass them
         self._resumed_step: int | None = None
         self._last_saved: int | None = None
+
+    @property
+    def manager(self) -> Any:
+        """The :class:`ckptd.CheckpointManager` every save and restore goes through, made on first use (by then
+        the Trainer's arguments have joined the process group of a distributed job)."""
+        if self._manager is None:
+            self._manager = ckptd.CheckpointManager(self._local, capture_rng=False, **self._manager_options)
+        return self._manager
 
     # --- saving -------------------------------------------------------------------------------
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -108,26 +116,26 @@ class CkptdCallback(TrainerCallback):
     def on_epoch_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         self._remember(kwargs)
-        self._save_due(state)  # the last step's save: the Trainer has logged and evaluated it by now
+        self._save_due(state, control)  # the last step's save: the Trainer has logged and evaluated it by now
         self._take_save_request(state, control)
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
-        self._save_due(state)
+        self._save_due(state, control)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:
-        self._save_due(state)
+        self._save_due(state, control)
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
         self._remember(kwargs)
         if self._last_saved != state.global_step:  # a save the Trainer wrote itself (best, or trainer_checkpoints)
-            self._save(state)
+            self._save(state, control)
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
-        self._save_due(state)
+        self._save_due(state, control)
         self.manager.wait_uploads()
 
     def _take_save_request(self, state: TrainerState, control: TrainerControl) -> None:
@@ -135,9 +143,9 @@ class CkptdCallback(TrainerCallback):
             control.should_save = False
             self._due = state.global_step
 
-    def _save_due(self, state: TrainerState) -> None:
+    def _save_due(self, state: TrainerState, control: TrainerControl) -> None:
         if self._due is not None and self._due == state.global_step:
-            self._save(state)
+            self._save(state, control)
         self._due = None
 
     def _remember(self, kwargs: dict[str, Any]) -> None:
@@ -145,13 +153,13 @@ class CkptdCallback(TrainerCallback):
             if kwargs.get(name) is not None:
                 self._objects[key] = kwargs[name]
 
-    def _save(self, state: TrainerState) -> None:
+    def _save(self, state: TrainerState, control: TrainerControl) -> None:
         missing = [key for key in ("model", *_TRAINING_KEYS) if key not in self._objects]
         if missing:
             raise ConfigError(f"CkptdCallback cannot save step {state.global_step}: the Trainer passed no "
                               f"{', '.join(missing)}", step=state.global_step,
                               hint="use CkptdCallback with transformers.Trainer, through callbacks=[...]")
-        self._update_callback_states(state)
+        self._update_callback_states(state, control)
         saved = self.manager.save(state.global_step, self._state(json.dumps(dataclasses.asdict(state),
                                                                             indent=2, sort_keys=True)), force=True)
         self._last_saved = state.global_step
@@ -171,17 +179,21 @@ class CkptdCallback(TrainerCallback):
         accelerator = getattr(self.trainer, "accelerator", None)
         return getattr(accelerator, "scaler", None)
 
-    def _update_callback_states(self, state: TrainerState) -> None:
-        """What the Trainer does before it writes ``trainer_state.json``: the states of its stateful callbacks."""
-        if self.trainer is None:
-            return
-        for callback in [*self.trainer.callback_handler.callbacks, self.trainer.control]:
+    def _update_callback_states(self, state: TrainerState, control: TrainerControl) -> None:
+        """What the Trainer does before it writes ``trainer_state.json``: the states of its stateful callbacks
+        (all of them once :func:`ckptd_resume` named the Trainer, else the control's), the control's as the
+        Trainer records it while saving (``should_save`` set)."""
+        callbacks = [] if self.trainer is None else self.trainer.callback_handler.callbacks
+        for callback in [*callbacks, control]:
             if isinstance(callback, ExportableState):
                 name = callback.__class__.__name__
+                exported = callback.state()
+                if callback is control:
+                    exported["args"]["should_save"] = True
                 if isinstance(state.stateful_callbacks.get(name), list):
-                    state.stateful_callbacks[name].append(callback.state())
+                    state.stateful_callbacks[name].append(exported)
                 else:
-                    state.stateful_callbacks[name] = callback.state()
+                    state.stateful_callbacks[name] = exported
 
     # --- resuming -----------------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -216,7 +228,8 @@ class CkptdCallback(TrainerCallback):
 
     def close(self) -> None:
         """Wait for pending writes and uploads, then release the manager. Safe to call twice."""
-        self.manager.close()
+        if self._manager is not None:
+            self._manager.close()
 
 
 def _write_random_states(states: RandomStates, directory: Path, args: TrainingArguments) -> None:

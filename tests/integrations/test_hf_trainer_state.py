@@ -1,0 +1,99 @@
+"""What CkptdCallback saves for a step equals what the Trainer's own checkpoint of that step holds.
+
+Two identical runs in this process (the Trainer seeds every generator at construction): one with the
+Trainer's default checkpointing, one with CkptdCallback taking its save requests. For step 4 (saved once
+the Trainer logged the step, as it saves its own), ckptd's step must hold the same trainer state (global
+step, log history), RNG states and model weights as the Trainer's ``checkpoint-4``, and the Trainer must
+have written no checkpoint directory in the ckptd run. A third run with ``trainer_checkpoints=True`` keeps
+both.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.integrations
+
+
+def _train(output_dir: Path, callbacks: list[Any]) -> Any:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    class Samples(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 24
+
+        def __getitem__(self, index: int) -> dict[str, Any]:
+            ids = torch.arange(16, dtype=torch.long).add_(index).remainder_(64)
+            return {"input_ids": ids, "labels": ids.clone()}
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    args = TrainingArguments(output_dir=str(output_dir), max_steps=6, per_device_train_batch_size=4,
+                             learning_rate=1e-3, logging_steps=2, save_strategy="steps", save_steps=4, seed=7,
+                             report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=Samples(), callbacks=callbacks)
+    trainer.train()
+    return trainer
+
+
+@pytest.fixture
+def one_thread():
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_step_ckptd_saves_is_the_checkpoint_the_trainer_writes(tmp_path, one_thread):
+    import torch
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ckptd.plugins.huggingface import CkptdCallback
+    from ckptd.plugins.huggingface.random_states import RandomStates
+
+    _train(tmp_path / "plain", [])
+    theirs = tmp_path / "plain" / "checkpoint-4"
+    callback = CkptdCallback(tmp_path / "ckpt")
+    _train(tmp_path / "ours", [callback])
+    try:
+        assert not list((tmp_path / "ours").glob("checkpoint-*")), "the Trainer wrote its own checkpoint"
+        assert callback.manager.committed_steps() == [4, 6]
+        saved: dict[str, Any] = {"trainer_state": None, "rng": RandomStates()}
+        callback.manager.restore(saved, step=4, keys=["trainer_state", "rng"])
+        assert json.loads(saved["trainer_state"]) == json.loads((theirs / "trainer_state.json").read_text())
+        their_rng = torch.load(theirs / "rng_state.pth", weights_only=False)
+        ours = saved["rng"].saved
+        assert torch.equal(ours["cpu"], their_rng["cpu"])
+        assert ours["python"] == their_rng["python"]
+        assert ours["numpy"][0] == their_rng["numpy"][0] and (ours["numpy"][1] == their_rng["numpy"][1]).all()
+        assert ours["numpy"][2:] == tuple(their_rng["numpy"][2:])
+        fresh = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+        callback.manager.restore({"model": fresh}, step=4, keys=["model"])
+        restored = fresh.state_dict()
+        weights = load_file(theirs / "model.safetensors")
+        different = [name for name, tensor in weights.items() if not torch.equal(restored[name], tensor)]
+        assert not different, different
+    finally:
+        callback.close()
+
+
+def test_trainer_checkpoints_true_keeps_the_trainers_own_as_well(tmp_path, one_thread):
+    from ckptd.plugins.huggingface import CkptdCallback
+
+    callback = CkptdCallback(tmp_path / "ckpt", trainer_checkpoints=True)
+    try:
+        _train(tmp_path / "both", [callback])
+        assert sorted(path.name for path in (tmp_path / "both").glob("checkpoint-*")) == ["checkpoint-4",
+                                                                                        "checkpoint-6"]
+        callback.manager.wait()
+        assert callback.manager.committed_steps() == [4, 6]
+    finally:
+        callback.close()
