@@ -28,8 +28,9 @@ and epoch), RNG set after the skip. The optimizer, scheduler and gradient scaler
 directory: the callback loads them from ckptd when the training begins (right after the Trainer created
 them, before any step).
 
-Single process or one ckptd manager per rank (``torch.distributed`` jobs: the ranks agree on commits through
-the process group's store).
+Tested in one process. In a ``torch.distributed`` job each rank's callback makes its own manager once the
+Trainer's arguments joined the process group (the ranks agree on commits through its store), but the
+resume directory is written for one process: distributed Trainer jobs are not covered yet.
 """
 
 from __future__ import annotations
@@ -48,7 +49,6 @@ from ckptd.plugins.huggingface.random_states import RandomStates
 from ckptd.plugins.huggingface.requirements import require
 
 transformers = require("transformers", needed_by="ckptd.plugins.huggingface.CkptdCallback")
-require("safetensors", needed_by="ckptd.plugins.huggingface.ckptd_resume")
 import torch  # noqa: E402  (after the framework check)
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 from transformers.trainer_callback import ExportableState  # noqa: E402
