@@ -4,6 +4,8 @@ Pieces are read through each rank's :class:`~ckptd.stepio.step_reader.StepReader
 verified against its digest as it arrives (falling back chunk by chunk to the next tier that holds the
 step). A piece whose place in the full tensor is contiguous (sharded along the first dimension, as
 FSDP2 shards) is read straight into it; the pieces of one tensor are read in parallel.
+:class:`TensorFeed` reads the tensors of an export one after the other into two reusable buffers,
+the next while the caller writes the current one.
 
 :func:`check_pieces` checks, from the metadata alone and before anything is read or written, that a
 sharded tensor's pieces lie inside it, do not overlap and cover it.
@@ -54,21 +56,76 @@ def _overlap(first: TensorPiece, second: TensorPiece) -> bool:
                for a, m, b, n in zip(first.offsets, first.shape, second.offsets, second.shape))
 
 
-def read_whole(tensor: SavedTensor, readers: list[StepReader]) -> torch.Tensor:
-    """The full tensor, verified (pieces checked with :func:`check_pieces` first)."""
-    if not tensor.sharded:
-        piece = tensor.pieces[0]
-        return readers[piece.rank].read_tensor(piece.name)
-    full = aligned_empty(tensor.shape, tensor.dtype)
-    involved = {piece.rank: readers[piece.rank] for piece in tensor.pieces}
-    try:
-        for piece in tensor.pieces:
-            region = full
-            for dim, (offset, size) in enumerate(zip(piece.offsets, piece.shape)):
-                region = region.narrow(dim, offset, size)
-            readers[piece.rank].read_tensor(piece.name, region, defer=True)
-    except BaseException:
-        settle_all(involved.values(), raise_errors=False)
-        raise
-    settle_all(involved.values())
-    return full
+def start_reading(tensor: SavedTensor, readers: list[StepReader], out: torch.Tensor) -> None:
+    """Start reading the whole tensor into ``out`` (its shape and stored dtype, contiguous, on the CPU):
+    each piece's chunks go to the read pool; :func:`~ckptd.stepio.step_reader.settle_all` over
+    ``readers`` waits for them (and raises a failed one). Pieces checked with :func:`check_pieces` first."""
+    for piece in tensor.pieces:
+        region = out
+        for dim, (offset, size) in enumerate(zip(piece.offsets, piece.shape)):
+            region = region.narrow(dim, offset, size)
+        readers[piece.rank].read_tensor(piece.name, region, defer=True)
+
+
+class TensorFeed:
+    """Hands out the tensors of an export whole and verified, in order, reading the next one while the
+    caller writes the current one.
+
+    Tensors are read into two reusable buffers, taken in turn, so that fresh memory is not faulted in
+    for every tensor; :meth:`take` returns the tensor at ``position`` (0, 1, 2, ... in order) and starts
+    reading the one after it, unless that one is larger than ``prefetch_limit`` bytes. Memory holds at
+    most the tensor being written and the next one. The returned tensor is valid until the next
+    :meth:`take`. Call :meth:`close` when done or after a failure (it waits for reads in flight).
+    Thread: one caller thread; the chunks are read on the ``ckptd-read`` pool."""
+
+    def __init__(self, tensors: list[SavedTensor], readers: list[StepReader], *, prefetch_limit: int) -> None:
+        self.tensors = tensors
+        self.readers = readers
+        self.prefetch_limit = prefetch_limit
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._started = -1  # the highest position whose reads were started
+
+    def take(self, position: int) -> torch.Tensor:
+        if position != self._started and position != self._started + 1:
+            raise ValueError(f"TensorFeed.take({position}) out of order")
+        try:
+            if position > self._started:
+                self._start(position)
+            settle_all(self.readers)
+            following = position + 1
+            if following < len(self.tensors) and _nbytes(self.tensors[following]) <= self.prefetch_limit:
+                self._start(following)
+        except BaseException:
+            self.close()
+            raise
+        return self._view(position)
+
+    def close(self) -> None:
+        """Wait until no read is in flight (failures are not raised) and release the buffers."""
+        settle_all(self.readers, raise_errors=False)
+        self._buffers = [None, None]
+
+    def _start(self, position: int) -> None:
+        buffer = self._buffers[position % 2]
+        needed = _nbytes(self.tensors[position])
+        if buffer is None or buffer.numel() < needed:
+            self._buffers[position % 2] = None  # freed before the larger one is allocated
+            import torch
+
+            self._buffers[position % 2] = aligned_empty((needed,), torch.uint8)
+        start_reading(self.tensors[position], self.readers, self._view(position))
+        self._started = position
+
+    def _view(self, position: int) -> torch.Tensor:
+        tensor = self.tensors[position]
+        buffer = self._buffers[position % 2]
+        assert buffer is not None
+        return buffer[:_nbytes(tensor)].view(tensor.dtype).view(tensor.shape)
+
+
+def _nbytes(tensor: SavedTensor) -> int:
+    count = 1
+    for dim in tensor.shape:
+        count *= dim
+    return count * tensor.dtype.itemsize
+

@@ -6,8 +6,8 @@ picks the tensors under a key prefix (:mod:`ckptd.export.selection`), checks eve
 checked from the metadata (sharded tensors need ``consolidate``; pieces tile their tensor; every dtype
 fits safetensors) and plans the output files by size (:mod:`ckptd.export.hf_layout`);
 :func:`write_export` then writes them tensor by tensor: each tensor is read whole and verified chunk by chunk
-(:mod:`ckptd.export.assembly`), cast when asked, written and dropped, so memory holds one tensor (and
-its cast copy) at a time.
+(:mod:`ckptd.export.assembly`), cast when asked, and written, while the next one is read: memory holds
+the tensor being written (and its cast copy) and the next one, in buffers reused from tensor to tensor.
 
 The output appears at once: everything is written into a hidden temporary directory beside ``out``,
 fsynced, and renamed to ``out`` (which must not exist, or be an empty directory). A failure removes the
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ckptd.errors import ConfigError, StorageError
-from ckptd.export.assembly import check_pieces, read_whole
+from ckptd.export.assembly import TensorFeed, check_pieces
 from ckptd.export.hf_layout import DEFAULT_MAX_SHARD_SIZE, INDEX_FILE_NAME, ShardFile, index_bytes, \
     parse_shard_size, plan_shards
 from ckptd.export.safetensors_file import TensorSlot, safetensors_dtype, write_safetensors
@@ -36,6 +36,7 @@ from ckptd.format.layout import TEMP_MARKER
 from ckptd.stepio.step_reader import StepReader
 from ckptd.tiers import open_tier
 from ckptd.tiers.base import StorageTier
+from ckptd.tiers.direct_io import aligned_empty
 from ckptd.tiers.local import AtomicFile, fsync_directory
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ class ExportPlan:
     tensors: dict[str, SavedTensor]
     readers: tuple[StepReader, ...]
     config: bytes | None = None
+    max_shard_bytes: int = parse_shard_size(DEFAULT_MAX_SHARD_SIZE)
 
     @property
     def total_size(self) -> int:
@@ -125,7 +127,8 @@ def plan_export(tiers: list[StorageTier], step: int, out: str | os.PathLike[str]
         safetensors_dtype(dtype, key=tensor.key)
         slots.append(TensorSlot(tensor.key, dtype, tensor.shape))
     return ExportPlan(step=manifest.step, out=target, shards=tuple(plan_shards(slots, max_bytes)),
-                      tensors={tensor.key: tensor for tensor in tensors}, readers=tuple(readers), config=config)
+                      tensors={tensor.key: tensor for tensor in tensors}, readers=tuple(readers), config=config,
+                      max_shard_bytes=max_bytes)
 
 
 def write_export(plan: ExportPlan, *, progress: Callable[[int], None] | None = None) -> ExportReport:
@@ -162,16 +165,25 @@ def export_safetensors(tiers: str | list[StorageTier], step: int, out: str | os.
 
 
 def _write_layout(directory: Path, plan: ExportPlan, progress: Callable[[int], None] | None) -> None:
-    readers = list(plan.readers)
     metadata = {"format": "pt", "ckptd_step": str(plan.step)}
+    order = [slot for shard in plan.shards for slot in shard.slots]
+    position = {slot.key: number for number, slot in enumerate(order)}
+    feed = TensorFeed([plan.tensors[slot.key] for slot in order], list(plan.readers),
+                      prefetch_limit=plan.max_shard_bytes)
+    cast_buffer: list[torch.Tensor] = []
 
     def produce(slot: TensorSlot) -> torch.Tensor:
-        whole = read_whole(plan.tensors[slot.key], readers)
-        return whole if whole.dtype == slot.dtype else whole.to(slot.dtype)
+        whole = feed.take(position[slot.key])
+        if whole.dtype == slot.dtype:
+            return whole
+        return _cast(whole, slot, cast_buffer)
 
-    for shard in plan.shards:
-        write_safetensors(directory / shard.name, list(shard.slots), produce, metadata, sync_directory=False,
-                          progress=progress)
+    try:
+        for shard in plan.shards:
+            write_safetensors(directory / shard.name, list(shard.slots), produce, metadata, sync_directory=False,
+                              progress=progress)
+    finally:
+        feed.close()
     extra = [] if len(plan.shards) == 1 else [(INDEX_FILE_NAME, index_bytes(plan.shards))]
     if plan.config is not None:
         extra.append((CONFIG_FILE_NAME, plan.config))
@@ -180,6 +192,18 @@ def _write_layout(directory: Path, plan: ExportPlan, progress: Callable[[int], N
         output.write(data)
         output.commit(sync_directory=False)
     fsync_directory(directory)
+
+
+def _cast(tensor: torch.Tensor, slot: TensorSlot, reused: list[torch.Tensor]) -> torch.Tensor:
+    """``tensor`` cast to the slot's dtype, in a buffer reused from one tensor to the next (grown as needed)."""
+    import torch
+
+    if not reused or reused[0].numel() < slot.nbytes:
+        reused[:] = []
+        reused.append(aligned_empty((slot.nbytes,), torch.uint8))
+    out = reused[0][:slot.nbytes].view(slot.dtype).view(slot.shape)
+    out.copy_(tensor)
+    return out
 
 
 def _check_target(target: Path) -> None:

@@ -1,4 +1,4 @@
-"""Writing one safetensors file tensor by tensor, so that no more than one tensor is in memory.
+"""Writing one safetensors file tensor by tensor, so that the file is never held in memory whole.
 
 A safetensors file is an 8-byte little-endian header length, a JSON header naming every tensor's
 dtype, shape and byte range in the data that follows, and the tensors' raw bytes back to back. The
