@@ -29,8 +29,7 @@ from ckptd.manager.daemon_link import DaemonLink
 from ckptd.promotion.lag import PromotionLag, promotion_lag
 from ckptd.promotion.pinning import PIN_DIRECTORY
 from ckptd.manager.restoring import RestoreResult, TierListings, restore_state
-from ckptd.manager.saving import Saver
-from ckptd.state.staging import prepare_state
+from ckptd.manager.saving import MemoryCopy, Saver
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.local import LocalTier
 
@@ -273,7 +272,7 @@ class CheckpointManager:
         if not force and not self.policy.saves(step):
             if self._prepare_staging:  # once: the first save then finds its buffers allocated, faulted in
                 self._prepare_staging = False
-                prepare_state(self._saver.stager, state, allow_pickle=self.allow_pickle)
+                self._saver.prepare_staging(state)
             return False
         saved = self._saver.save(step, state)
         if saved and self._handoff is not None:  # the daemon's metrics; sent from the writer thread
@@ -290,6 +289,11 @@ class CheckpointManager:
     def tiers(self) -> list[StorageTier]:
         """Tiers restore reads from, nearest first: local, peer, object."""
         return [self.local] + [tier for tier in (self.peer, self.remote) if tier is not None]
+
+    def _memory_copies(self) -> tuple[MemoryCopy, ...]:
+        """The staged copies a restore may read instead of the tiers (the memory tier): the last save's."""
+        memory = self._saver.memory
+        return () if memory is None else (memory,)
 
     def restore(self, state: MutableMapping[str, Any], step: int | None = None, *,
                 keys: Sequence[str] | None = None) -> int | None:
@@ -329,15 +333,15 @@ class CheckpointManager:
             self._remote_sync.before_restore(step, listings)
         result = restore_state(self.tiers, state, rank=self.rank, world_size=self.world_size, step=step,
                                allow_pickle=self.allow_pickle, restore_rng=self.capture_rng,
-                               coordinator=self.coordinator, memory=self._saver.memory, listings=listings,
-                               keys=keys)
+                               coordinator=self.coordinator, memory=self._memory_copies(), listings=listings,
+                               keys=keys, layout=self.layout)
         earlier, self.last_restore = self.last_restore, result
         if keys is not None:  # the full restore that follows prepares staging, sets aside, re-populates
             return result.step
         if earlier is not None and earlier.keys is not None and earlier.step != result.step:
             log.warning("keys %s were restored from step %s, the rest of the state from step %s: restore "
                         "those keys again", ", ".join(map(repr, earlier.keys)), earlier.step, result.step)
-        prepare_state(self._saver.stager, state, allow_pickle=self.allow_pickle)  # off the training thread
+        self._saver.prepare_staging(state)  # off the training thread
         if result.step is not None and step is None:
             self._set_aside_newer_steps(result.step, listings.committed(self.local))
         if self._remote_sync is not None:

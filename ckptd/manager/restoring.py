@@ -44,6 +44,8 @@ from ckptd.stepio.step_reader import ChunkSource, FallbackEvent, StepReader, loa
     settle_all
 from ckptd.manager.relayout import relayout_source
 from ckptd.state.replicas import mesh_of_state
+from ckptd.state.staging import local_view
+from ckptd.format.mesh_layout import Layout
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator
 from ckptd.manager.saving import MemoryCopy
 from ckptd.state import rng
@@ -52,6 +54,15 @@ from ckptd.state.tree import flatten, load_into, no_pending_reads
 from ckptd.tiers.base import StorageTier
 
 log = logging.getLogger("ckptd.restore")
+
+#: The memory tier a restore may read: the staged copy of one save, or of several (the newest saves).
+MemoryTier = MemoryCopy | Sequence[MemoryCopy] | None
+
+
+def _held_copy(memory: MemoryTier, step: int) -> MemoryCopy | None:
+    """The committed staged copy of ``step`` in the memory tier, if it holds one."""
+    copies = () if memory is None else (memory,) if isinstance(memory, MemoryCopy) else memory
+    return next((copy for copy in copies if copy.step == step and copy.committed), None)
 
 
 @dataclass
@@ -188,10 +199,12 @@ def _restorable(metadata: _Metadata, step: int, rank: int, world_size: int) -> s
 
 def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, rank: int, world_size: int,
                   step: int | None = None, allow_pickle: bool = False, restore_rng: bool = True,
-                  coordinator: CommitCoordinator | None = None, memory: MemoryCopy | None = None,
-                  listings: TierListings | None = None, keys: Sequence[str] | None = None) -> RestoreResult:
+                  coordinator: CommitCoordinator | None = None, memory: MemoryTier = None,
+                  listings: TierListings | None = None, keys: Sequence[str] | None = None,
+                  layout: Layout | None = None) -> RestoreResult:
     """Load the newest step intact on every rank (or ``step``) into ``state``; see the module docstring.
 
+    ``layout`` is the live job's (a step that records another mesh is restored through DCP's resharding).
     ``listings`` shares one listing of the tiers with what ran before the restore (a read-ahead).
     ``keys`` loads only those top-level keys (a partial restore); one string is one key."""
     keys = [keys] if isinstance(keys, str) else keys
@@ -231,7 +244,7 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
         agreed = max(common)
         error = _try_load(metadata, agreed, state, result, rank=rank, world_size=world_size,
                           allow_pickle=allow_pickle, restore_rng=restore_rng and keys is None, memory=memory,
-                          keys=keys)
+                          keys=keys, layout=layout)
         outcomes = coordinator.exchange("restore-outcome", error)
         failures = {r: why for r, why in enumerate(outcomes) if why is not None}
         if not failures:
@@ -274,11 +287,11 @@ def _failed_hint(failed: dict[str, str]) -> str | None:
 
 def _try_load(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
               result: RestoreResult, *, rank: int, world_size: int, allow_pickle: bool, restore_rng: bool,
-              memory: MemoryCopy | None, keys: Sequence[str] | None) -> dict[str, Any] | None:
+              memory: MemoryTier, keys: Sequence[str] | None, layout: Layout | None = None) -> dict[str, Any] | None:
     """None on success, else ``{"error": text, "mismatch": bool, ...}`` (JSON, for the outcome exchange)."""
     try:
-        skeleton, read, settle, supplied = _source(metadata, step, state, result, rank=rank,
-                                                   world_size=world_size, allow_pickle=allow_pickle, memory=memory)
+        skeleton, read, settle, supplied = _source(metadata, step, state, result, rank=rank, world_size=world_size,
+                                                   allow_pickle=allow_pickle, memory=memory, layout=layout)
         _load(_selected(skeleton, state, keys, step=step, tier=result.tier), read, settle, state,
               allow_pickle=allow_pickle, restore_rng=restore_rng)
     except CkptdError as error:
@@ -328,12 +341,14 @@ def _listed(keys: Sequence[str]) -> str:
 
 def _source(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
             result: RestoreResult, *, rank: int, world_size: int, allow_pickle: bool,
-            memory: MemoryCopy | None) -> tuple[Any, TensorReader, Callable[..., None], Callable[[], dict[str, int]]]:
+            memory: MemoryTier, layout: Layout | None = None
+            ) -> tuple[Any, TensorReader, Callable[..., None], Callable[[], dict[str, int]]]:
     """The skeleton to load, the reader of its tensors, what waits for reads that are still running, and
     what counts, once they are done, the chunks each tier supplied."""
     saved_world = _saved_world_size(metadata, step)
     saved = _manifest(metadata, step)
-    if saved.layout is not None and (saved_world != world_size or _mesh_changed(saved, state)):
+    if saved.layout is not None and (saved_world != world_size or _layout_changed(
+            metadata, step, saved, state, rank=rank, allow_pickle=allow_pickle, layout=layout)):
         holding = metadata.listings.holding(step)
         result.resharded, result.tier = True, holding[0].label
         skeleton, relaid, readers = relayout_source(holding, step, state, rank=rank, allow_pickle=allow_pickle)
@@ -346,7 +361,8 @@ def _source(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
     read_names: list[str] = []
     replicas = saved.entry(rank).replicas
     others = _ReplicaReaders(metadata, step, rank, world_size)
-    if memory is not None and memory.step == step and memory.committed:
+    memory = _held_copy(memory, step)
+    if memory is not None:
         result.tier = "memory"
         staged = memory.staged.tensors
 
@@ -424,10 +440,35 @@ def _manifest(metadata: _Metadata, step: int) -> Manifest:
     raise NotFoundError(f"no tier has a readable manifest of step {step}: " + " | ".join(errors), step=step)
 
 
-def _mesh_changed(saved: Manifest, state: MutableMapping[str, Any]) -> bool:
-    """Whether the live state's DTensors lie on another mesh than the step's layout records."""
-    found = mesh_of_state(flatten(dict(state), allow_pickle=True).tensors)
-    return found is not None and list(found[0].items()) != list(saved.layout.mesh.items())  # type: ignore[union-attr]
+def _layout_changed(metadata: _Metadata, step: int, saved: Manifest, state: MutableMapping[str, Any], *,
+                    rank: int, allow_pickle: bool, layout: Layout | None) -> bool:
+    """Whether the live job is laid out otherwise than the step's layout records: another mesh (the given
+    ``layout``, else the live DTensors' mesh), or a live DTensor whose shard sits elsewhere in its global
+    tensor than this rank's saved shard of it (the sharding changed on the same mesh)."""
+    try:
+        live = flatten(dict(state), allow_pickle=allow_pickle).tensors
+    except CkptdError:  # a live value that cannot be taken apart; the load reports what does not fit
+        return False
+    found = mesh_of_state(live)
+    mesh = dict(layout.mesh) if layout is not None else (found[0] if found is not None else None)
+    if mesh is not None and list(mesh.items()) != list(saved.layout.mesh.items()):  # type: ignore[union-attr]
+        return True
+    if found is None:
+        return False
+    own = None
+    for tier in metadata.listings.holding(step):
+        try:
+            own = parse_values(metadata.rank_index(tier, step, rank).values)
+            break
+        except CkptdError:
+            continue
+    if own is None:
+        return False
+    for name, tensor in live.items():
+        _, placement = local_view(tensor)
+        if placement is not None and own.shards.get(name, (name, placement))[1] != placement:
+            return True
+    return False
 
 
 def _chunks_by_tier(reader: StepReader, names: list[str]) -> dict[str, int]:

@@ -48,7 +48,7 @@ from ckptd.manager.commit import SKIPPED, CommitCoordinator, SkippedStep, Undeci
 from ckptd.manager.directories import DirectorySharing
 from ckptd.manager.holdings import Holdings, LayoutRecorder
 from ckptd.policy import Policy
-from ckptd.state.staging import StagedState, Stager
+from ckptd.state.staging import StagedState, Stager, prepare_state
 from ckptd.state import rng
 from ckptd.state.tree import flatten
 from ckptd.tiers.atomicity import DirectoryCommit
@@ -76,6 +76,13 @@ class MemoryCopy:
     values: SavedValues
     staged: StagedState
     committed: bool
+
+
+def _written(tensors: dict[str, Any], holdings: Holdings | None) -> dict[str, Any]:
+    """The tensors this rank stages and writes: all of them, less the replicas another rank writes."""
+    if holdings is None:
+        return tensors
+    return {name: tensor for name, tensor in tensors.items() if holdings.plan.writes(name)}
 
 
 class Saver:
@@ -142,15 +149,20 @@ class Saver:
         flat = flatten(self._with_rng(state), allow_pickle=self.allow_pickle, step=step)
         self._memory = None
         holdings = self.layout.holdings(flat.tensors)
-        written = flat.tensors if holdings is None else \
-            {name: tensor for name, tensor in flat.tensors.items() if holdings.plan.writes(name)}
-        staged = self.stager.stage(written)
+        staged = self.stager.stage(_written(flat.tensors, holdings))
         placements = dict(staged.placements) if holdings is None else holdings.placements(flat.tensors)
         shards = {name: (name, placement) for name, placement in placements.items()}
         values = SavedValues(skeleton=flat.skeleton, shards=shards)
         self._memory = MemoryCopy(step, values, staged, committed=False)
         self._enqueue(_WriteJob(step, staged, values.to_json(), holdings=holdings))
         return True
+
+    def prepare_staging(self, state: MutableMapping[str, Any]) -> int:
+        """Prepare, in the background, the staging buffers of the tensors a save of ``state`` would stage
+        on this rank (replicas another rank writes are left out); see :func:`~ckptd.state.staging.
+        prepare_state`. Training thread."""
+        return prepare_state(self.stager, state, allow_pickle=self.allow_pickle,
+                             select=lambda tensors: _written(tensors, self.layout.holdings(tensors)))
 
     @property
     def busy(self) -> bool:

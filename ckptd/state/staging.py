@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -225,13 +225,17 @@ class Stager:
             self._prepared.clear()
 
 
-def prepare_state(stager: Stager, state: Mapping[str, Any], *, allow_pickle: bool) -> int:
+def prepare_state(stager: Stager, state: Mapping[str, Any], *, allow_pickle: bool,
+                  select: Callable[[dict[str, torch.Tensor]], Mapping[str, torch.Tensor]] | None = None) -> int:
     """:meth:`Stager.prepare` for the tensors a save of ``state`` would stage (same names as
-    :class:`~ckptd.manager.saving.Saver` gives them); returns how many buffers it will prepare. A state
-    that cannot be flattened (a value that needs pickle when it is not allowed, or fails to pickle)
-    prepares nothing: this is an optimisation, and the save reports the problem. Training thread."""
+    :class:`~ckptd.manager.saving.Saver` gives them; ``select`` keeps those this rank writes); returns how
+    many buffers it will prepare. A state that cannot be flattened (a value that needs pickle when it is not
+    allowed, or fails to pickle) prepares nothing: this is an optimisation, and the save reports the
+    problem. Training thread."""
     try:
         tensors = flatten(state, allow_pickle=allow_pickle).tensors
+        if select is not None:
+            tensors = dict(select(tensors))
     except Exception as error:  # noqa: BLE001 - see the docstring
         log.debug("staging buffers not prepared: %s", error)
         return 0
