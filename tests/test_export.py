@@ -244,6 +244,8 @@ def test_the_writer_round_trips_every_dtype_through_safetensors(tmp_path: Path) 
         "view": torch.arange(12.0).reshape(3, 4)[:, 1],  # not contiguous
     }
     save_tensors(tmp_path / "all.safetensors", tensors, {"format": "pt", "note": "x"})
+    raw = (tmp_path / "all.safetensors").read_bytes()
+    assert int.from_bytes(raw[:8], "little") % 8 == 0, "the header is padded as the safetensors library pads it"
     with safe_open(str(tmp_path / "all.safetensors"), framework="pt") as handle:
         assert handle.metadata() == {"format": "pt", "note": "x"}
         assert sorted(handle.keys()) == sorted(tensors)
@@ -260,3 +262,25 @@ def test_shard_sizes_follow_hugging_face_units() -> None:
     for bad in ("", "0", "5 parsecs", "-1GB"):
         with pytest.raises(ConfigError):
             parse_shard_size(bad)
+
+
+def test_tensors_stream_through_two_reused_buffers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckptd.export.assembly as assembly
+
+    tensors = {f"layer{number}": torch.randn(64, 1024, generator=torch.Generator().manual_seed(number))
+               for number in range(6)}
+    with ckptd.CheckpointManager(tmp_path / "ckpt", capture_rng=False) as manager:
+        manager.save(1, {"model": tensors}, force=True)
+    allocated: list[int] = []
+
+    def counting(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        allocated.append(shape[0])
+        return real(shape, dtype)
+
+    real = assembly.aligned_empty
+    monkeypatch.setattr(assembly, "aligned_empty", counting)
+    export_safetensors(str(tmp_path / "ckpt"), 1, tmp_path / "out", ExportOptions(key_prefix="model"))
+    assert allocated == [64 * 1024 * 4] * 2, "one buffer for the tensor written, one for the next"
+    loaded = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert loaded.keys() == tensors.keys()
+    assert all(same_bytes(loaded[key], tensor) for key, tensor in tensors.items())
