@@ -21,6 +21,12 @@ when ``save_top_k`` drops one, ``teardown()`` at the end of a stage. This one ma
   this process points to it (see :mod:`ckptd.plugins.lightning.retention`).
 - **teardown**: waits for pending writes and uploads (:meth:`ckptd.CheckpointManager.close`).
 
+With several processes (DDP), Lightning saves and removes on global rank 0 only, and loads on every rank:
+rank 0 restores from the tiers and hands the checkpoint to the other ranks over the process group
+(``broadcast_object_list``, as Lightning's own strategies share objects between the job's processes); the
+other ranks never open the checkpoint directory. A failure on rank 0 is raised on every rank. The RNG
+states saved are rank 0's, restored on rank 0.
+
 Nothing is pickled: values that need pickle (an object in ``hyper_parameters``) raise
 ``PickleRefusedError`` naming the entry unless ``allow_pickle=True`` (then loading needs it too). The
 manager saves as one process (rank 0 of world size 1), as Lightning's checkpoint is the full state that
@@ -37,7 +43,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 
 import ckptd
-from ckptd.errors import CommitError, ConfigError, NoIntactCheckpointError, NotFoundError
+from ckptd.errors import CkptdError, CommitError, ConfigError, NoIntactCheckpointError, NotFoundError
 from ckptd.plugins.lightning.pointer import Pointer, read_pointer, remove_pointer, write_pointer
 from ckptd.plugins.lightning.retention import PointerRetention
 
@@ -47,6 +53,13 @@ log = logging.getLogger("ckptd.plugins.lightning")
 def _path_key(path: str | os.PathLike[str]) -> str:
     text = os.fspath(path)
     return text if "://" in text else os.path.normpath(os.path.abspath(text))
+
+
+def _distributed_world() -> int:
+    """The size of the default process group (1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -127,7 +140,34 @@ class CkptdCheckpointIO(CheckpointIO):
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
         """The checkpoint the pointer at ``path`` names, read from the nearest intact tier and verified.
-        ``weights_only`` changes nothing: ckptd unpickles nothing unless built with ``allow_pickle=True``."""
+        ``weights_only`` changes nothing: ckptd unpickles nothing unless built with ``allow_pickle=True``.
+        Every rank of a process group calls it; rank 0 reads, the others receive (see the module docstring)."""
+        if _distributed_world() > 1:
+            state = self._load_on_rank_zero(path)
+        else:
+            state = self._load_here(path)
+        if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != "cpu":
+            state = _to_device(state, torch.device(map_location))
+        return state
+
+    def _load_on_rank_zero(self, path: str | os.PathLike[str]) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                box[0] = ("ok", self._load_here(path))
+            except Exception as error:  # the other ranks wait in the broadcast: they must hear of it
+                box[0] = ("error", f"rank 0 could not load the checkpoint: {error}")
+                dist.broadcast_object_list(box, src=0)
+                raise
+        dist.broadcast_object_list(box, src=0)
+        outcome, value = box[0]
+        if outcome != "ok":
+            raise CkptdError(value, path=os.fspath(path))
+        return value
+
+    def _load_here(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         pointer = read_pointer(path)
         manager = self.manager
         state: dict[str, Any] = {}
@@ -137,8 +177,6 @@ class CkptdCheckpointIO(CheckpointIO):
         report = manager.last_restore
         log.info("restored Lightning checkpoint %s from ckptd step %d (tiers: %s)", os.fspath(path), step,
                  ", ".join(report.tiers) if report is not None else "?")
-        if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != "cpu":
-            state = _to_device(state, torch.device(map_location))
         return state
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:

@@ -5,7 +5,8 @@ module with state) on CPU with ``CkptdCheckpointIO`` and ``ModelCheckpoint`` sav
 (``every_n_train_steps`` = batches per epoch), resuming with ``ckpt_path`` from the config. Writes the
 final weights (``torch.save`` of the state dict) and a JSON summary (where fit started, what the data
 module received, which tiers the restore read). With ``block_after_step`` it stops after that step's
-checkpoint is committed, writes ``ready`` and waits to be SIGKILLed.
+checkpoint is committed, writes ``ready`` and waits to be SIGKILLed. With ``devices`` > 1 it runs DDP on CPU (gloo); the other ranks
+write ``summary-rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -87,8 +88,9 @@ def main(config: dict) -> None:
     callbacks: list[Callback] = [checkpoints]
     if config.get("block_after_step"):
         callbacks.append(BlockAfter(io, int(config["block_after_step"]), out / "ready"))
+    devices = int(config.get("devices", 1))
     trainer = L.Trainer(max_epochs=config["max_epochs"], plugins=[io], callbacks=callbacks, deterministic=True,
-                        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(out))
     model, data = TinyModel(), TinyData()
     started: dict = {}
@@ -98,12 +100,18 @@ def main(config: dict) -> None:
             started.update(global_step=trainer.global_step, epoch=trainer.current_epoch,
                            lr=trainer.optimizers[0].param_groups[0]["lr"],
                            adam_steps=sorted(float(s["step"]) for s in trainer.optimizers[0].state.values()))
-            report = io.manager.last_restore
+            report = io.manager.last_restore if trainer.is_global_zero else None
             if report is not None:
                 started.update(restored_step=report.step, tiers=list(report.tiers))
 
     trainer.callbacks.append(Started())
     trainer.fit(model, datamodule=data, ckpt_path=config.get("ckpt_path"))
+    if not trainer.is_global_zero:  # the other DDP ranks report what they resumed with, nothing else
+        (out / f"summary-rank{trainer.global_rank}.json").write_text(json.dumps(
+            {"started": started, "global_step": trainer.global_step, "data_state": data.loaded_state,
+             "opened_manager": io._manager is not None,
+             "weights": {name: value.tolist() for name, value in model.state_dict().items()}}))
+        return
     torch.save({name: value.detach().clone() for name, value in model.state_dict().items()}, out / "weights.pt")
     summary = {"started": started, "global_step": trainer.global_step, "data_state": data.loaded_state}
     io.teardown()  # Lightning tore it down at the end of fit already: a second call does nothing

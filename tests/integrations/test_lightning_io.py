@@ -18,10 +18,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from ckptd.errors import CommitError, FormatError, NotFoundError, PickleRefusedError
+from ckptd.errors import CkptdError, CommitError, FormatError, NotFoundError, PickleRefusedError
 from ckptd.format.layout import step_dir
 from ckptd.plugins.lightning import CkptdCheckpointIO
 from ckptd.testing.compare import state_differences
+from ckptd.testing.multirank import run_multirank
 from lightning_run import STEPS_PER_EPOCH, TinyData, TinyModel
 
 
@@ -152,3 +153,30 @@ def test_fit_resumes_from_an_explicit_path(tmp_path: Path) -> None:
     loaded = CkptdCheckpointIO(tmp_path / "ckpt").load_checkpoint(tmp_path / "lc" / "epoch=2-step=24.ckpt")
     assert state_differences(loaded["state_dict"], model.state_dict()) == []
     assert loaded["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 2
+
+
+def _load_on_every_rank(rank: int, world_size: int, local: str, paths: list[str]) -> list[tuple[Any, ...]]:
+    outcomes: list[tuple[Any, ...]] = []
+    for path in paths:
+        io = CkptdCheckpointIO(local)
+        try:
+            loaded = io.load_checkpoint(path)
+            outcomes.append(("ok", state_differences(loaded, _checkpoint(8)), io._manager is not None))
+        except CkptdError as error:
+            outcomes.append(("error", str(error), io._manager is not None))
+        io.teardown()
+    return outcomes
+
+
+def test_under_ddp_rank_zero_reads_and_the_other_ranks_receive(tmp_path: Path) -> None:
+    io = CkptdCheckpointIO(tmp_path / "ckpt")
+    io.save_checkpoint(_checkpoint(8), tmp_path / "lc" / "last.ckpt")
+    io.teardown()
+    paths = [str(tmp_path / "lc" / "last.ckpt"), str(tmp_path / "lc" / "gone.ckpt")]
+    (zero_ok, zero_missing), (one_ok, one_missing) = run_multirank(_load_on_every_rank, 2, str(tmp_path / "ckpt"),
+                                                                   paths)
+    assert zero_ok == ("ok", [], True) and one_ok == ("ok", [], False), \
+        "rank 1 got the checkpoint without opening the tiers"
+    assert zero_missing[0] == one_missing[0] == "error"
+    assert "no Lightning checkpoint at this path" in zero_missing[1]
+    assert "rank 0 could not load the checkpoint" in one_missing[1] and "gone.ckpt" in one_missing[1]
