@@ -284,3 +284,11 @@ def test_tensors_stream_through_two_reused_buffers(tmp_path: Path, monkeypatch: 
     loaded = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert loaded.keys() == tensors.keys()
     assert all(same_bytes(loaded[key], tensor) for key, tensor in tensors.items())
+
+
+def test_two_entries_with_one_dotted_key_are_refused(tmp_path: Path) -> None:
+    with ckptd.CheckpointManager(tmp_path / "ckpt", capture_rng=False) as manager:
+        manager.save(1, {"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}}, force=True)
+    with pytest.raises(ConfigError, match="two entries of the state export to the key 'a.b'"):
+        export_safetensors(str(tmp_path / "ckpt"), 1, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

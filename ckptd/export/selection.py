@@ -85,11 +85,14 @@ def step_contents(indexes: list[RankIndex]) -> StepContents:
         values = parse_values(index.values, path=path, step=index.step)
         if values.skeleton is not None:
             leaves = list(_skeleton_leaves(values.skeleton))
-        else:  # written by dcp.save: tensors by fqn, values in "objects" or pickled
-            leaves = [(name, name if name not in values.pickled else None) for name in index.tensors]
+        else:  # written by dcp.save: tensors by fqn; values in "objects", pickled, or bytes of an io.BytesIO
+            not_tensors = values.pickled | getattr(values, "buffers", frozenset())
+            leaves = [(name, name if name not in not_tensors else None) for name in index.tensors]
             leaves += [(fqn, None) for fqn in values.objects]
+        here: dict[tuple[str, tuple[int, ...] | None], str | None] = {}
         for key, name in leaves:
             if name is None:
+                _claim(here, (key, None), name, path)
                 other[key] = None
                 continue
             record = index.tensors.get(name)
@@ -98,6 +101,7 @@ def step_contents(indexes: list[RankIndex]) -> StepContents:
                 continue
             fqn, placement = values.placement(name, record.shape)
             key = key if values.skeleton is not None else fqn
+            _claim(here, (key, placement.offsets), name, path)
             piece = TensorPiece(index.rank, name, placement.offsets, record.shape)
             pieces = groups.setdefault(key, [])
             if any(known.offsets == piece.offsets for _, known in pieces):
@@ -113,7 +117,21 @@ def step_contents(indexes: list[RankIndex]) -> StepContents:
                               step=step, hint="the step is incomplete; export another step or another tier")
     tensors = {key: SavedTensor(key, pieces[0][0], shapes[key], tuple(piece for _, piece in pieces))
                for key, pieces in groups.items()}
-    return StepContents(step, tensors, tuple(key for key in other if key not in tensors))
+    clashes = [key for key in other if key in tensors]
+    if clashes:
+        raise ConfigError(f"{clashes[0]!r} names both a tensor and a non-tensor value of the state", step=step,
+                          hint="keys are the state's paths joined with dots; rename one of the two entries")
+    return StepContents(step, tensors, tuple(other))
+
+
+def _claim(here: dict[tuple[str, tuple[int, ...] | None], str | None], spot: tuple[str, tuple[int, ...] | None],
+           name: str | None, path: str) -> None:
+    """Record that ``name`` (None: a non-tensor value) exports to ``spot`` (key, offsets) on one rank;
+    ConfigError when another entry of that rank already does (``{"a.b": x, "a": {"b": y}}``)."""
+    if spot in here and here[spot] != name:
+        raise ConfigError(f"two entries of the state export to the key {spot[0]!r}", path=path,
+                          hint="keys are the state's paths joined with dots; rename one of the two entries")
+    here[spot] = name
 
 
 def _skeleton_leaves(skeleton: Any) -> Iterator[tuple[str, str | None]]:
