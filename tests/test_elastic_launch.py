@@ -9,77 +9,27 @@ two supervisors of one rank each standing in for two nodes; the failed rank real
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 import threading
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from ckptd.testing.multirank import free_port
+from ckptd.testing.elastic_runs import WORLD, finals, generations, launch_job
 
 pytestmark = pytest.mark.multirank
-
-WORLD = 2
-
-
-def _launch(root: Path, *job_args: str, max_restarts: int = 3, hang_timeout: float = 60.0, nodes: int = 1,
-            extra: tuple[str, ...] = (), settings: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """``ckptd launch`` of the test job with WORLD ranks; with ``nodes=2`` two supervisors (one rank each)
-    stand in for two nodes: node 0 hosts the store, each keeps its ranks' checkpoints in its own root.
-    ``settings``: more environment variables (``CKPTD_*``) for the supervisors and their ranks."""
-    environment = dict(os.environ, OMP_NUM_THREADS="1", CKPTD_ELASTIC_REJOIN_TIMEOUT_S="60")
-    environment.update(settings or {})
-    endpoint = f"127.0.0.1:{free_port()}"
-    commands = []
-    for node in range(nodes):
-        placement = ["--nproc-per-node", str(WORLD)] if nodes == 1 else [
-            "--nproc-per-node", str(WORLD // nodes), "--nnodes", str(nodes), "--node-rank", str(node),
-            "--rdzv-endpoint", endpoint]
-        commands.append([sys.executable, "-m", "ckptd.cli.main", "launch", *placement,
-                         "--max-restarts", str(max_restarts), "--hang-timeout", str(hang_timeout), *extra,
-                         "-m", "ckptd.testing.elastic_training", "--root", str(root / f"ckpt-node{node}"),
-                         "--out", str(root / "out"), *job_args])
-    supervisors = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    env=environment) for command in commands]
-    try:
-        outputs = [supervisor.communicate(timeout=180) for supervisor in supervisors]
-    finally:
-        for supervisor in supervisors:
-            if supervisor.poll() is None:
-                supervisor.kill()
-                supervisor.wait()
-    codes = {supervisor.returncode for supervisor in supervisors}
-    assert len(codes) == 1, f"the supervisors disagree on the outcome: exit codes {codes}"
-    return subprocess.CompletedProcess(commands[0], codes.pop(), "".join(o for o, _ in outputs),
-                                       "".join(e for _, e in outputs))
-
-
-def _finals(out: Path) -> list[bytes]:
-    return [(out / f"rank{rank}-final.json").read_bytes() for rank in range(WORLD)]
-
-
-def _generations(out: Path, rank: int) -> dict[int, dict]:
-    records = {}
-    for path in out.glob(f"rank{rank}-gen*.json"):
-        record = json.loads(path.read_text())
-        records[record["generation"]] = record
-    return records
-
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
     root = tmp_path_factory.mktemp("elastic-reference")
-    result = _launch(root)
+    result = launch_job(root)
     assert result.returncode == 0, result.stderr[-4000:]
-    finals = _finals(root / "out")
-    seen = [json.loads(final)["seen"] for final in finals]
+    written = finals(root / "out")
+    seen = [json.loads(final)["seen"] for final in written]
     ids = [sample for rows in seen for row in rows for sample in row]
     assert -1 not in ids and len(ids) == 12 * 4 * WORLD, "every rank consumed a batch at every step"
-    return finals
+    return written
 
 
 def _scenario(seed: int, rank: int, signal_name: str, phase: str | None) -> list[str]:
@@ -101,13 +51,13 @@ def test_only_the_failed_rank_restarts_and_the_run_ends_bit_for_bit(tmp_path: Pa
                                                                      victim: int, signal_name: str, nodes: int,
                                                                      phase: str | None) -> None:
     job = _scenario(seed, victim, signal_name, phase)
-    result = _launch(tmp_path, *job, hang_timeout=4.0 if signal_name == "STOP" else 60.0, nodes=nodes)
+    result = launch_job(tmp_path, *job, hang_timeout=4.0 if signal_name == "STOP" else 60.0, nodes=nodes)
     assert result.returncode == 0, result.stderr[-4000:]
     out = tmp_path / "out"
-    assert _finals(out) == reference, f"the recovered run differs from the uninterrupted one ({job})"
+    assert finals(out) == reference, f"the recovered run differs from the uninterrupted one ({job})"
 
     kill_step = int(job[3])
-    records = {rank: _generations(out, rank) for rank in range(WORLD)}
+    records = {rank: generations(out, rank) for rank in range(WORLD)}
     for rank, by_generation in records.items():
         assert sorted(by_generation) == [0, 1], f"rank {rank} joined generations {sorted(by_generation)}"
         first, second = by_generation[0], by_generation[1]
@@ -138,11 +88,11 @@ def test_a_hang_outlasting_the_collective_and_rejoin_timeouts_restarts_only_the_
     # survivor must keep waiting (and beating) for the next generation until the supervisor kills the hung
     # rank, instead of giving up after the rejoin timeout and being replaced itself (here after 5 + 8 s < 18 s)
     job = ["--kill-rank", "1", "--kill-step", "6", "--kill-signal", "STOP", "--kill-phase", "after-save"]
-    result = _launch(tmp_path, *job, hang_timeout=18.0,
+    result = launch_job(tmp_path, *job, hang_timeout=18.0,
                      settings={"CKPTD_ELASTIC_COLLECTIVE_TIMEOUT_S": "5", "CKPTD_ELASTIC_REJOIN_TIMEOUT_S": "8"})
     assert result.returncode == 0, result.stderr[-4000:]
-    assert _finals(tmp_path / "out") == reference
-    survivor, victim = _generations(tmp_path / "out", 0), _generations(tmp_path / "out", 1)
+    assert finals(tmp_path / "out") == reference
+    survivor, victim = generations(tmp_path / "out", 0), generations(tmp_path / "out", 1)
     assert sorted(survivor) == [0, 1] and survivor[0]["pid"] == survivor[1]["pid"], "the survivor was restarted"
     assert sorted(victim) == [0, 1] and victim[0]["pid"] != victim[1]["pid"]
     assert f"rank 1 (pid {victim[0]['pid']}) hung (no heartbeat" in result.stderr
@@ -152,11 +102,11 @@ def test_recoveries_in_a_row_end_bit_for_bit_and_the_survivor_keeps_no_old_gener
         tmp_path: Path, reference: list[bytes]) -> None:
     # rank 1 dies after its save of step 3, then after its first step of generations 1 to 3; with a save
     # at every step the survivor's interrupted commit rounds leave reference cycles behind
-    result = _launch(tmp_path, "--every", "1", "--kill-rank", "1", "--kill-step", "3", "--kill-phase", "after-save",
+    result = launch_job(tmp_path, "--every", "1", "--kill-rank", "1", "--kill-step", "3", "--kill-phase", "after-save",
                      "--kill-generations", "4", max_restarts=4, extra=("--crash-loop", "0", "--restart-backoff", "0"))
     assert result.returncode == 0, result.stderr[-4000:]
-    assert _finals(tmp_path / "out") == reference
-    survivor = _generations(tmp_path / "out", 0)
+    assert finals(tmp_path / "out") == reference
+    survivor = generations(tmp_path / "out", 0)
     assert sorted(survivor) == [0, 1, 2, 3, 4] and len({record["pid"] for record in survivor.values()}) == 1
     # the OS threads (gloo's among them) and open files of failed generations are freed: they stay flat
     # (generations 0 and 1 are left out: the writer starts at the first save, one failed generation may linger)
@@ -165,7 +115,7 @@ def test_recoveries_in_a_row_end_bit_for_bit_and_the_survivor_keeps_no_old_gener
 
 
 def test_a_failure_past_max_restarts_stops_every_rank_and_names_rank_and_cause(tmp_path: Path) -> None:
-    result = _launch(tmp_path, "--kill-rank", "1", "--kill-step", "3", max_restarts=0, nodes=2)
+    result = launch_job(tmp_path, "--kill-rank", "1", "--kill-step", "3", max_restarts=0, nodes=2)
     assert result.returncode == 12, result.stderr[-4000:]
     # node 1's supervisor stops the job; node 0's stops its rank too, and both exits name the rank and cause
     assert result.stderr.count("ckptd: error: the job stopped: rank 1 killed by signal SIGKILL in generation 0") == 2
@@ -211,14 +161,14 @@ def test_an_ended_generation_releases_its_waiters_and_refuses_writes() -> None:
 def test_a_crash_loop_stops_the_job_with_its_own_exit_code_after_backing_off(tmp_path: Path) -> None:
     # rank 1 dies at step 5 of generation 0 (steps were completed before: no loop), then at the first step of
     # every later generation, before completing one: the second such failure in a row stops the job
-    result = _launch(tmp_path, "--kill-rank", "1", "--kill-step", "5", "--kill-phase", "before-step",
+    result = launch_job(tmp_path, "--kill-rank", "1", "--kill-step", "5", "--kill-phase", "before-step",
                      "--kill-generations", "99", extra=("--crash-loop", "2", "--restart-backoff", "0.2"))
     assert result.returncode == 14, result.stderr[-4000:]
     assert "restarting it alone in generation 1 (restart 1" in result.stderr, "no back-off after completed steps"
     assert "restarting it alone in generation 2 in 0.2 s (restart 2" in result.stderr, "a loop backs off"
     assert ("ckptd: error: the job stopped: rank 1 killed by signal SIGKILL in generation 2 (its last step 4): "
             "2 failure(s) in a row with no step completed in between (--crash-loop 2)") in result.stderr
-    survivor = _generations(tmp_path / "out", 0)
+    survivor = generations(tmp_path / "out", 0)
     assert sorted(survivor) == [0, 1, 2] and len({record["pid"] for record in survivor.values()}) == 1
     assert not list((tmp_path / "out").glob("rank*-final.json"))
 

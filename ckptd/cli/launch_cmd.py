@@ -38,6 +38,9 @@ def _endpoint(value: str | None, nnodes: int) -> tuple[str, int]:
                    "loopback port). [env: CKPTD_RDZV_ENDPOINT]")
 @click.option("--max-restarts", type=int, default=3, show_default=True, envvar="CKPTD_MAX_RESTARTS",
               help="Rank restarts the whole job may spend; the next failure stops it. [env: CKPTD_MAX_RESTARTS]")
+@click.option("--max-restarts-per-rank", type=int, default=None, envvar="CKPTD_MAX_RESTARTS_PER_RANK",
+              help="Restarts each rank may spend (default: only --max-restarts bounds them); the rank's next "
+                   "failure stops the job (exit 12). [env: CKPTD_MAX_RESTARTS_PER_RANK]")
 @click.option("--hang-timeout", type=float, default=300.0, show_default=True, envvar="CKPTD_HANG_TIMEOUT",
               help="Seconds without a heartbeat after which a rank is killed and replaced (0: never). "
                    "[env: CKPTD_HANG_TIMEOUT]")
@@ -46,12 +49,13 @@ def _endpoint(value: str | None, nnodes: int) -> tuple[str, int]:
                    "0: never). [env: CKPTD_CRASH_LOOP]")
 @click.option("--restart-backoff", type=float, default=1.0, show_default=True, envvar="CKPTD_RESTART_BACKOFF",
               help="Seconds before restarting a rank that failed with no step completed since the last "
-                   "failure, doubled at each such failure. [env: CKPTD_RESTART_BACKOFF]")
+                   "failure (of the job, or of that rank since its restart), doubled at each such failure. "
+                   "[env: CKPTD_RESTART_BACKOFF]")
 @click.option("-m", "--module", "as_module", is_flag=True, help="Run SCRIPT as a module (python -m SCRIPT).")
 @click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, max_restarts: int,
-           hang_timeout: float, crash_loop: int, restart_backoff: float, as_module: bool, script: str,
+           max_restarts_per_rank: int | None, hang_timeout: float, crash_loop: int, restart_backoff: float, as_module: bool, script: str,
            script_args: tuple[str, ...]) -> None:
     """Start a training script on every rank of this node and restart only the rank that fails."""
     from ckptd.elastic.supervisor import LaunchSpec, Supervisor  # imports torch: only when the command runs
@@ -60,6 +64,7 @@ def launch(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str 
     host, port = _endpoint(rdzv_endpoint, nnodes)
     command = (sys.executable, "-u", *(("-m", script) if as_module else (script,)), *script_args)
     spec = LaunchSpec(command=command, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
-                      rdzv_host=host, rdzv_port=port, max_restarts=max_restarts, hang_timeout_s=hang_timeout,
+                      rdzv_host=host, rdzv_port=port, max_restarts=max_restarts,
+                      max_restarts_per_rank=max_restarts_per_rank, hang_timeout_s=hang_timeout,
                       crash_loop=crash_loop, restart_backoff_s=restart_backoff)
     Supervisor(spec).run()

@@ -16,12 +16,14 @@ Its loop, every ``poll_s``:
   SIGKILLs it, so that its peers see a connection reset at once, and it counts as failed;
 - a failure raises the store's generation (``compare_set``, so two supervisors seeing one event raise it
   once) and starts the failed rank alone again in the new generation; the survivors rejoin it in-process
-  (:func:`ckptd.elastic.run`). After ``max_restarts`` restarts of the job, the next failure stops it: the
-  supervisor sets ``elastic/stop``, every supervisor stops its ranks, and :meth:`run` raises WorkerError
-  naming the rank, its last step and the cause. ``crash_loop`` failures in a row with no step completed
-  in between (no rank's save or heartbeat named a step in the generation that failed) stop it the same
-  way with CrashLoopError (exit 14); within such a run of failures each restart waits
-  ``restart_backoff_s``, doubled at each failure.
+  (:func:`ckptd.elastic.run`). After ``max_restarts`` restarts of the job, or ``max_restarts_per_rank``
+  restarts of one rank, the next failure (of any rank, or of that rank) stops it: the supervisor sets
+  ``elastic/stop``, every supervisor stops its ranks, and :meth:`run` raises WorkerError (exit 12) naming
+  the rank, its last step, the cause and the budget spent. ``crash_loop`` failures in a row with no step
+  completed in between (no rank's save or heartbeat named a step in the generation that failed) stop it
+  the same way with CrashLoopError (exit 14). Back-off: a restart waits ``restart_backoff_s``, doubled
+  at each further failure, after a failure in such a run, or after a failure of a rank that completed no
+  step since its previous restart (a rank that keeps dying at start while the others train).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class LaunchSpec:
     rdzv_host: str = "127.0.0.1"
     rdzv_port: int = 29400
     max_restarts: int = 3
+    #: Restarts each rank may spend (None: only the job's ``max_restarts`` bounds them).
+    max_restarts_per_rank: int | None = None
     hang_timeout_s: float = 300.0
     #: Failures in a row with no step completed in between that stop the job (CrashLoopError); 0: never.
     crash_loop: int = 3
@@ -75,8 +79,10 @@ class LaunchSpec:
             raise ConfigError(f"--nproc-per-node {self.nproc_per_node} and --nnodes {self.nnodes} must be at least 1")
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank {self.node_rank} is not in 0..{self.nnodes - 1}")
-        if min(self.max_restarts, self.hang_timeout_s, self.crash_loop, self.restart_backoff_s) < 0:
-            raise ConfigError("--max-restarts, --hang-timeout, --crash-loop and --restart-backoff must not be negative")
+        if min(self.max_restarts, self.hang_timeout_s, self.crash_loop, self.restart_backoff_s,
+               0 if self.max_restarts_per_rank is None else self.max_restarts_per_rank) < 0:
+            raise ConfigError("--max-restarts, --max-restarts-per-rank, --hang-timeout, --crash-loop and "
+                              "--restart-backoff must not be negative")
         if not self.command:
             raise ConfigError("no training script given", hint="ckptd launch [options] script.py [args]")
 
@@ -96,6 +102,8 @@ class _Rank:
     local_rank: int
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
+    #: This rank's failures in a row with no step completed by it in between (its back-off doubles with them).
+    looping: int = 0
     hung_for: float | None = None  # set when this supervisor killed it as hung
     finished: bool = False
     start_at: float | None = None  # a restart waiting out its back-off (time.monotonic())
@@ -244,9 +252,12 @@ class Supervisor:
         failed_in = int(self.store.get(keys.GENERATION))
         self._read_beats()
         looping = self._crash_loop(failed_in)
-        delay = self.spec.restart_backoff_s * 2 ** (looping - 1) if looping else 0.0
-        described: list[tuple[str, str]] = []
+        described: list[tuple[str, str, float]] = []
         for rank, cause in failed:
+            beaten = self._beats[rank.rank].value
+            rank.looping = 0 if beaten[0] == failed_in and beaten[3] >= 0 else rank.looping + 1
+            in_a_row = max(looping, rank.looping)
+            delay = self.spec.restart_backoff_s * 2 ** (in_a_row - 1) if in_a_row else 0.0
             last = self._last_step[rank.rank]
             where = f"in generation {failed_in} " + (f"(its last step {last})" if last >= 0 else
                                                      "(before completing a step)")
@@ -254,18 +265,23 @@ class Supervisor:
                 self._stop_job(rank, cause, CrashLoopError, f"rank {rank.rank} {cause} {where}: {looping} "
                                f"failure(s) in a row with no step completed in between (--crash-loop "
                                f"{self.spec.crash_loop})")
+            per_rank = self.spec.max_restarts_per_rank
+            if per_rank is not None and rank.restarts >= per_rank:
+                self._stop_job(rank, cause, WorkerError, f"rank {rank.rank} {cause} {where}, and its "
+                               f"--max-restarts-per-rank {per_rank} are spent")
             spent = int(self.store.add(keys.RESTARTS, 1))
             if spent > self.spec.max_restarts:
                 self._stop_job(rank, cause, WorkerError, f"rank {rank.rank} {cause} {where}, and the job's "
                                f"--max-restarts {self.spec.max_restarts} are spent")
+            own = "" if per_rank is None else f", the rank's {rank.restarts + 1} of {per_rank}"
             described.append((f"rank {rank.rank} (pid {rank.process.pid if rank.process else None}) {cause} "
-                              f"{where}", f"(restart {spent} of {self.spec.max_restarts})"))
+                              f"{where}", f"(restart {spent} of {self.spec.max_restarts}{own})", delay))
         # compare_set: when another supervisor raised it at the same moment (another rank failed), keep theirs
         self._enter_generation(int(self.store.compare_set(keys.GENERATION, str(failed_in), str(failed_in + 1))))
-        for what, budget in described:
+        for what, budget, delay in described:
             log.warning("%s; restarting it alone in generation %d%s %s", what, self.generation,
                         f" in {delay:g} s" if delay else "", budget)
-        for rank, _ in failed:
+        for (rank, _), (_, _, delay) in zip(failed, described):
             rank.restarts += 1
             if delay:
                 rank.process, rank.start_at = None, time.monotonic() + delay

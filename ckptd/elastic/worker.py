@@ -42,7 +42,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -55,8 +55,11 @@ from ckptd.errors import CkptdError, ConfigError, GenerationEndedError, StillRun
 from ckptd.elastic import keys
 from ckptd.elastic.generation_store import GenerationStore
 from ckptd.elastic.waiting import wait_for
+from ckptd.elastic.restore_check import RestoreCheck, checked_restore, finite_tensors
 from ckptd.manager.commit import StoreCoordinator
 from ckptd.manager.manager import CheckpointManager
+from ckptd.manager.saving import MemoryCopy
+from ckptd.state.staging import Stager
 
 T = TypeVar("T")
 
@@ -153,23 +156,82 @@ class WorkerContext:
 
 
 class _BeatingManager(CheckpointManager):
-    """A checkpoint manager whose ``save`` first beats the rank's heartbeat, naming the step (completed:
-    its state is being saved), and that can move to a new generation (:meth:`rejoin`)."""
+    """A checkpoint manager for a ``ckptd launch`` rank: its ``save`` first beats the rank's heartbeat,
+    naming the step (completed: its state is being saved); it keeps the staged copies of its two newest
+    saves in memory (two sets of staging buffers, used in turn), so that a survivor restores from memory
+    the step every rank agrees on even when a peer died before its newest save was committed; its
+    ``restore`` runs the restore check and rolls back from a poisoned copy
+    (:mod:`ckptd.elastic.restore_check`); and it can move to a new generation (:meth:`rejoin`)."""
 
-    def __init__(self, local: Path, *, beat: Callable[[int | None], None], described: str, **options: Any) -> None:
+    def __init__(self, local: Path, *, beat: Callable[[int | None], None], described: str,
+                 restore_check: RestoreCheck | None = finite_tensors, **options: Any) -> None:
         self._beat = beat
         self._close_called = False
+        self._restore_check = restore_check
         #: The options it was made with, as :meth:`WorkerContext.checkpoint_manager` compares them.
         self.options = described
         super().__init__(local, **options)
+        #: The staging buffers not in use by the newest save: they hold the save before it.
+        self._spare_stager = Stager(budget_bytes=self._saver.stager.budget_bytes, pin=self._saver.stager.pin)
+        self._older: MemoryCopy | None = None  # the staged copy of the save before the newest
+        self._committed_here: set[int] = set()  # steps this manager committed (writer thread adds)
+        self._refused_memory: set[int] = set()  # steps whose staged copy failed the restore check
+        self._saver.on_commit.append(lambda step: self._committed_here.add(step))
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
         self._beat(step)
-        return super().save(step, state, force=force)
+        before = self._saver.memory
+        try:
+            saved = super().save(step, state, force=force)
+        except BaseException:  # it may have staged part of the state over the older copy
+            self._older = None
+            raise
+        if saved:  # the next save stages into the other buffers: these keep this one's copy until then
+            self._older = before
+            self._saver.stager, self._spare_stager = self._spare_stager, self._saver.stager
+            kept = before.step if before is not None else step
+            self._committed_here.difference_update([done for done in list(self._committed_here) if done < kept])
+        return saved
+
+    def _memory_copies(self) -> tuple[MemoryCopy, ...]:
+        older = self._older
+        if older is not None and older.step in self._committed_here:
+            older = MemoryCopy(older.step, older.values, older.staged, committed=True)
+        copies = (*super()._memory_copies(), *((older,) if older is not None else ()))
+        return tuple(copy for copy in copies if copy.step not in self._refused_memory)
+
+    def restore(self, state: Any, step: int | None = None, *, keys: Sequence[str] | None = None) -> int | None:
+        """:meth:`CheckpointManager.restore`; restoring the newest step (no ``step``, no ``keys``) also runs
+        the restore check on every rank and rolls back from a poisoned copy (see
+        :mod:`ckptd.elastic.restore_check`)."""
+        if self._restore_check is None or step is not None or keys is not None:
+            restored = self.restore_unchecked(state, step, keys=keys)
+        else:
+            restored = checked_restore(self, state, self._restore_check)
+        if restored is not None:  # the steps after it are set aside and saved again with new contents
+            self._committed_here.difference_update([done for done in list(self._committed_here) if done > restored])
+        self._refused_memory.clear()
+        return restored
+
+    def restore_unchecked(self, state: Any, step: int | None, *, keys: Sequence[str] | None = None) -> int | None:
+        """:meth:`CheckpointManager.restore` without the restore check."""
+        return super().restore(state, step, keys=keys)
+
+    def refuse_memory(self, step: int) -> None:
+        """Read ``step`` from the tiers behind memory from now on (its staged copy failed the check)."""
+        self._refused_memory.add(step)
+
+    def set_aside_after(self, step: int) -> None:
+        """Set aside the committed local steps newer than ``step`` (every rank calls it)."""
+        self._set_aside_newer_steps(step, frozenset(self.local.committed_steps()))
 
     def close(self, timeout_s: float | None = None) -> None:
         self._close_called = True
-        super().close(timeout_s)
+        try:
+            super().close(timeout_s)
+        finally:  # a writer still running reads its own save's buffers, never the spare ones
+            self._older = None
+            self._spare_stager.release()
 
     def rejoin(self, store: GenerationStore) -> bool:
         """Agree through ``store`` from now on; False when this manager cannot (closed, or not multi-rank).

@@ -8,11 +8,17 @@ repeated a batch shows in them.
 
 With ``--kill-rank R --kill-step S`` rank R sends itself ``--kill-signal`` (KILL, or STOP for a hang)
 at step S of the first generation, ``--kill-phase`` before the step's collectives, before or after that
-step's save, or once that save is committed; with ``--kill-generations N`` also at the first step of generations 1 to N-1 (a crash loop). Each rank writes,
+step's save, before it once the earlier saves are committed, or once that save is committed; with ``--kill-generations N`` also at the first step of generations 1 to N-1 (a crash loop). Each rank writes,
 for every generation it joins, ``rank<r>-gen<g>.json`` (pid, restored step, tier, its OS threads and open files, wall-clock times of
 entering the generation, of the restore and of its first completed step; the victim also writes
 ``rank<r>-killed.json`` just before the signal) and at the end
-``rank<r>-final.json`` (weights, optimizer state, sample ids) into ``--out``.
+``rank<r>-final.json`` (weights, optimizer state, sample ids) into ``--out``, and after each save that
+staged a step ``rank<r>-staged.json`` (the steps staged, by generation).
+
+``--poison-rank R --poison-step K`` poisons rank R's step K of the first generation with NaN weights, with
+correct hashes: ``--poison-how saved`` saves NaN weights as step K (memory and disk hold them; the live
+model keeps its own, so training goes on as if nothing happened), ``memory`` overwrites the staged copy
+in host memory once step K is committed (a fault in RAM only a fake can make; disk stays good).
 """
 
 from __future__ import annotations
@@ -70,6 +76,30 @@ def _signal_self(name: str) -> None:
     os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
 
 
+def _save(manager: ckptd.CheckpointManager, step: int, state: dict[str, Any], *, poison: str | None) -> bool:
+    """``manager.save``; with ``poison`` the step is saved with NaN weights ("saved"), or its staged copy
+    is overwritten with NaN once committed ("memory")."""
+    model = state["model"]
+    if poison == "saved":
+        kept = {name: value.clone() for name, value in model.state_dict().items()}
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.fill_(float("nan"))
+        try:
+            return manager.save(step, state)
+        finally:
+            model.load_state_dict(kept)
+    saved = manager.save(step, state)
+    if poison == "memory":
+        manager.wait()
+        copy = manager._saver.memory  # the fault: RAM damaged after the commit, behind the manager's back
+        assert copy is not None and copy.step == step and copy.committed, "step to poison not in memory"
+        for name, tensor in copy.staged.tensors.items():
+            if name.startswith("model") and tensor.is_floating_point():
+                tensor.fill_(float("nan"))
+    return saved
+
+
 def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
     features = torch.randn(SAMPLES, 16, generator=torch.Generator().manual_seed(args.seed))
@@ -89,6 +119,8 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
               # the process's OS threads and open files: a survivor's must not grow from generation to generation
               "tasks": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd"))}
     record_path = out / f"rank{ctx.rank}-gen{ctx.generation}.json"
+    staged_path = out / f"rank{ctx.rank}-staged.json"
+    staged = json.loads(staged_path.read_text()) if staged_path.exists() else {}
     record_path.write_text(json.dumps(record))
     for step in range((start or 0) + 1, args.steps + 1):
         victim = ctx.rank == args.kill_rank and (step == args.kill_step if ctx.generation == 0 else
@@ -109,9 +141,14 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
             dist.all_reduce(parameter.grad)
             parameter.grad /= ctx.world_size
         optim.step()
-        if victim and args.kill_phase == "before-save":
+        if victim and args.kill_phase == "before-save-committed":
+            manager.wait()  # the earlier saves are committed on every rank; this step's never will be
+        if victim and args.kill_phase in ("before-save", "before-save-committed"):
             _signal_self(args.kill_signal)
-        manager.save(step, state)
+        poisoned = ctx.generation == 0 and ctx.rank == args.poison_rank and step == args.poison_step
+        if _save(manager, step, state, poison=args.poison_how if poisoned else None):
+            staged.setdefault(str(ctx.generation), []).append(step)
+            (out / f"rank{ctx.rank}-staged.json").write_text(json.dumps(staged))
         if victim and args.kill_phase == "after-commit":
             manager.wait()
         if victim and args.kill_phase in ("after-save", "after-commit"):
@@ -134,8 +171,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-rank", type=int, default=-1)
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--kill-signal", choices=("KILL", "STOP"), default="KILL")
-    parser.add_argument("--kill-phase", choices=("before-step", "before-save", "after-save", "after-commit"), default="after-save")
+    parser.add_argument("--kill-phase", choices=("before-step", "before-save", "before-save-committed", "after-save",
+                                                       "after-commit"), default="after-save")
     parser.add_argument("--kill-generations", type=int, default=1)
+    parser.add_argument("--poison-rank", type=int, default=-1)
+    parser.add_argument("--poison-step", type=int, default=-1)
+    parser.add_argument("--poison-how", choices=("saved", "memory"), default="saved")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     Path(args.out).mkdir(parents=True, exist_ok=True)
