@@ -186,10 +186,13 @@ def describe(group: str, entry: metadata.EntryPoint, *, try_import: bool = True)
                       install_hint=install_hint(entry) if extras_of(entry) or importable is False else None)
 
 
-def list_plugins(groups: tuple[str, ...] = PLUGIN_GROUPS, *, try_import: bool = True) -> list[PluginInfo]:
-    """Every installed entry point of ``groups``, by group then name (see :class:`PluginInfo`)."""
+def list_plugins(groups: tuple[str, ...] = PLUGIN_GROUPS, *, try_import: bool = True,
+                 names: tuple[str, ...] | None = None) -> list[PluginInfo]:
+    """Every installed entry point of ``groups`` (only those called one of ``names``, when given), by group
+    then name (see :class:`PluginInfo`)."""
     found = []
     for group in groups:
         for name, entry in sorted(entry_points(group).items()):
-            found.append(describe(group, entry, try_import=try_import))
+            if names is None or name in names:
+                found.append(describe(group, entry, try_import=try_import))
     return found

@@ -44,9 +44,11 @@ def test_the_listing_names_every_group_and_what_each_entry_needs() -> None:
 
 
 def test_the_listing_tells_whether_each_entry_imports_now() -> None:
-    result = CliRunner().invoke(cli, ["plugins", "--group", "integrations", "--json"])
+    result = CliRunner().invoke(cli, ["plugins", "lightning", "--group", "integrations", "--json"])
     assert result.exit_code == 0, result.output
-    lightning = next(item for item in json.loads(result.output) if item["name"] == "lightning")
+    listed = json.loads(result.output)
+    assert [item["name"] for item in listed] == ["lightning"], "NAME limits the listing"
+    lightning = listed[0]
     installed = importlib.util.find_spec("lightning") is not None
     assert lightning["importable"] is installed
     assert (lightning["error"] is None) is installed
@@ -54,7 +56,7 @@ def test_the_listing_tells_whether_each_entry_imports_now() -> None:
 
 def test_a_missing_framework_shows_the_install_hint_not_a_traceback() -> None:
     done = _child(_BLOCK_LIGHTNING + "from ckptd.cli.main import main; "
-                  "sys.argv = ['ckptd', 'plugins', '--group', 'integrations']; main()")
+                  "sys.argv = ['ckptd', 'plugins', 'lightning']; main()")
     assert done.returncode == 0, done.stderr
     line = next(line for line in done.stdout.splitlines() if line.strip().startswith("lightning "))
     assert "imports: no" in line and "pip install 'ckptd[lightning]'" in line

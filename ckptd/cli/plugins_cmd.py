@@ -14,13 +14,16 @@ from ckptd.cli.options import json_option, print_json
 
 
 @click.command("plugins")
+@click.argument("names", nargs=-1, metavar="[NAME]...")
 @click.option("--group", "groups", multiple=True, metavar="GROUP",
               help="Only this entry-point group (repeatable): ckptd.storage, ckptd.shard_readers, ckptd.integrations; "
                    "the part after 'ckptd.' is enough.")
 @click.option("--no-import", "no_import", is_flag=True, help="List the entry points without importing them.")
 @json_option
-def plugins(groups: tuple[str, ...], no_import: bool, as_json: bool) -> None:
-    """List installed plugins per entry-point group, the extra each needs and whether it imports now."""
+def plugins(names: tuple[str, ...], groups: tuple[str, ...], no_import: bool, as_json: bool) -> None:
+    """List installed plugins per entry-point group, the extra each needs and whether it imports now.
+
+    NAME limits the listing to the plugins of that name (``ckptd plugins lightning``)."""
     from ckptd.plugin_loading import PLUGIN_GROUPS, list_plugins
 
     chosen = []
@@ -29,7 +32,7 @@ def plugins(groups: tuple[str, ...], no_import: bool, as_json: bool) -> None:
         if name not in PLUGIN_GROUPS:
             raise click.BadParameter(f"{group!r} is not one of {', '.join(PLUGIN_GROUPS)}", param_hint="--group")
         chosen.append(name)
-    found = list_plugins(tuple(chosen) or PLUGIN_GROUPS, try_import=not no_import)
+    found = list_plugins(tuple(chosen) or PLUGIN_GROUPS, try_import=not no_import, names=names or None)
     if as_json:
         print_json([info.to_json() for info in found])
         return
@@ -37,7 +40,7 @@ def plugins(groups: tuple[str, ...], no_import: bool, as_json: bool) -> None:
         click.echo(group)
         entries = [info for info in found if info.group == group]
         if not entries:
-            click.echo("  (none installed)")
+            click.echo("  (none installed)" if not names else "  (none of that name)")
         width = max((len(info.name) for info in entries), default=0)
         for info in entries:
             needs = (f"needs {info.distribution}[{','.join(info.extras)}]: {', '.join(info.requirements) or '-'}"
