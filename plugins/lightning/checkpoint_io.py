@@ -100,7 +100,7 @@ class CkptdCheckpointIO(CheckpointIO):
         self._policy = ckptd.Policy(every_steps=1, remote_every_steps=remote_every_steps,
                                     keep_local=self._retention, keep_remote=self._retention)
         self._manager: ckptd.CheckpointManager | None = None
-        self._steps_here: set[int] = set()  # saved or loaded by this process: a new path may point to them
+        self._steps_here: dict[int, frozenset[str]] = {}  # saved or loaded here (their top-level keys)
 
     @property
     def manager(self) -> ckptd.CheckpointManager:
@@ -125,13 +125,19 @@ class CkptdCheckpointIO(CheckpointIO):
                               hint="pass storage_options= (s3fs options) to CkptdCheckpointIO itself")
         step = int(checkpoint.get("global_step", 0))
         manager = self.manager
-        if step not in self._steps_here:
+        stored = self._steps_here.get(step)
+        if stored is None:
             if step in manager.committed_steps():
                 raise CommitError(f"global step {step} is committed already by an earlier run and is never "
                                   f"overwritten", step=step, path=self.local,
                                   hint="resume from the newest checkpoint (ckpt_path='last') or use a new directory")
             manager.save(step, checkpoint, force=True)
-            self._steps_here.add(step)
+            self._steps_here[step] = frozenset(checkpoint)
+        elif not set(checkpoint) <= stored:  # a weights-only save came first: this one cannot share its step
+            raise CommitError(f"global step {step} is saved already without {sorted(set(checkpoint) - stored)}; "
+                              f"{os.fspath(path)} cannot point to it", step=step, path=self.local,
+                              hint="make weights-only copies with `ckptd export` or torch.save, not through the "
+                                   "Trainer at a step ModelCheckpoint also saves")
         epoch = checkpoint.get("epoch")
         write_pointer(path, Pointer(step=step, epoch=epoch if isinstance(epoch, int) else None,
                                     local=self.local, remote=self.remote))
@@ -172,7 +178,7 @@ class CkptdCheckpointIO(CheckpointIO):
         manager = self.manager
         state: dict[str, Any] = {}
         step = self._restore(manager, state, pointer.step, path)
-        self._steps_here.add(step)
+        self._steps_here[step] = frozenset(state)
         self._retention.point(_path_key(path), step)
         report = manager.last_restore
         log.info("restored Lightning checkpoint %s from ckptd step %d (tiers: %s)", os.fspath(path), step,

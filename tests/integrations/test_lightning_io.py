@@ -74,6 +74,17 @@ def test_paths_at_one_step_share_it_and_removed_steps_leave_the_tier(tmp_path: P
     assert _steps(tmp_path / "ckpt") == [step_dir(24), step_dir(32)]
 
 
+def test_a_weights_only_save_does_not_stand_in_for_a_full_one(tmp_path: Path) -> None:
+    io = CkptdCheckpointIO(tmp_path / "ckpt")
+    full = _checkpoint(8)
+    io.save_checkpoint({key: full[key] for key in ("epoch", "global_step", "state_dict")}, tmp_path / "weights.ckpt")
+    with pytest.raises(CommitError, match="saved already without") as caught:
+        io.save_checkpoint(full, tmp_path / "full.ckpt")
+    assert "optimizer_states" in str(caught.value) and not (tmp_path / "full.ckpt").exists()
+    io.save_checkpoint({key: full[key] for key in ("global_step", "state_dict")}, tmp_path / "fewer.ckpt")
+    io.teardown()
+
+
 def test_a_pointer_to_a_step_that_never_committed_falls_back_to_the_newest_older(tmp_path: Path, caplog) -> None:
     io = CkptdCheckpointIO(tmp_path / "ckpt")
     io.save_checkpoint(_checkpoint(8), tmp_path / "lc" / "a.ckpt")
