@@ -41,6 +41,15 @@ test-integrations: setup-integrations
 test-all: setup-integrations
 	$(PY) -m pytest -m ''
 
+# PyTorch's own DCP test files (a copy kept outside this repository) with ckptd's storage plugins in
+# place of FileSystemWriter/FileSystemReader (ckptd.testing.dcp_swap); CKPTD_DCP_SWAP=0 runs them
+# against DCP's own classes. PYTORCH_TEST_ARGS: more pytest arguments (-k, -x, file names).
+.PHONY: test-pytorch-dcp
+test-pytorch-dcp: setup
+	@test -n "$(PYTORCH_TESTS)" || { echo "usage: make test-pytorch-dcp PYTORCH_TESTS=<dir with PyTorch's test/distributed/checkpoint files>"; exit 2; }
+	$(PY) -m pip install --quiet expecttest $(TORCH_PIN)
+	cd "$(PYTORCH_TESTS)" && "$(abspath $(PY))" -m pytest -p ckptd.testing.dcp_swap -p no:cacheprovider -o addopts="" -rs $(or $(PYTORCH_TEST_ARGS),.)
+
 bench: setup
 	$(VENV)/bin/ckptd bench
 
