@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -122,6 +123,22 @@ def test_a_failure_past_max_restarts_stops_every_rank_and_names_rank_and_cause(t
     assert "--max-restarts 0 are spent" in result.stderr
     assert not list((tmp_path / "out").glob("rank*-final.json")), "no rank may finish a stopped job"
     assert not list((tmp_path / "out").glob("rank*-gen1.json")), "no rank may start a new generation"
+
+
+def test_a_rank_past_its_own_restart_budget_stops_the_job_naming_rank_step_and_cause(tmp_path: Path) -> None:
+    # the job may restart 5 times, rank 1 only once: its second failure (in generation 1) stops the job
+    # (a save at every step: a step committed before the kill is common to both ranks whatever the timing)
+    result = launch_job(tmp_path, "--every", "1", "--kill-rank", "1", "--kill-step", "5", "--kill-generations", "3",
+                        max_restarts=5,
+                        extra=("--max-restarts-per-rank", "1", "--crash-loop", "0", "--restart-backoff", "0"))
+    assert result.returncode == 12, result.stderr[-4000:]
+    assert "restarting it alone in generation 1 (restart 1 of 5, the rank's 1 of 1)" in result.stderr
+    stopped = re.search(r"ckptd: error: the job stopped: rank 1 killed by signal SIGKILL in generation 1 \(its last "
+                        r"step (\d+)\), and its --max-restarts-per-rank 1 are spent", result.stderr)
+    assert stopped is not None, result.stderr[-4000:]
+    assert int(stopped.group(1)) >= 2, "the step named is the newest the rank completed"
+    assert not list((tmp_path / "out").glob("rank*-final.json")), "no rank may finish a stopped job"
+    assert not list((tmp_path / "out").glob("rank*-gen2.json")), "no rank may start a new generation"
 
 
 def test_an_ended_generation_releases_its_waiters_and_refuses_writes() -> None:
