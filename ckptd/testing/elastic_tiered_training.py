@@ -1,0 +1,56 @@
+"""The ``ckptd launch`` test job (:mod:`ckptd.testing.elastic_training`) with a peer and an object tier:
+``ckptd launch ... -m ckptd.testing.elastic_tiered_training --remote s3://b/run --peer URL [job options]``.
+
+Every rank's checkpoint manager gets ``--remote`` as its object tier (promoted in-process, every saved
+step) and ``--peer`` as its peer tier, with ``{node}`` and ``{rank}`` in the URL replaced by the rank's
+node and rank (each rank's local directory has its own replica namespace on the buddy). The peer token
+comes from ``CKPTD_PEER_TOKEN``, the S3 credentials from the usual ``AWS_*`` variables; ``--endpoint-url``
+names the S3 endpoint. Everything else (training, kills, records) is the plain job's.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from ckptd import elastic
+from ckptd.manager.manager import CheckpointManager
+from ckptd.testing import elastic_training
+
+
+class _TieredContext:
+    """A worker context whose checkpoint managers also get the job's peer and object tiers."""
+
+    def __init__(self, context: elastic.WorkerContext, tiers: argparse.Namespace) -> None:
+        self._context, self._tiers = context, tiers
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    def checkpoint_manager(self, local: str | Path, **options: Any) -> CheckpointManager:
+        ctx, tiers = self._context, self._tiers
+        storage = {"client_kwargs": {"endpoint_url": tiers.endpoint_url}} if tiers.endpoint_url else {}
+        peer = tiers.peer.format(node=ctx.node_rank, rank=ctx.rank) if tiers.peer else None
+        return ctx.checkpoint_manager(local, remote=tiers.remote, peer=peer, storage_options=storage or None,
+                                      daemon="off", **options)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, add_help=False)
+    parser.add_argument("--remote", default=None, help="object tier URL (s3://bucket/prefix)")
+    parser.add_argument("--endpoint-url", default=None)
+    parser.add_argument("--peer", default=None, help="peer tier URL; {node} and {rank} are replaced")
+    tiers, rest = parser.parse_known_args(argv)
+    plain_train = elastic_training._train
+
+    def train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
+        plain_train(_TieredContext(ctx, tiers), args)  # type: ignore[arg-type]
+
+    # the plain job's main looks its training function up by name when elastic.run calls it
+    elastic_training._train = train  # type: ignore[assignment]
+    elastic_training.main(rest)
+
+
+if __name__ == "__main__":
+    main()
