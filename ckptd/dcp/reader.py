@@ -107,10 +107,12 @@ class CkptdStorageReader(StorageReader):
         self._requested_step = step
         self.load_id = uuid.uuid4().hex
         self._tiers: list[StorageTier] | None = None
+        #: A root given by path or URL, opened when first read (it may not exist yet when the reader is made).
+        self._root: str | None = None
         if isinstance(tiers, list):
             self._tiers = tiers
         elif tiers is not None:
-            self._tiers = [open_tier(str(tiers))]
+            self._root = os.fspath(tiers)
         self._readers: list[StepReader] = []
         self._pieces: dict[PieceKey, StoredPiece] = {}
         self.manifest: Manifest | None = None
@@ -120,18 +122,21 @@ class CkptdStorageReader(StorageReader):
         if checkpoint_id is not None:
             root, id_step = split_checkpoint_id(checkpoint_id)
             self.step = id_step if id_step is not None else self._requested_step
-            self._tiers = [open_tier(root)]
+            self._tiers, self._root = None, root
         self.load_id = uuid.uuid4().hex
         self._readers, self._pieces, self.manifest = [], {}, None
 
     @property
     def checkpoint_id(self) -> str | None:
-        if not self._tiers or self.step is None:
+        where = self._root if self._tiers is None else self._tiers[0].url
+        if where is None or self.step is None:
             return None
-        return f"{self._tiers[0].url}/{step_dir(self.step)}"
+        return f"{where.rstrip('/')}/{step_dir(self.step)}"
 
     def read_metadata(self) -> Metadata:
         """Every rank: read the manifest and all indexes (digest-checked) and derive DCP's Metadata."""
+        if self._tiers is None and self._root is not None:
+            self._tiers = [open_tier(self._root)]
         if not self._tiers:
             raise ConfigError("CkptdStorageReader needs tiers (or a directory as checkpoint_id)",
                               hint="CkptdStorageReader(root, step=N), or dcp.load(..., checkpoint_id=DIR)")
