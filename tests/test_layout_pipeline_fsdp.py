@@ -110,3 +110,34 @@ def test_an_fsdp2_model_saved_at_world_size_4_restores_at_2(tmp_path: Path) -> N
         assert values.keys() == saved[0].keys()
         for name, expected in saved[0].items():
             assert values[name] == expected, f"rank {rank}: {name}"
+
+
+def _sharded(dim: int, *, empty: bool) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),), mesh_dim_names=("tp",))
+    full = torch.zeros(8, 12) if empty else torch.randn(8, 12, generator=torch.Generator().manual_seed(7))
+    return {"w": distribute_tensor(full, mesh, [Shard(dim)])}
+
+
+def _save_sharded(rank: int, world_size: int, root: str) -> bytes:
+    state = _sharded(0, empty=False)
+    with ckptd.CheckpointManager(root, capture_rng=False) as manager:
+        assert manager.save(STEP, state, force=True)
+    return state["w"].full_tensor().view(torch.uint8).numpy().tobytes()
+
+
+def _restore_resharded(rank: int, world_size: int, root: str) -> tuple[bytes, bool]:
+    state = _sharded(1, empty=True)
+    with ckptd.CheckpointManager(root, capture_rng=False) as manager:
+        assert manager.restore(state) == STEP
+        resharded = manager.last_restore.resharded
+    return state["w"].full_tensor().view(torch.uint8).numpy().tobytes(), resharded
+
+
+def test_a_sharding_change_on_the_same_mesh_restores_bit_for_bit(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+    saved = run_multirank(_save_sharded, 2, root, timeout_s=120)
+    for rank, (restored, resharded) in enumerate(run_multirank(_restore_resharded, 2, root, timeout_s=120)):
+        assert resharded and restored == saved[0], f"rank {rank}: rows -> columns"

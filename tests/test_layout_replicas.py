@@ -168,6 +168,7 @@ def test_inspect_shows_the_layout(saved: tuple[Path, list[Any]]) -> None:
     assert result.exit_code == 0, result.output
     layout = json.loads(result.output)["layout"]
     assert layout["mesh"] == {"dp": 2, "tp": 2} and layout["source"] == "dtensor"
+    assert layout["placements"]["model/col0.weight"] == "R,S0" and layout["placements"]["model/moment0"] == "S0,S1"
     assert [row["coordinates"] for row in layout["ranks"]] == [
         {"dp": 0, "tp": 0}, {"dp": 0, "tp": 1}, {"dp": 1, "tp": 0}, {"dp": 1, "tp": 1}]
     assert {(p["name"], tuple(p["holders"])) for p in layout["replicated"]} >= {

@@ -58,7 +58,8 @@ def layout_summary(manifest: Manifest) -> dict[str, Any] | None:
                        "data_bytes": entry.data_size, "wrote_for_others": len(entry.shared),
                        "read_from_others": len(entry.replicas)} for entry in manifest.ranks],
             "replicated": [{"name": p.name, "writer": p.writer, "holders": list(p.holders)}
-                           for p in layout.replicated]}
+                           for p in layout.replicated],
+            "placements": dict(layout.placements)}
 
 
 def _echo_layout(summary: dict[str, Any]) -> None:

@@ -32,7 +32,8 @@ class Layout:
     the world size. ``zero_stage``: 0-3 (FSDP full sharding is 3), None when unknown; recorded only.
     ``replicated``: the mesh dimensions across which plain tensors are identical, for every key of the
     state (a sequence of dimension names) or per top-level key (``{"model": ("dp",)}``; ``"*"`` for every
-    key). DTensors need no entry: their ``Replicate`` placements say it.
+    key). DTensors need no entry: their ``Replicate`` placements say it. A key marked replicated must hold
+    the same values on every holder: one holder writes it and every holder restores that copy.
 
     Example: ``Layout(mesh={"dp": 2, "tp": 2}, replicated={"model": ("dp",)}, zero_stage=1)``.
     """
@@ -132,6 +133,8 @@ class SavedLayout:
     #: ``"given"`` (a Layout passed by the user) or ``"dtensor"`` (derived from the state's device meshes).
     source: str = "given"
     replicated: tuple[ReplicatedPiece, ...] = field(default_factory=tuple)
+    #: DTensor name -> its placements on the mesh, as rank 0 saved them (``"R,S0"``: Replicate, Shard(0)).
+    placements: dict[str, str] = field(default_factory=dict)
 
     def writer_of(self, rank: int, name: str) -> int | None:
         """The rank that wrote the piece ``rank`` holds under ``name`` when another rank wrote it, else None."""
@@ -143,7 +146,8 @@ class SavedLayout:
     def to_json(self) -> dict[str, Any]:
         return {"mesh": [[name, size] for name, size in self.mesh.items()],
                 "coordinates": [list(c) for c in self.coordinates], "zero_stage": self.zero_stage,
-                "source": self.source, "replicated": [piece.to_json() for piece in self.replicated]}
+                "source": self.source, "replicated": [piece.to_json() for piece in self.replicated],
+                "placements": dict(self.placements)}
 
     @classmethod
     def from_json(cls, body: Any, *, world_size: int, path: str, step: int | None) -> SavedLayout:
@@ -176,8 +180,11 @@ class SavedLayout:
                     and all(_count(r, 0) and r < world_size for r in item[2]) and item[1] in item[2]):
                 fail("a replicated piece is not [name, writer, [holders]] with the writer among the holders")
             pieces.append(ReplicatedPiece(item[0], item[1], tuple(item[2])))
+        placements = body.get("placements") or {}
+        if not isinstance(placements, dict) or not all(isinstance(v, str) for v in placements.values()):
+            fail("'placements' is not an object of strings")
         return cls(mesh=mesh, coordinates=tuple(tuple(c) for c in coords), zero_stage=stage, source=source,
-                   replicated=tuple(pieces))
+                   replicated=tuple(pieces), placements=placements)
 
 
 def _count(value: Any, least: int = 1) -> bool:

@@ -26,7 +26,7 @@ from ckptd.errors import CommitError, ConfigError
 from ckptd.format.mesh_layout import Layout, ReplicatedPiece, SavedLayout
 from ckptd.format.records import LAYOUT_SINCE, Manifest, RankEntry
 from ckptd.format.values import ShardPlacement
-from ckptd.state.replicas import WritePlan, holders_of, mesh_of_state, plan_writers
+from ckptd.state.replicas import WritePlan, holders_of, mesh_of_state, placement_codes, plan_writers
 from ckptd.state.staging import local_view
 
 WRITE_REPLICAS = ("once", "every-rank")
@@ -41,6 +41,8 @@ class Holdings:
     source: str
     zero_stage: int | None
     plan: WritePlan
+    #: DTensor name -> placements (see :func:`~ckptd.state.replicas.placement_codes`).
+    placements_saved: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def placements(tensors: Mapping[str, torch.Tensor]) -> dict[str, ShardPlacement]:
@@ -74,7 +76,8 @@ class Holdings:
                        for name, holders in sorted(entry.shared.items()))
         layout = SavedLayout(mesh=dict(self.mesh), coordinates=tuple(entry.coordinates or () for entry in
                                                                      manifest.ranks),
-                             zero_stage=self.zero_stage, source=self.source, replicated=pieces)
+                             zero_stage=self.zero_stage, source=self.source, replicated=pieces,
+                             placements=dict(self.placements_saved))
         return dataclasses.replace(manifest, layout=layout, format_version=LAYOUT_SINCE)
 
 
@@ -100,6 +103,8 @@ class LayoutRecorder:
                 return None
             (mesh, coordinates), source = found, "dtensor"
         holders = holders_of(tensors, rank=self.rank, layout=self.layout) if self.write_replicas == "once" else {}
+        codes = {name: code for name, code in ((n, placement_codes(t)) for n, t in tensors.items())
+                 if code is not None}
         return Holdings(mesh=mesh, coordinates=coordinates, source=source,
                         zero_stage=None if self.layout is None else self.layout.zero_stage,
-                        plan=plan_writers(tensors, holders, rank=self.rank))
+                        plan=plan_writers(tensors, holders, rank=self.rank), placements_saved=codes)

@@ -43,8 +43,7 @@ from ckptd.format.records import Manifest, RankIndex
 from ckptd.stepio.step_reader import ChunkSource, FallbackEvent, StepReader, load_step_manifest, load_rank_index, \
     settle_all
 from ckptd.manager.relayout import relayout_source
-from ckptd.state.replicas import mesh_of_state
-from ckptd.state.staging import local_view
+from ckptd.state.replicas import mesh_of_state, placement_codes
 from ckptd.format.mesh_layout import Layout
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator
 from ckptd.manager.saving import MemoryCopy
@@ -348,7 +347,7 @@ def _source(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
     saved_world = _saved_world_size(metadata, step)
     saved = _manifest(metadata, step)
     if saved.layout is not None and (saved_world != world_size or _layout_changed(
-            metadata, step, saved, state, rank=rank, allow_pickle=allow_pickle, layout=layout)):
+            saved, state, allow_pickle=allow_pickle, layout=layout)):
         holding = metadata.listings.holding(step)
         result.resharded, result.tier = True, holding[0].label
         skeleton, relaid, readers = relayout_source(holding, step, state, rank=rank, allow_pickle=allow_pickle)
@@ -440,35 +439,24 @@ def _manifest(metadata: _Metadata, step: int) -> Manifest:
     raise NotFoundError(f"no tier has a readable manifest of step {step}: " + " | ".join(errors), step=step)
 
 
-def _layout_changed(metadata: _Metadata, step: int, saved: Manifest, state: MutableMapping[str, Any], *,
-                    rank: int, allow_pickle: bool, layout: Layout | None) -> bool:
+def _layout_changed(saved: Manifest, state: MutableMapping[str, Any], *, allow_pickle: bool,
+                    layout: Layout | None) -> bool:
     """Whether the live job is laid out otherwise than the step's layout records: another mesh (the given
-    ``layout``, else the live DTensors' mesh), or a live DTensor whose shard sits elsewhere in its global
-    tensor than this rank's saved shard of it (the sharding changed on the same mesh)."""
+    ``layout``, else the live DTensors' mesh), or a live DTensor with other placements than the step records
+    for it (the sharding changed on the same mesh). It reads only what every rank sees alike (the manifest,
+    the mesh, the placements of the DTensors), so every rank decides the same: a resharded restore issues
+    collectives."""
     try:
         live = flatten(dict(state), allow_pickle=allow_pickle).tensors
     except CkptdError:  # a live value that cannot be taken apart; the load reports what does not fit
         return False
+    recorded = saved.layout
     found = mesh_of_state(live)
     mesh = dict(layout.mesh) if layout is not None else (found[0] if found is not None else None)
-    if mesh is not None and list(mesh.items()) != list(saved.layout.mesh.items()):  # type: ignore[union-attr]
+    if mesh is not None and list(mesh.items()) != list(recorded.mesh.items()):  # type: ignore[union-attr]
         return True
-    if found is None:
-        return False
-    own = None
-    for tier in metadata.listings.holding(step):
-        try:
-            own = parse_values(metadata.rank_index(tier, step, rank).values)
-            break
-        except CkptdError:
-            continue
-    if own is None:
-        return False
-    for name, tensor in live.items():
-        _, placement = local_view(tensor)
-        if placement is not None and own.shards.get(name, (name, placement))[1] != placement:
-            return True
-    return False
+    return any(recorded.placements.get(name, code) != code  # type: ignore[union-attr]
+               for name, code in ((n, placement_codes(t)) for n, t in live.items()) if code is not None)
 
 
 def _chunks_by_tier(reader: StepReader, names: list[str]) -> dict[str, int]:

@@ -130,3 +130,16 @@ def mesh_of_state(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, int], 
     names = best.mesh_dim_names or tuple(f"dim{i}" for i in range(best.ndim))
     return dict(zip(names, (int(s) for s in best.mesh.shape))), tuple(int(c) for c in best.get_coordinate())
 
+
+def placement_codes(tensor: torch.Tensor) -> str | None:
+    """A DTensor's placements as a short text (``"R,S0"``: Replicate on the first mesh dimension, Shard(0)
+    on the second; ``P``: partial), None for other tensors."""
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+    except ImportError:
+        return None
+    if not isinstance(tensor, DTensor):
+        return None
+    return ",".join("R" if isinstance(p, Replicate) else f"S{p.dim}" if isinstance(p, Shard) else "P"
+                    for p in tensor.placements)
+
