@@ -292,3 +292,21 @@ def test_two_entries_with_one_dotted_key_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="two entries of the state export to the key 'a.b'"):
         export_safetensors(str(tmp_path / "ckpt"), 1, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_dry_run_plans_without_writing_and_config_must_be_json(saved, tmp_path: Path) -> None:
+    root, _, weights = saved
+    out = tmp_path / "model"
+    code, output = invoke(str(root), "--step", str(STEP), "--consolidate", "--key-prefix", "model.", "--out", str(out),
+                          "--max-shard-size", "1KB", "--dry-run", "--json")
+    assert code == 0, output
+    plan = json.loads(output)
+    assert plan["total_size"] == sum(t.numel() * t.element_size() for t in weights.values())
+    assert sorted(key for keys in plan["files"].values() for key in keys) == sorted(weights)
+    assert not out.exists()
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    code, output = invoke(str(root), "--step", str(STEP), "--consolidate", "--key-prefix", "model.", "--out", str(out),
+                          "--config", str(bad))
+    assert code == 2 and "not JSON" in output and "config.json" in output
+    assert not out.exists()
