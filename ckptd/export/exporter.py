@@ -113,7 +113,7 @@ def plan_export(tiers: list[StorageTier], step: int, out: str | os.PathLike[str]
     exists and is not empty."""
     from ckptd.dcp.reader import open_step
 
-    target = Path(out)
+    target = Path(os.path.abspath(out))  # "." names its directory: the temporary sits beside it
     _check_target(target)
     max_bytes = parse_shard_size(options.max_shard_size)
     cast = _dtype(options.dtype)
