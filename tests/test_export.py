@@ -48,7 +48,7 @@ def _save(rank: int, world_size: int, root: str, dcp_root: str) -> dict[str, Any
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from ckptd.dcp import CkptdStorageWriter
 
@@ -64,8 +64,10 @@ def _save(rank: int, world_size: int, root: str, dcp_root: str) -> dict[str, Any
         optimizer.zero_grad()
     model_state, optim_state = get_state_dict(model, optimizer)
     assert all(isinstance(model_state[key], DTensor) for key in ("inner.weight", "head.weight"))
+    columns = distribute_tensor(torch.arange(20.0).reshape(4, 5), mesh, [Shard(1)])  # 3 + 2 columns
     with ckptd.CheckpointManager(root, capture_rng=False) as manager:
-        manager.save(STEP, {"model": model_state, "optim": optim_state, "epoch": 1}, force=True)
+        manager.save(STEP, {"model": model_state, "optim": optim_state, "epoch": 1, "tp": {"columns": columns}},
+                     force=True)
     dcp.save({"model": model_state}, storage_writer=CkptdStorageWriter(dcp_root, step=STEP))
     return {key: (value.full_tensor() if isinstance(value, DTensor) else value).numpy().copy()  # by value
             for key, value in model_state.items()}
@@ -113,6 +115,34 @@ def test_a_dcp_saved_step_exports_the_same_weights(saved, tmp_path: Path) -> Non
     loaded = load_file(str(tmp_path / "model" / "model.safetensors"))
     assert report.tensors == len(weights) and loaded.keys() == weights.keys()
     assert all(same_bytes(loaded[key], tensor) for key, tensor in weights.items())
+
+
+def test_pieces_sharded_along_a_later_dimension_are_assembled(saved, tmp_path: Path) -> None:
+    root, _, _ = saved
+    report = export_safetensors(str(root), STEP, tmp_path / "tp", ExportOptions(consolidate=True, key_prefix="tp"))
+    assert report.tensors == 1
+    assert torch.equal(load_file(str(tmp_path / "tp" / "model.safetensors"))["columns"],
+                       torch.arange(20.0).reshape(4, 5))
+
+
+def test_pieces_that_do_not_tile_their_tensor_are_refused() -> None:
+    from ckptd.errors import FormatError
+    from ckptd.export.assembly import check_pieces
+    from ckptd.export.selection import SavedTensor, TensorPiece
+
+    def tensor(*pieces: tuple[tuple[int, int], tuple[int, int]]) -> SavedTensor:
+        return SavedTensor("w", torch.float32, (4, 4), tuple(TensorPiece(rank, f"w{rank}", offsets, shape)
+                                                             for rank, (offsets, shape) in enumerate(pieces)))
+
+    check_pieces(tensor(((0, 0), (2, 4)), ((2, 0), (2, 4))), step=1, consolidate=True)
+    with pytest.raises(FormatError, match="do not cover"):
+        check_pieces(tensor(((0, 0), (2, 4)), ((2, 0), (1, 4))), step=1, consolidate=True)
+    with pytest.raises(FormatError, match="overlap"):
+        check_pieces(tensor(((0, 0), (3, 4)), ((2, 0), (2, 4))), step=1, consolidate=True)
+    with pytest.raises(FormatError, match="outside"):
+        check_pieces(tensor(((0, 0), (2, 4)), ((3, 0), (2, 4))), step=1, consolidate=True)
+    with pytest.raises(ConfigError, match="--consolidate"):
+        check_pieces(tensor(((0, 0), (2, 4)), ((2, 0), (2, 4))), step=1, consolidate=False)
 
 
 def test_sharded_tensors_are_refused_without_consolidate(saved, tmp_path: Path) -> None:
