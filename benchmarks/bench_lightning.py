@@ -10,7 +10,9 @@ through ``ModelCheckpoint(save_top_k=1, save_last=True)``, once per contender, r
   on ckptd's writer thread).
 
 The stall is the time ``ModelCheckpoint`` spends per checkpoint file (``trainer.save_checkpoint``: dumping
-Lightning's state and the CheckpointIO call), which is what the training loop waits for; ``save_last``
+Lightning's state and the CheckpointIO call), which is what the training loop waits for (for ckptd it
+includes waiting for the previous save when it is still being written: ``saves_found_busy`` counts them;
+``AsyncCheckpointIO`` queues its clones instead, holding one more copy of the state per queued save); ``save_last``
 makes two files per checkpoint step, and the stall is counted per step (both files). Also reported: the
 fit's wall time, which includes the wait for pending writes in ``teardown``.
 
@@ -55,8 +57,12 @@ class TimedCheckpoint(ModelCheckpoint):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.stalls: dict[int, float] = {}
+        self.busy = 0  # ckptd only: saves that found the previous one still being written (they wait for it)
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        io = trainer.strategy.checkpoint_io
+        if isinstance(io, CkptdCheckpointIO) and trainer.global_step not in self.stalls and io.manager.busy:
+            self.busy += 1
         started = time.perf_counter()
         super()._save_checkpoint(trainer, filepath)
         self.stalls[trainer.global_step] = self.stalls.get(trainer.global_step, 0.0) + time.perf_counter() - started
@@ -84,7 +90,8 @@ def run_once(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     trainer.fit(WideModel(width, layers), train_dataloaders=data)
     wall = time.perf_counter() - started
     stalls = sorted(checkpoint.stalls.values())
-    return {"contender": name, "checkpoints": len(stalls), "stall_median_s": statistics.median(stalls),
+    return {"contender": name, "checkpoints": len(stalls), "stalls_s": [checkpoint.stalls[s] for s in sorted(checkpoint.stalls)],
+            "stall_median_s": statistics.median(stalls), "saves_found_busy": checkpoint.busy,
             "stall_max_s": stalls[-1], "fit_wall_s": wall,
             "state_mib": sum(p.numel() for p in trainer.lightning_module.parameters()) * 4 * 3 / 2**20}
 
@@ -113,7 +120,8 @@ def main() -> None:
         summary[name] = {"stall_median_s": statistics.median(r["stall_median_s"] for r in runs),
                          "stall_max_s": max(r["stall_max_s"] for r in runs),
                          "fit_wall_s": statistics.median(r["fit_wall_s"] for r in runs),
-                         "checkpoints": runs[0]["checkpoints"], "state_mib": runs[0]["state_mib"]}
+                         "checkpoints": runs[0]["checkpoints"], "state_mib": runs[0]["state_mib"],
+                         "saves_found_busy": sum(r["saves_found_busy"] for r in runs)}
     for name in ("torch", "async"):
         summary[f"ckptd_vs_{name}_stall"] = summary["ckptd"]["stall_median_s"] / summary[name]["stall_median_s"]
     if args.json:
@@ -125,6 +133,8 @@ def main() -> None:
     for name in contenders:
         row = summary[name]
         print(f"{name:<10} {row['stall_median_s']:>15.3f} {row['stall_max_s']:>9.3f} {row['fit_wall_s']:>13.2f}")
+    print(f"ckptd saves that waited for the previous one: {summary['ckptd']['saves_found_busy']} of "
+          f"{summary['ckptd']['checkpoints'] * args.rounds}")
     print(f"ckptd / torch stall: {summary['ckptd_vs_torch_stall']:.2f}x; "
           f"ckptd / async stall: {summary['ckptd_vs_async_stall']:.2f}x")
 
