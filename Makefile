@@ -18,7 +18,7 @@ setup-integrations: $(INTEGRATIONS_STAMP)
 # the torch found or installed is then pinned, so that resolving the other packages never swaps it.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --upgrade pip "setuptools>=77" wheel
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[dev]' $(TORCH_PIN)
 	touch $(STAMP)
