@@ -73,6 +73,19 @@ def _save(rank: int, world_size: int, root: str, dcp_root: str) -> dict[str, Any
             for key, value in model_state.items()}
 
 
+def _save_replicated(rank: int, world_size: int, root: str) -> None:
+    """DTensors replicated over a 2 x 1 mesh (HSDP-like): a replicated piece may be written by one of its
+    holders only, the other rank's index then lacks it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    state = {"w": distribute_tensor(torch.arange(12.0).reshape(6, 2), mesh, [Replicate(), Shard(0)]),
+             "b": distribute_tensor(torch.arange(4.0), mesh, [Replicate(), Replicate()])}
+    with ckptd.CheckpointManager(root, capture_rng=False) as manager:
+        manager.save(1, {"model": state}, force=True)
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, torch.Tensor]]:
     """(manager root, dcp.save root, full weights) of one 2-rank training run."""
@@ -123,6 +136,14 @@ def test_pieces_sharded_along_a_later_dimension_are_assembled(saved, tmp_path: P
     assert report.tensors == 1
     assert torch.equal(load_file(str(tmp_path / "tp" / "model.safetensors"))["columns"],
                        torch.arange(20.0).reshape(4, 5))
+
+
+def test_replicated_dtensors_export_once_whichever_rank_wrote_them(tmp_path: Path) -> None:
+    run_multirank(_save_replicated, 2, str(tmp_path / "ckpt"), timeout_s=120)
+    export_safetensors(str(tmp_path / "ckpt"), 1, tmp_path / "out", ExportOptions(consolidate=True, key_prefix="model"))
+    loaded = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert loaded.keys() == {"w", "b"}
+    assert torch.equal(loaded["w"], torch.arange(12.0).reshape(6, 2)) and torch.equal(loaded["b"], torch.arange(4.0))
 
 
 def test_pieces_that_do_not_tile_their_tensor_are_refused() -> None:
