@@ -32,7 +32,7 @@ def _flatten_tensors(value: Any, prefix: str, tensors: dict[str, torch.Tensor], 
         other[prefix] = value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
 
 
-def write_export(state: Any, out: Path, fmt: str, step: int) -> int:
+def write_rank_file(state: Any, out: Path, fmt: str, step: int) -> int:
     """Write a rebuilt state to ``out``; returns the number of tensors written."""
     import torch
 
@@ -82,5 +82,5 @@ def restore(path: str, step: int, out: Path, fmt: str | None, rank: int, allow_p
         tier.close()
     if isinstance(state, dict) and not keep_rng:
         state.pop(RNG_KEY, None)
-    count = write_export(state, out, fmt, step)
+    count = write_rank_file(state, out, fmt, step)
     click.echo(f"wrote step {step} rank {rank} ({count} tensors, verified) to {out} as {fmt}")
