@@ -13,6 +13,7 @@ sharded tensor's pieces lie inside it, do not overlap and cover it.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from ckptd.errors import ConfigError, FormatError
@@ -32,9 +33,6 @@ def check_pieces(tensor: SavedTensor, *, step: int, consolidate: bool) -> None:
         raise ConfigError(f"tensor {tensor.key!r} is stored in {len(tensor.pieces)} pieces (sharded over ranks); "
                           "an export without --consolidate writes whole tensors only", step=step,
                           hint="pass --consolidate to assemble the full tensors")
-    total = 1
-    for dim in tensor.shape:
-        total *= dim
     for piece in tensor.pieces:
         if len(piece.offsets) != len(tensor.shape) or any(
                 offset + size > bound for offset, size, bound in zip(piece.offsets, piece.shape, tensor.shape)):
@@ -46,7 +44,7 @@ def check_pieces(tensor: SavedTensor, *, step: int, consolidate: bool) -> None:
             if _overlap(first, second):
                 raise FormatError(f"pieces of {tensor.key!r} on ranks {first.rank} and {second.rank} overlap",
                                   step=step)
-    if sum(piece.numel for piece in pieces) != total:
+    if sum(piece.numel for piece in pieces) != math.prod(tensor.shape):
         raise FormatError(f"the pieces of {tensor.key!r} do not cover its shape {list(tensor.shape)}; a rank's "
                           "share is missing from this step", step=step)
 
@@ -93,7 +91,7 @@ class TensorFeed:
                 self._start(position)
             settle_all(self.readers)
             following = position + 1
-            if following < len(self.tensors) and _nbytes(self.tensors[following]) <= self.prefetch_limit:
+            if following < len(self.tensors) and self.tensors[following].nbytes <= self.prefetch_limit:
                 self._start(following)
         except BaseException:
             self.close()
@@ -107,7 +105,7 @@ class TensorFeed:
 
     def _start(self, position: int) -> None:
         buffer = self._buffers[position % 2]
-        needed = _nbytes(self.tensors[position])
+        needed = self.tensors[position].nbytes
         if buffer is None or buffer.numel() < needed:
             self._buffers[position % 2] = None  # freed before the larger one is allocated
             import torch
@@ -120,12 +118,5 @@ class TensorFeed:
         tensor = self.tensors[position]
         buffer = self._buffers[position % 2]
         assert buffer is not None
-        return buffer[:_nbytes(tensor)].view(tensor.dtype).view(tensor.shape)
-
-
-def _nbytes(tensor: SavedTensor) -> int:
-    count = 1
-    for dim in tensor.shape:
-        count *= dim
-    return count * tensor.dtype.itemsize
+        return buffer[:tensor.nbytes].view(tensor.dtype).view(tensor.shape)
 

@@ -15,6 +15,7 @@ The file is written under a temporary name and renamed into place after an fsync
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -60,10 +61,7 @@ class TensorSlot:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def header_bytes(slots: Iterable[TensorSlot], metadata: Mapping[str, str] | None = None) -> bytes:

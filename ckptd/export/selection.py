@@ -13,6 +13,7 @@ Everything here reads only the rank indexes (metadata); no tensor bytes are read
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,10 +43,7 @@ class TensorPiece:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for dim in self.shape:
-            count *= dim
-        return count
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)
@@ -56,6 +54,11 @@ class SavedTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     pieces: tuple[TensorPiece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole tensor in its stored dtype."""
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def sharded(self) -> bool:
