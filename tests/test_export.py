@@ -41,9 +41,9 @@ class _Net(nn.Module):
         return self.head(torch.relu(self.inner(inputs)))
 
 
-def _save(rank: int, world_size: int, root: str, dcp_root: str) -> dict[str, Any]:
+def _save(rank: int, world_size: int, root: str, dcp_root: str, replicated_root: str) -> dict[str, Any]:
     """Train an FSDP2 model for STEP steps, save it with a CheckpointManager and with dcp.save and ckptd's
-    writer; returns the full (gathered) weights."""
+    writer (and :func:`_save_replicated`); returns the full (gathered) weights."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -69,11 +69,12 @@ def _save(rank: int, world_size: int, root: str, dcp_root: str) -> dict[str, Any
         manager.save(STEP, {"model": model_state, "optim": optim_state, "epoch": 1, "tp": {"columns": columns}},
                      force=True)
     dcp.save({"model": model_state}, storage_writer=CkptdStorageWriter(dcp_root, step=STEP))
+    _save_replicated(replicated_root)
     return {key: (value.full_tensor() if isinstance(value, DTensor) else value).numpy().copy()  # by value
             for key, value in model_state.items()}
 
 
-def _save_replicated(rank: int, world_size: int, root: str) -> None:
+def _save_replicated(root: str) -> None:
     """DTensors replicated over a 2 x 1 mesh (HSDP-like): a replicated piece may be written by one of its
     holders only, the other rank's index then lacks it."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -91,7 +92,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[st
     """(manager root, dcp.save root, full weights) of one 2-rank training run."""
     base = tmp_path_factory.mktemp("export")
     root, dcp_root = base / "ckpt", base / "dcp"
-    ranks = run_multirank(_save, 2, str(root), str(dcp_root), timeout_s=180)
+    ranks = run_multirank(_save, 2, str(root), str(dcp_root), str(base / "replicated"), timeout_s=180)
     weights = [{key: torch.from_numpy(value) for key, value in rank.items()} for rank in ranks]
     assert all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0])
     return root, dcp_root, weights[0]
@@ -138,9 +139,9 @@ def test_pieces_sharded_along_a_later_dimension_are_assembled(saved, tmp_path: P
                        torch.arange(20.0).reshape(4, 5))
 
 
-def test_replicated_dtensors_export_once_whichever_rank_wrote_them(tmp_path: Path) -> None:
-    run_multirank(_save_replicated, 2, str(tmp_path / "ckpt"), timeout_s=120)
-    export_safetensors(str(tmp_path / "ckpt"), 1, tmp_path / "out", ExportOptions(consolidate=True, key_prefix="model"))
+def test_replicated_dtensors_export_once_whichever_rank_wrote_them(saved, tmp_path: Path) -> None:
+    root, _, _ = saved
+    export_safetensors(str(root.parent / "replicated"), 1, tmp_path / "out", ExportOptions(consolidate=True, key_prefix="model"))
     loaded = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert loaded.keys() == {"w", "b"}
     assert torch.equal(loaded["w"], torch.arange(12.0).reshape(6, 2)) and torch.equal(loaded["b"], torch.arange(4.0))
