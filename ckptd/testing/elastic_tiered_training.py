@@ -1,9 +1,10 @@
 """The ``ckptd launch`` test job (:mod:`ckptd.testing.elastic_training`) with a peer and an object tier:
 ``ckptd launch ... -m ckptd.testing.elastic_tiered_training --remote s3://b/run --peer URL [job options]``.
 
-Every rank's checkpoint manager gets ``--remote`` as its object tier (promoted in-process, every saved
-step) and ``--peer`` as its peer tier, with ``{node}`` and ``{rank}`` in the URL replaced by the rank's
-node and rank (each rank's local directory has its own replica namespace on the buddy). The peer token
+Every rank's checkpoint manager gets ``--remote`` as its object tier (promoted in-process: every saved
+step, or the multiples of ``--remote-every``) and ``--peer`` as its peer tier, with ``{node}`` and
+``{rank}`` in both URLs replaced by the rank's node and rank (so that each rank's local directory can
+have its own replica namespace on the buddy and its own object prefix). The peer token
 comes from ``CKPTD_PEER_TOKEN``, the S3 credentials from the usual ``AWS_*`` variables; ``--endpoint-url``
 names the S3 endpoint. Everything else (training, kills, records) is the plain job's.
 """
@@ -11,6 +12,7 @@ names the S3 endpoint. Everything else (training, kills, records) is the plain j
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -32,15 +34,19 @@ class _TieredContext:
         ctx, tiers = self._context, self._tiers
         storage = {"client_kwargs": {"endpoint_url": tiers.endpoint_url}} if tiers.endpoint_url else {}
         peer = tiers.peer.format(node=ctx.node_rank, rank=ctx.rank) if tiers.peer else None
-        return ctx.checkpoint_manager(local, remote=tiers.remote, peer=peer, storage_options=storage or None,
+        if tiers.remote_every and "policy" in options:
+            options["policy"] = dataclasses.replace(options["policy"], remote_every_steps=tiers.remote_every)
+        remote = tiers.remote.format(node=ctx.node_rank, rank=ctx.rank) if tiers.remote else None
+        return ctx.checkpoint_manager(local, remote=remote, peer=peer, storage_options=storage or None,
                                       daemon="off", **options)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, add_help=False)
-    parser.add_argument("--remote", default=None, help="object tier URL (s3://bucket/prefix)")
+    parser.add_argument("--remote", default=None, help="object tier URL; {node} and {rank} are replaced")
     parser.add_argument("--endpoint-url", default=None)
     parser.add_argument("--peer", default=None, help="peer tier URL; {node} and {rank} are replaced")
+    parser.add_argument("--remote-every", type=int, default=None, help="promote only steps that are multiples")
     tiers, rest = parser.parse_known_args(argv)
     plain_train = elastic_training._train
 
