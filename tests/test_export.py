@@ -362,3 +362,17 @@ def test_dry_run_plans_without_writing_and_config_must_be_json(saved, tmp_path: 
                           "--config", str(bad))
     assert code == 2 and "not JSON" in output and "config.json" in output
     assert not out.exists()
+
+
+def test_exclude_leaves_sub_trees_out(saved, tmp_path: Path) -> None:
+    root, _, weights = saved
+    out = tmp_path / "model"
+    code, output = invoke(str(root), "--step", str(STEP), "--consolidate", "--exclude", "optim", "--exclude", "epoch",
+                          "--exclude", "tp.", "--out", str(out))
+    assert code == 0, output
+    loaded = load_file(str(out / "model.safetensors"))
+    assert loaded.keys() == {f"model.{key}" for key in weights}
+    assert all(same_bytes(loaded[f"model.{key}"], tensor) for key, tensor in weights.items())
+    code, output = invoke(str(root), "--step", str(STEP), "--consolidate", "--exclude", "optim", "--out",
+                          str(tmp_path / "other"))
+    assert code == 2 and "'epoch'" in output and "--exclude" in output

@@ -27,13 +27,17 @@ from ckptd.cli.options import byte_progress, json_option, open_cli_tier, print_j
 @click.option("--key-prefix", "--prefix", "key_prefix", default=None,
               help="Export only the keys under this prefix, stripped (e.g. 'model.' picks the model out of "
                    "{'model': ..., 'optim': ...}).")
+@click.option("--exclude", "exclude", multiple=True, metavar="PREFIX",
+              help="Leave out the keys under this prefix (repeatable; full keys, e.g. --exclude optimizer "
+                   "--exclude train_state when the model's keys sit at the top level).")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
               help="A model config.json to copy in, so that transformers' from_pretrained loads the directory.")
 @click.option("--dry-run", is_flag=True, help="Check and plan the export, print the planned files, write nothing.")
 @json_option
 @s3_options
 def export(paths: tuple[str, ...], step: int, fmt: str, out: Path | None, consolidate: bool, dtype: str | None,
-           max_shard_size: str, key_prefix: str | None, config_file: Path | None, dry_run: bool, as_json: bool,
+           max_shard_size: str, key_prefix: str | None, exclude: tuple[str, ...], config_file: Path | None,
+           dry_run: bool, as_json: bool,
            endpoint_url: str | None, region: str | None) -> None:
     """Export one step of PATH, verified, as a Hugging Face safetensors layout for inference.
 
@@ -45,7 +49,7 @@ def export(paths: tuple[str, ...], step: int, fmt: str, out: Path | None, consol
 
     target = out if out is not None else Path(f"export-step-{step}")
     options = ExportOptions(consolidate=consolidate, dtype=dtype, max_shard_size=max_shard_size,
-                            key_prefix=key_prefix, config_file=config_file)
+                            key_prefix=key_prefix, exclude=exclude, config_file=config_file)
     tiers = [open_cli_tier(path, endpoint_url, region) for path in paths]
     try:
         plan = plan_export(tiers, step, target, options)

@@ -53,6 +53,8 @@ class ExportOptions:
     """How to export. ``dtype``: cast floating tensors to it (``bf16``, ``fp16``, ``fp32``; float8
     tensors, which hold quantized values with separate scales, are never cast). ``key_prefix``: export
     the sub-tree under it with the prefix stripped (``model.`` picks a model out of a training state).
+    ``exclude``: sub-trees to leave out (full keys, such as ``optimizer`` and ``train_state`` of a
+    torchtitan-style state whose model keys sit at the top level).
     ``consolidate``: assemble tensors stored in pieces over several ranks (without it they are refused).
     ``config_file``: a ``config.json`` to copy in, so that ``from_pretrained`` can load the directory."""
 
@@ -60,6 +62,7 @@ class ExportOptions:
     dtype: str | None = None
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE
     key_prefix: str | None = None
+    exclude: tuple[str, ...] = ()
     config_file: Path | None = None
 
 
@@ -119,7 +122,8 @@ def plan_export(tiers: list[StorageTier], step: int, out: str | os.PathLike[str]
     cast = _dtype(options.dtype)
     config = _read_config(options.config_file)
     manifest, readers = open_step(tiers, step)
-    tensors = select(step_contents([reader.index for reader in readers]), options.key_prefix)
+    tensors = select(step_contents([reader.index for reader in readers]), options.key_prefix,
+                     tuple(options.exclude))
     slots: list[TensorSlot] = []
     for tensor in tensors:
         check_pieces(tensor, step=step, consolidate=options.consolidate)

@@ -162,22 +162,33 @@ def _skeleton_leaves(skeleton: Any) -> Iterator[tuple[str, str | None]]:
     yield from walk(skeleton, ())
 
 
-def select(contents: StepContents, key_prefix: str | None) -> list[SavedTensor]:
+def select(contents: StepContents, key_prefix: str | None, exclude: tuple[str, ...] = ()) -> list[SavedTensor]:
     """The tensors under ``key_prefix`` (a sub-tree such as ``model`` or ``model.``) with the prefix
-    stripped from their keys; every tensor when None. Raises ConfigError when the selection holds a
-    non-tensor value or no tensor at all."""
-    prefix = "" if not key_prefix else key_prefix if key_prefix.endswith(".") else f"{key_prefix}."
+    stripped from their keys, leaving out the sub-trees named in ``exclude`` (full keys, e.g.
+    ``optimizer``); every tensor when neither is given. Raises ConfigError when the selection holds a
+    non-tensor value, NotFoundError when it holds no tensor at all."""
+    prefix = _subtree(key_prefix) if key_prefix else ""
+    dropped = tuple(_subtree(item) for item in exclude if item)
+
+    def wanted(key: str) -> bool:
+        return key.startswith(prefix) and not any(key.startswith(item) or f"{key}." == item for item in dropped)
+
     chosen = [SavedTensor(key[len(prefix):], tensor.dtype, tensor.shape, tensor.pieces)
-              for key, tensor in contents.tensors.items() if key.startswith(prefix)]
-    others = [key for key in contents.other_keys if key.startswith(prefix)]
-    hint = f"pick the model's weights with --key-prefix (top-level keys: {_top_level(contents)})"
+              for key, tensor in contents.tensors.items() if wanted(key)]
+    others = [key for key in contents.other_keys if wanted(key)]
+    hint = ("pick the model's weights with --key-prefix, or leave sub-trees out with --exclude "
+            f"(top-level keys: {_top_level(contents)})")
     if others:
         raise ConfigError(f"the exported keys hold {len(others)} non-tensor value(s), which safetensors cannot "
                           f"hold: {_named(others)}", step=contents.step, hint=hint)
     if not chosen:
         raise NotFoundError(f"no tensor of the step has a key under {prefix!r}" if prefix
-                            else "the step holds no tensors", step=contents.step, hint=hint)
+                            else "the selection holds no tensors", step=contents.step, hint=hint)
     return chosen
+
+
+def _subtree(prefix: str) -> str:
+    return prefix if prefix.endswith(".") else f"{prefix}."
 
 
 def _top_level(contents: StepContents) -> str:
