@@ -51,12 +51,15 @@ def _endpoint(value: str | None, nnodes: int) -> tuple[str, int]:
               help="Seconds before restarting a rank that failed with no step completed since the last "
                    "failure (of the job, or of that rank since its restart), doubled at each such failure. "
                    "[env: CKPTD_RESTART_BACKOFF]")
+@click.option("--spares", type=int, default=0, show_default=True, envvar="CKPTD_SPARES",
+              help="Warm spares per node: processes that import torch and run the script's setup_fn (see "
+                   "ckptd.elastic.run), then wait to take a failed rank's place. [env: CKPTD_SPARES]")
 @click.option("-m", "--module", "as_module", is_flag=True, help="Run SCRIPT as a module (python -m SCRIPT).")
 @click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, max_restarts: int,
-           max_restarts_per_rank: int | None, hang_timeout: float, crash_loop: int, restart_backoff: float, as_module: bool, script: str,
-           script_args: tuple[str, ...]) -> None:
+           max_restarts_per_rank: int | None, hang_timeout: float, crash_loop: int, restart_backoff: float,
+           spares: int, as_module: bool, script: str, script_args: tuple[str, ...]) -> None:
     """Start a training script on every rank of this node and restart only the rank that fails."""
     from ckptd.elastic.supervisor import LaunchSpec, Supervisor  # imports torch: only when the command runs
 
@@ -66,5 +69,5 @@ def launch(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str 
     spec = LaunchSpec(command=command, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
                       rdzv_host=host, rdzv_port=port, max_restarts=max_restarts,
                       max_restarts_per_rank=max_restarts_per_rank, hang_timeout_s=hang_timeout,
-                      crash_loop=crash_loop, restart_backoff_s=restart_backoff)
+                      crash_loop=crash_loop, restart_backoff_s=restart_backoff, spares=spares)
     Supervisor(spec).run()

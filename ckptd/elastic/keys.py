@@ -14,6 +14,8 @@ ENV_GENERATION = "CKPTD_GENERATION"
 ENV_STORE = "CKPTD_ELASTIC_STORE"
 #: How often the supervisor started this rank before (0 for the first process of the rank).
 ENV_RESTART_COUNT = "CKPTD_ELASTIC_RESTART_COUNT"
+#: Set (to the spare's number on its node) in a warm spare: it has no rank until its supervisor gives one.
+ENV_SPARE = "CKPTD_ELASTIC_SPARE"
 #: The supervisor's ``--hang-timeout`` in seconds (0: none): a survivor waits that long, and more, for the
 #: generation that replaces a hung peer.
 ENV_HANG_TIMEOUT = "CKPTD_ELASTIC_HANG_TIMEOUT_S"
@@ -44,6 +46,16 @@ def beat(rank: int) -> str:
 def node_done(node_rank: int) -> str:
     """Set by a supervisor once all its ranks finished."""
     return f"elastic/node-done/{node_rank}"
+
+
+def spare_ready(node_rank: int, spare: int) -> str:
+    """Set (to its pid) by a warm spare once its setup is done and it waits for a rank."""
+    return f"elastic/spare/{node_rank}/{spare}/ready"
+
+
+def spare_assignment(node_rank: int, spare: int) -> str:
+    """Set by the spare's supervisor (JSON: the rank's environment variables) to give it a rank."""
+    return f"elastic/spare/{node_rank}/{spare}/assign"
 
 
 def generation_prefix(generation: int) -> str:

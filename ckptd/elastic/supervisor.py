@@ -24,6 +24,9 @@ Its loop, every ``poll_s``:
   the same way with CrashLoopError (exit 14). Back-off: a restart waits ``restart_backoff_s``, doubled
   at each further failure, after a failure in such a run, or after a failure of a rank that completed no
   step since its previous restart (a rank that keeps dying at start while the others train).
+- with ``spares`` (``--spares N``) N warm spares wait on the node (:mod:`ckptd.elastic.spares`): a failed
+  rank is handed to one (its process becomes the rank's) instead of a new process, and a new spare
+  starts in the background.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import torch.distributed as dist
 
 from ckptd.errors import ConfigError, CrashLoopError, WorkerError
 from ckptd.elastic import keys
+from ckptd.elastic.spares import SparePool
 from ckptd.elastic.waiting import wait_for
 
 log = logging.getLogger("ckptd.elastic")
@@ -70,9 +74,11 @@ class LaunchSpec:
     crash_loop: int = 3
     #: Seconds before restarting a rank after the first failure of a crash loop, doubled at each next one.
     restart_backoff_s: float = 0.0
+    #: Warm spares kept on this node (processes that ran the script's setup and wait for a failed rank).
+    spares: int = 0
     #: Seconds the supervisors wait for each other (at start and at the end).
     join_timeout_s: float = 300.0
-    poll_s: float = 0.05
+    poll_s: float = 0.01
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1 or self.nnodes < 1:
@@ -80,8 +86,8 @@ class LaunchSpec:
         if not 0 <= self.node_rank < self.nnodes:
             raise ConfigError(f"--node-rank {self.node_rank} is not in 0..{self.nnodes - 1}")
         if min(self.max_restarts, self.hang_timeout_s, self.crash_loop, self.restart_backoff_s,
-               0 if self.max_restarts_per_rank is None else self.max_restarts_per_rank) < 0:
-            raise ConfigError("--max-restarts, --max-restarts-per-rank, --hang-timeout, --crash-loop and "
+               0 if self.max_restarts_per_rank is None else self.max_restarts_per_rank, self.spares) < 0:
+            raise ConfigError("--max-restarts, --max-restarts-per-rank, --spares, --hang-timeout, --crash-loop and "
                               "--restart-backoff must not be negative")
         if not self.command:
             raise ConfigError("no training script given", hint="ckptd launch [options] script.py [args]")
@@ -134,6 +140,7 @@ class Supervisor:
         self.generation = 0
         self.store: Any = None
         self._beats = {rank: _Beats() for rank in range(spec.world_size)}
+        self._spares: SparePool | None = None  # made once the store is connected
         #: The newest step each rank reported completing, in any generation (-1: none).
         self._last_step = {rank: -1 for rank in range(spec.world_size)}
 
@@ -156,37 +163,54 @@ class Supervisor:
                  timeout_s=spec.join_timeout_s, poll_s=0.1,
                  hint="start `ckptd launch` with the same --rdzv-endpoint on every node")
 
-    def _environment(self, rank: _Rank) -> dict[str, str]:
+    def _job_variables(self) -> dict[str, str]:
+        """The environment variables every process of this node gets, spares included."""
         spec = self.spec
-        env = dict(os.environ)
-        env.update({
-            "RANK": str(rank.rank), "LOCAL_RANK": str(rank.local_rank), "WORLD_SIZE": str(spec.world_size),
-            "LOCAL_WORLD_SIZE": str(spec.nproc_per_node), "GROUP_RANK": str(spec.node_rank),
-            "ROLE_RANK": str(rank.rank), "ROLE_WORLD_SIZE": str(spec.world_size), "GROUP_WORLD_SIZE": str(spec.nnodes),
-            "MASTER_ADDR": spec.rdzv_host, "MASTER_PORT": str(spec.rdzv_port),
-            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(rank.restarts),
-            "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-            keys.ENV_STORE: f"{spec.rdzv_host}:{spec.rdzv_port}", keys.ENV_GENERATION: str(self.generation),
-            keys.ENV_RESTART_COUNT: str(rank.restarts), keys.ENV_HANG_TIMEOUT: str(spec.hang_timeout_s),
-        })
-        return env
+        return {
+            "WORLD_SIZE": str(spec.world_size), "LOCAL_WORLD_SIZE": str(spec.nproc_per_node),
+            "GROUP_RANK": str(spec.node_rank), "ROLE_WORLD_SIZE": str(spec.world_size),
+            "GROUP_WORLD_SIZE": str(spec.nnodes), "MASTER_ADDR": spec.rdzv_host, "MASTER_PORT": str(spec.rdzv_port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+            keys.ENV_STORE: f"{spec.rdzv_host}:{spec.rdzv_port}", keys.ENV_HANG_TIMEOUT: str(spec.hang_timeout_s),
+        }
+
+    def _rank_variables(self, rank: _Rank) -> dict[str, str]:
+        """The variables that make a process ``rank`` in the current generation (a spare gets them later)."""
+        return {
+            "RANK": str(rank.rank), "LOCAL_RANK": str(rank.local_rank), "ROLE_RANK": str(rank.rank),
+            "TORCHELASTIC_RESTART_COUNT": str(rank.restarts), keys.ENV_GENERATION: str(self.generation),
+            keys.ENV_RESTART_COUNT: str(rank.restarts),
+        }
+
+    def _spawn(self, variables: dict[str, str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(list(self.spec.command), env={**os.environ, **self._job_variables(), **variables},
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
 
     def _start(self, rank: _Rank) -> None:
         rank.hung_for, rank.finished, rank.start_at = None, False, None
         # the new process is not judged by the old one's beats
         self.store.set(keys.beat(rank.rank), keys.NO_BEAT)
         self._beats[rank.rank] = _Beats()
-        rank.process = subprocess.Popen(list(self.spec.command), env=self._environment(rank),
-                                        preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        log.info("started rank %d (pid %d) in generation %d", rank.rank, rank.process.pid, self.generation)
+        spare = self._spares.take() if self._spares is not None and rank.restarts else None
+        if spare is None:
+            rank.process = self._spawn(self._rank_variables(rank))
+            log.info("started rank %d (pid %d) in generation %d", rank.rank, rank.process.pid, self.generation)
+            return
+        self._spares.assign(spare, self._rank_variables(rank))
+        rank.process = spare.process
+        log.info("handed rank %d to warm spare %d (pid %d) in generation %d", rank.rank, spare.ident,
+                 spare.process.pid, self.generation)
+        # a new spare starts once this rank completed a step (see run): its start would slow the recovery
 
     # --- watch ----------------------------------------------------------------------------------
     def run(self) -> None:
         """Start the node's ranks and watch them until the job finishes; raises WorkerError when it stops."""
         self._connect()
+        self._spares = SparePool(self.store, self.spec.node_rank, self.spec.spares, self._spawn)
         for rank in self.ranks:
             self._start(rank)
         try:
+            self._spares.fill()
             while True:
                 self._follow_generation()
                 self._check_stop()
@@ -199,12 +223,23 @@ class Supervisor:
                         self._start(rank)
                 if all(rank.finished for rank in self.ranks):
                     break
+                if self._recovered():
+                    self._spares.fill()
                 self._check_hangs()
                 time.sleep(self.spec.poll_s)
+            self._spares.stop()
             self._finish()
         except BaseException:
             self._stop_ranks()
             raise
+        finally:
+            if self._spares is not None:
+                self._spares.stop()
+
+    def _recovered(self) -> bool:
+        """Whether every local rank completed a step in the current generation (or finished)."""
+        return all(rank.finished or (self._beats[rank.rank].value[0] == self.generation and
+                                     self._beats[rank.rank].value[3] >= 0) for rank in self.ranks)
 
     def _follow_generation(self) -> None:
         current = int(self.store.get(keys.GENERATION))

@@ -13,7 +13,9 @@ for every generation it joins, ``rank<r>-gen<g>.json`` (pid, restored step, tier
 entering the generation, of the restore and of its first completed step; the victim also writes
 ``rank<r>-killed.json`` just before the signal) and at the end
 ``rank<r>-final.json`` (weights, optimizer state, sample ids) into ``--out``, and after each save that
-staged a step ``rank<r>-staged.json`` (the steps staged, by generation).
+staged a step ``rank<r>-staged.json`` (the steps staged, by generation). Its model, optimizer and data stream
+are built by ``setup_fn`` (:func:`ckptd.elastic.run`); a warm spare writes ``spare-<pid>.json`` once it has
+built them, and ``--kill-when-spare-ready`` holds the kill until one has.
 
 ``--poison-rank R --poison-step K`` poisons rank R's step K of the first generation with NaN weights, with
 correct hashes: ``--poison-how saved`` saves NaN weights as step K (memory and disk hold them; the live
@@ -36,6 +38,7 @@ import torch.distributed as dist
 
 import ckptd
 from ckptd import elastic
+from ckptd.elastic import keys as elastic_keys
 
 SAMPLES = 96
 BATCH_PER_RANK = 4
@@ -100,14 +103,33 @@ def _save(manager: ckptd.CheckpointManager, step: int, state: dict[str, Any], *,
     return saved
 
 
-def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
+def _setup(args: argparse.Namespace) -> dict[str, Any]:
+    """What the job builds before it knows its rank (``setup_fn``): a warm spare has it ready."""
     torch.manual_seed(args.seed)
-    features = torch.randn(SAMPLES, 16, generator=torch.Generator().manual_seed(args.seed))
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
-    optim = torch.optim.AdamW(model.parameters(), lr=0.01)
-    stream = SampleStream(args.seed)
-    seen = torch.full((args.steps, BATCH_PER_RANK), -1, dtype=torch.int64)
-    state: dict[str, Any] = {"model": model, "optim": optim, "data": stream, "seen": seen}
+    built = {"features": torch.randn(SAMPLES, 16, generator=torch.Generator().manual_seed(args.seed)),
+             "state": {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=0.01),
+                       "data": SampleStream(args.seed),
+                       "seen": torch.full((args.steps, BATCH_PER_RANK), -1, dtype=torch.int64)}}
+    if elastic_keys.ENV_SPARE in os.environ:
+        (Path(args.out) / f"spare-{os.getpid()}.json").write_text(json.dumps({"pid": os.getpid(),
+                                                                              "ready_at": time.time()}))
+    return built
+
+
+def _wait_for_a_spare(out: Path, timeout_s: float = 120.0) -> None:
+    """Until a warm spare finished its setup (it writes ``spare-<pid>.json``), so that the kill finds it ready."""
+    deadline = time.monotonic() + timeout_s
+    while not list(out.glob("spare-*.json")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no warm spare finished its setup within {timeout_s} s")
+        time.sleep(0.05)
+    time.sleep(0.2)  # its ready key follows the file
+
+
+def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
+    features, state = ctx.setup["features"], ctx.setup["state"]
+    model, optim, stream, seen = state["model"], state["optim"], state["data"], state["seen"]
     entered = time.time()
     manager = ctx.checkpoint_manager(Path(args.root) / f"rank{ctx.rank}",
                                      policy=ckptd.Policy(every_steps=args.every, keep_local=3))
@@ -125,6 +147,9 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
     for step in range((start or 0) + 1, args.steps + 1):
         victim = ctx.rank == args.kill_rank and (step == args.kill_step if ctx.generation == 0 else
                                                  ctx.generation < args.kill_generations and step == (start or 0) + 1)
+        if victim and args.kill_when_spare_ready:  # the saves so far committed, a spare ready
+            manager.wait()
+            _wait_for_a_spare(out)
         if victim:
             (out / f"rank{ctx.rank}-killed.json").write_text(json.dumps({"step": step, "at": time.time()}))
         if victim and args.kill_phase == "before-step":
@@ -174,13 +199,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-phase", choices=("before-step", "before-save", "before-save-committed", "after-save",
                                                        "after-commit"), default="after-save")
     parser.add_argument("--kill-generations", type=int, default=1)
+    parser.add_argument("--kill-when-spare-ready", action="store_true")
     parser.add_argument("--poison-rank", type=int, default=-1)
     parser.add_argument("--poison-step", type=int, default=-1)
     parser.add_argument("--poison-how", choices=("saved", "memory"), default="saved")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    elastic.run(lambda ctx: _train(ctx, args))
+    elastic.run(lambda ctx: _train(ctx, args), setup_fn=lambda: _setup(args))
 
 
 if __name__ == "__main__":
