@@ -73,7 +73,8 @@ def _kill(supervisors: list[subprocess.Popen[str]]) -> None:
     for supervisor in supervisors:
         if supervisor.poll() is None:
             supervisor.kill()
-        supervisor.communicate()
+        if supervisor.returncode is None or supervisor.stdout and not supervisor.stdout.closed:
+            supervisor.communicate()
 
 
 def _wait(condition: Callable[[], Any], what: str, timeout_s: float = 90) -> Any:
@@ -104,24 +105,16 @@ def environment() -> dict[str, str]:
                 AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory, environment: dict[str, str]) -> list[bytes]:
-    root = tmp_path_factory.mktemp("node-loss-reference")
-    _finish(_start_job(root, root / "out", environment=environment))
-    return _finals(root / "out")
-
-
-@pytest.mark.parametrize("survives", ["peer", "s3"], ids=["restored-from-the-peer", "peer-gone-restored-from-s3"])
-def test_a_lost_node_restarts_on_a_fresh_root_and_ends_bit_for_bit(
-        tmp_path: Path, reference: list[bytes], environment: dict[str, str], s3_server: EmbeddedS3, s3_bucket: str,
-        s3_options: dict[str, Any], survives: str) -> None:
+def test_a_lost_node_restarts_on_a_fresh_root_from_the_peer_or_from_s3_and_ends_bit_for_bit(
+        tmp_path: Path, environment: dict[str, str], s3_server: EmbeddedS3, s3_bucket: str,
+        s3_options: dict[str, Any]) -> None:
     remote, replicas = f"s3://{s3_bucket}/run1", tmp_path / "buddy-replicas"
     buddy = PeerServer(PeerNamespaces({}, replicas), token=TOKEN)
     buddy.start()
+    # the uninterrupted run, alongside
+    uninterrupted = _start_job(tmp_path / "reference", tmp_path / "reference" / "out", environment=environment)
     try:
         peer = f"peer://127.0.0.1:{buddy.port}/replicas/node{{node}}/rank{{rank}}"
-        tiers = ["--remote", f"{remote}/rank{{rank}}", "--endpoint-url", s3_server.endpoint_url,
-                 "--remote-every", "1000", "--peer", peer]
         first = tmp_path / "first"
         # rank 1 (node 1) stops itself once its save of KILL_STEP is committed, holding the job still
         job = _start_job(tmp_path, first, "--peer", peer, "--kill-rank", "1", "--kill-step", str(KILL_STEP),
@@ -131,7 +124,7 @@ def test_a_lost_node_restarts_on_a_fresh_root_and_ends_bit_for_bit(
                           json.loads((first / f"rank{rank}-gen0.json").read_text())["pid"], f"rank {rank} to start")
                     for rank in range(NODES)]
             _wait(lambda: _process_state(pids[1]) == "T", f"rank 1 to stop after committing step {KILL_STEP}")
-            # node 1's daemon replicates its committed steps to the buddy
+            # node 1's daemon has replicated its committed steps to the buddy and promoted them to S3
             lost_root = tmp_path / "ckpt-node1"
             node1 = LocalTier(lost_root / "rank1")
             targets = [PeerTier(f"peer://127.0.0.1:{buddy.port}/replicas/node1/rank1", token=TOKEN),
@@ -151,16 +144,28 @@ def test_a_lost_node_restarts_on_a_fresh_root_and_ends_bit_for_bit(
         finally:
             _kill(job)  # the launcher does not replace a lost supervisor: the job ends
         _wait(lambda: all(_process_state(pid) is None for pid in pids), "every rank of the lost job to exit")
-        if survives == "s3":
-            buddy.stop()  # the buddy is gone too
 
-        second = tmp_path / "second"
-        log = _finish(_start_job(tmp_path, second, *tiers, environment=environment))
+        # two restarts of the lost job, side by side on copies of node 0's root, node 1 on an empty one:
+        # one with the buddy up, one whose buddy is gone too (nothing listens at its address)
+        runs = {"peer": tmp_path, "s3": tmp_path / "buddy-gone"}
+        shutil.copytree(tmp_path / "ckpt-node0", runs["s3"] / "ckpt-node0")
+        gone = f"peer://127.0.0.1:{free_port()}/replicas/node{{node}}/rank{{rank}}"
+        jobs = {survives: _start_job(root, root / "second", "--peer", peer if survives == "peer" else gone,
+                                     "--remote", f"{remote}/rank{{rank}}", "--endpoint-url", s3_server.endpoint_url,
+                                     "--remote-every", "1000", environment=environment)
+                for survives, root in runs.items()}
+        logs = {survives: _finish(job) for survives, job in jobs.items()}
+        _finish(uninterrupted)
     finally:
+        _kill(uninterrupted)
         buddy.stop()
-    assert _finals(second) == reference, "the job restarted after the node loss differs from the uninterrupted run"
-    records = [json.loads((second / f"rank{rank}-gen0.json").read_text()) for rank in range(NODES)]
-    assert [record["restored"] for record in records] == [KILL_STEP] * NODES, records
-    assert records[0]["tier"].startswith("local "), records[0]
-    expected = "peer " if survives == "peer" else "object "
-    assert records[1]["tier"].startswith(expected), (records[1], log[-3000:])
+    reference = _finals(tmp_path / "reference" / "out")
+    for survives, root in runs.items():
+        second = root / "second"
+        assert _finals(second) == reference, f"the job restarted from the {survives} tier differs from the " \
+                                             "uninterrupted run"
+        records = [json.loads((second / f"rank{rank}-gen0.json").read_text()) for rank in range(NODES)]
+        assert [record["restored"] for record in records] == [KILL_STEP] * NODES, records
+        assert records[0]["tier"].startswith("local "), records[0]
+        expected = "peer " if survives == "peer" else "object "
+        assert records[1]["tier"].startswith(expected), (records[1], logs[survives][-3000:])
