@@ -62,7 +62,7 @@ def _bytes(state: dict[str, Any]) -> dict[str, bytes]:
 
 
 def _save(rank: int, world_size: int, roots: list[str], remote: str | None, options: dict[str, Any],
-          write_replicas: str) -> dict[str, bytes]:
+          write_replicas: str | None) -> dict[str, bytes]:
     model, optimizer = _trained()
     state = {"model": model, "optim": optimizer}
     with ckptd.CheckpointManager(roots[rank], layout=LAYOUT, write_replicas=write_replicas, remote=remote,

@@ -10,8 +10,10 @@ step is written as before (format 3, every rank writes its whole state). On the 
 (format 4), refusing a step in which a rank refers to a piece its writer did not write: no replica is
 then lost to ranks that disagree on the plan.
 
-``write_replicas``: ``"once"`` (default) writes each replicated piece by one holder; ``"every-rank"`` keeps
-the old behaviour (every rank writes its whole state) and still records the layout.
+``write_replicas``: ``"once"`` writes each replicated piece by one of all its holders; ``"once-per-directory"``
+by one of its holders in each local directory (each directory then holds a whole copy of its ranks' state,
+so a node restores without reading another node's files); ``"every-rank"`` keeps the old behaviour (every
+rank writes its whole state) and still records the layout.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from ckptd.format.values import ShardPlacement
 from ckptd.state.replicas import WritePlan, holders_of, mesh_of_state, placement_codes, plan_writers
 from ckptd.state.staging import local_view
 
-WRITE_REPLICAS = ("once", "every-rank")
+WRITE_REPLICAS = ("once", "once-per-directory", "every-rank")
 
 
 @dataclass(frozen=True)
@@ -85,14 +87,17 @@ class LayoutRecorder:
     """Decides, per save, this rank's :class:`Holdings` (see the module docstring). Training thread."""
 
     def __init__(self, rank: int, layout: Layout | None = None, *, world_size: int | None = None,
-                 write_replicas: str = "once") -> None:
+                 write_replicas: str = "once", directory_ranks: tuple[int, ...] | None = None) -> None:
         if write_replicas not in WRITE_REPLICAS:
             raise ConfigError(f"write_replicas={write_replicas!r} is not one of {', '.join(WRITE_REPLICAS)}",
-                              hint="'once' writes a replicated piece by one holder; 'every-rank' by each")
+                              hint="'once' writes a replicated piece by one holder, 'once-per-directory' by one "
+                                   "in each local directory, 'every-rank' by each")
         if layout is not None and world_size is not None and layout.world_size != world_size:
             raise ConfigError(f"the layout's mesh {layout.mesh} has {layout.world_size} ranks but the job has "
                               f"{world_size}", hint="give a mesh whose sizes multiply to the world size")
         self.rank, self.layout, self.write_replicas = rank, layout, write_replicas
+        #: The ranks sharing this rank's local directory ("once-per-directory"; None: the whole job).
+        self.directory_ranks = directory_ranks
 
     def holdings(self, tensors: Mapping[str, torch.Tensor]) -> Holdings | None:
         if self.layout is not None:
@@ -102,7 +107,11 @@ class LayoutRecorder:
             if found is None:
                 return None
             (mesh, coordinates), source = found, "dtensor"
-        holders = holders_of(tensors, rank=self.rank, layout=self.layout) if self.write_replicas == "once" else {}
+        holders = {} if self.write_replicas == "every-rank" else holders_of(tensors, rank=self.rank, layout=self.layout)
+        if self.write_replicas == "once-per-directory" and self.directory_ranks is not None:
+            here = set(self.directory_ranks)
+            holders = {name: kept for name, group in holders.items()
+                       if len(kept := tuple(r for r in group if r in here)) > 1}
         codes = {name: code for name, code in ((n, placement_codes(t)) for n, t in tensors.items())
                  if code is not None}
         return Holdings(mesh=mesh, coordinates=coordinates, source=source,

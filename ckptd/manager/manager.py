@@ -91,11 +91,14 @@ class CheckpointManager:
     ``layout`` (a :class:`~ckptd.Layout`) states the job's device mesh, ZeRO stage and which mesh dimensions
     hold plain tensors identically; without it the layout is taken from the state's DTensors, if any. The
     manifest records the mesh, every rank's coordinates and who holds each replicated piece. With
-    ``write_replicas="once"`` (default) a piece held identically by several ranks (a DTensor's ``Replicate``
+    ``write_replicas="once"`` a piece held identically by several ranks (a DTensor's ``Replicate``
     placements, a key the layout marks replicated) is staged and written by one of them, spread by bytes over
     the holders; restore reads it from whichever holder wrote it, through every tier (a rank of another
-    node finds it on the object or peer tier). ``"every-rank"``: every rank writes its whole state. A step
-    restores into another layout (TP, PP, DP or FSDP sharding changed) through DCP's resharding.
+    node finds it on the object or peer tier). ``"once-per-directory"``: by one holder in each local
+    directory, so every directory holds its ranks' whole state. ``"every-rank"``: every rank writes its whole
+    state. The default is ``"once"`` with ``remote`` or ``peer`` or one directory for the job, else
+    ``"once-per-directory"``. A step restores into another layout (TP, PP, DP or FSDP sharding changed)
+    through DCP's resharding.
     """
 
     def __init__(
@@ -115,7 +118,7 @@ class CheckpointManager:
         daemon: str | None = None,
         peer: str | None = None,
         layout: Layout | None = None,
-        write_replicas: str = "once",
+        write_replicas: str | None = None,
     ) -> None:
         self.policy = policy or Policy()
         self.codec = codecs.chosen_codec(codec)
@@ -136,7 +139,11 @@ class CheckpointManager:
             if removed:
                 log.info("removed %d temporary file(s) left by an earlier crash", len(removed))
             self.layout = layout
-            recorder = LayoutRecorder(self.rank, layout, world_size=self.world_size, write_replicas=write_replicas)
+            if write_replicas is None:  # one copy per directory unless a tier reaches every rank's files
+                write_replicas = "once" if remote is not None or peer is not None or \
+                    self.sharing.layout in ("single", "job-shared") else "once-per-directory"
+            recorder = LayoutRecorder(self.rank, layout, world_size=self.world_size, write_replicas=write_replicas,
+                                      directory_ranks=self.sharing.ranks_here)
             self._saver = Saver(self.local, self.coordinator, policy=self.policy, codec=self.codec,
                                 allow_pickle=allow_pickle, capture_rng=capture_rng, sharing=self.sharing,
                                 layout=recorder)
