@@ -150,3 +150,13 @@ def test_quantized_tensors_keep_values_scales_and_zero_points(tmp_path: Path, as
     with pytest.raises(BaseException) as caught:
         dcp.load(wrong, storage_reader=CkptdStorageReader(tmp_path, step=1))
     assert "saved as a qint8 tensor" in str(caught.value)
+
+
+@pytest.mark.parametrize(("checkpoint_id", "expected"), [
+    ("step-000000000001", (".", 1)), ("/a/step-000000000002/", ("/a", 2)), ("/step-000000000003", ("/", 3)),
+    ("/ckpt/epoch_3", ("/ckpt/epoch_3", None)), ("/ckpt/step-12", ("/ckpt/step-12", None)),
+    ("s3://bucket/run/step-000000000004", ("s3://bucket/run", 4)), ("s3://bucket/run", ("s3://bucket/run", None))])
+def test_checkpoint_ids_split_into_root_and_step(checkpoint_id: str, expected: tuple) -> None:
+    from ckptd.dcp.writer import split_checkpoint_id
+
+    assert split_checkpoint_id(checkpoint_id) == expected

@@ -80,7 +80,8 @@ def split_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[str, int
     step = parse_step_dir(name)
     if step is None:
         return text, None
-    return text[:-len(name)].rstrip("/") or "/", step
+    parent = text[:-len(name)]
+    return (parent.rstrip("/") or "/") if parent else ".", step
 
 
 @dataclass(frozen=True)
