@@ -160,3 +160,17 @@ def test_checkpoint_ids_split_into_root_and_step(checkpoint_id: str, expected: t
     from ckptd.dcp.writer import split_checkpoint_id
 
     assert split_checkpoint_id(checkpoint_id) == expected
+
+
+def test_a_failed_save_to_a_directory_keeps_its_committed_steps(tmp_path: Path) -> None:
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path), storage_writer=CkptdStorageWriter())
+    with pytest.raises(BaseException) as caught:  # a value that needs pickle, refused: nothing is committed
+        dcp.save({"w": torch.zeros(3), "odd": {1, 2}}, checkpoint_id=str(tmp_path), storage_writer=CkptdStorageWriter())
+    assert "PickleRefusedError" in str(caught.value)
+    dcp.save({"w": torch.full((3,), 5.0)}, checkpoint_id=str(tmp_path), storage_writer=CkptdStorageWriter())
+    committed = CkptdStorageReader(tmp_path)
+    loaded = {"w": torch.zeros(3)}
+    dcp.load(loaded, storage_reader=committed)
+    assert torch.equal(loaded["w"], torch.full((3,), 5.0)) and committed.step is not None and committed.step >= 1
+    dcp.load(loaded, storage_reader=CkptdStorageReader(tmp_path, step=0))
+    assert torch.equal(loaded["w"], torch.ones(3))
