@@ -31,6 +31,15 @@ What :func:`run` does for generation ``g`` (``CKPTD_GENERATION`` at start):
 4. When ``train_fn`` returns on every rank (a store barrier), the process group is destroyed and
    :func:`run` returns its value.
 
+Before the first generation :func:`run` calls ``setup_fn`` (what does not depend on the rank: model,
+optimizer, loader; ``ctx.setup`` holds its value) and freezes what exists then out of the garbage
+collector. A warm spare (``CKPTD_ELASTIC_SPARE`` set) then waits to be given a rank
+(:func:`ckptd.elastic.spares.become_rank`) and goes on as that rank.
+
+The managers of :meth:`WorkerContext.checkpoint_manager` keep the staged copies of their two newest saves
+(a survivor restores from memory the step agreed when a peer died before the newest one committed), and
+their ``restore`` runs a restore check with rollback (:mod:`ckptd.elastic.restore_check`).
+
 Outside ``ckptd launch`` (no ``CKPTD_ELASTIC_STORE``) :func:`run` raises ConfigError;
 :func:`heartbeat` does nothing.
 """
@@ -135,7 +144,8 @@ class WorkerContext:
     def checkpoint_manager(self, local: str | os.PathLike[str], **options: Any) -> CheckpointManager:
         """A :class:`~ckptd.CheckpointManager` agreeing through this generation's store; every save is also
         a heartbeat. ``options`` are the manager's keyword arguments (``rank``, ``world_size`` and
-        ``store`` are set here). In a later generation the same call (same directory, same options) in a
+        ``store`` are set here), plus ``restore_check`` (default :func:`~ckptd.elastic.finite_tensors`;
+        None: no check), run after each restore of the newest step. In a later generation the same call (same directory, same options) in a
         surviving process returns the same manager, moved to the new generation, so that its ``restore``
         can load the staged copy of its last save (the memory tier) instead of reading the disk."""
         reserved = sorted({"rank", "world_size", "store"} & set(options))
