@@ -1,7 +1,7 @@
 """DDP-style replicas on real gloo processes: every rank holds the same full state, the layout marks it
 replicated across ``dp``, and each tensor is written by exactly one rank, the bytes spread over the ranks.
 (:mod:`test_replica_node_roots` runs it with one directory per node.)
-``write_replicas="every-rank"`` keeps the old behaviour."""
+The step restores at dp=2 too. ``write_replicas="every-rank"`` keeps the old behaviour."""
 
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ pytestmark = pytest.mark.multirank
 
 STEP = 3
 WORLD = 4
-LAYOUT = ckptd.Layout(mesh={"dp": WORLD}, replicated=("dp",))
 POLICY = ckptd.Policy(keep_local=None, remote_every_steps=1)
 
 
@@ -65,7 +64,8 @@ def _save(rank: int, world_size: int, roots: list[str], remote: str | None, opti
           write_replicas: str | None) -> dict[str, bytes]:
     model, optimizer = _trained()
     state = {"model": model, "optim": optimizer}
-    with ckptd.CheckpointManager(roots[rank], layout=LAYOUT, write_replicas=write_replicas, remote=remote,
+    layout = ckptd.Layout(mesh={"dp": world_size}, replicated=("dp",))
+    with ckptd.CheckpointManager(roots[rank], layout=layout, write_replicas=write_replicas, remote=remote,
                                  storage_options=options, policy=POLICY, codec="raw") as manager:
         assert manager.save(STEP, state, force=True)
     return _bytes(state)
@@ -74,7 +74,8 @@ def _save(rank: int, world_size: int, roots: list[str], remote: str | None, opti
 def _restore(rank: int, world_size: int, roots: list[str], remote: str | None,
              options: dict[str, Any]) -> dict[str, Any]:
     state = _fresh()
-    with ckptd.CheckpointManager(roots[rank], layout=LAYOUT, remote=remote, storage_options=options,
+    layout = ckptd.Layout(mesh={"dp": world_size}, replicated=("dp",))
+    with ckptd.CheckpointManager(roots[rank], layout=layout, remote=remote, storage_options=options,
                                  policy=POLICY) as manager:
         try:
             step = manager.restore(state)
@@ -92,9 +93,15 @@ def _written(root: Path) -> dict[int, dict[str, int]]:
                    if not name.startswith(RNG_KEY)} for rank in ranks_held(tier, STEP, manifest)}
 
 
-def test_ddp_replicas_are_written_once_overall_and_restore_bit_for_bit(tmp_path: Path) -> None:
-    root = str(tmp_path / "shared")
-    saved = run_multirank(_save, WORLD, [root] * WORLD, None, {}, "once", timeout_s=120)
+@pytest.fixture(scope="module")
+def saved_once(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, bytes]]]:
+    root = str(tmp_path_factory.mktemp("ddp") / "shared")
+    return root, run_multirank(_save, WORLD, [root] * WORLD, None, {}, "once", timeout_s=120)
+
+
+def test_ddp_replicas_are_written_once_overall_and_restore_bit_for_bit(
+        saved_once: tuple[str, list[dict[str, bytes]]]) -> None:
+    root, saved = saved_once
     assert all(saved[rank] == saved[0] for rank in range(WORLD)), "DDP keeps every replica equal"
     written = _written(Path(root))
     names = [name for by_name in written.values() for name in by_name]
@@ -114,7 +121,24 @@ def test_ddp_replicas_are_written_once_overall_and_restore_bit_for_bit(tmp_path:
 
 def test_every_rank_writes_its_whole_state_when_asked(tmp_path: Path) -> None:
     root = str(tmp_path / "shared")
-    saved = run_multirank(_save, WORLD, [root] * WORLD, None, {}, "every-rank", timeout_s=120)
+    saved = run_multirank(_save, 2, [root] * 2, None, {}, "every-rank", timeout_s=120)
     one_replica = sum(len(value) for value in saved[0].values())
-    assert [sum(by_name.values()) for by_name in _written(Path(root)).values()] == [one_replica] * WORLD
+    assert [sum(by_name.values()) for by_name in _written(Path(root)).values()] == [one_replica] * 2
     assert load_step_manifest(LocalTier(root), STEP).layout.replicated == ()
+
+
+def _restore_at_dp(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    state = _fresh()
+    layout = ckptd.Layout(mesh={"dp": world_size}, replicated=("dp",))
+    with ckptd.CheckpointManager(root, layout=layout) as manager:
+        step = manager.restore(state)
+        resharded = manager.last_restore.resharded
+    return {"step": step, "bytes": _bytes(state), "resharded": resharded}
+
+
+def test_replicas_written_once_at_dp_4_restore_at_dp_2(saved_once: tuple[str, list[dict[str, bytes]]]) -> None:
+    root, saved = saved_once
+    for rank, result in enumerate(run_multirank(_restore_at_dp, 2, root, timeout_s=120)):
+        assert result["step"] == STEP and result["resharded"], f"rank {rank}"
+        assert result["bytes"] == saved[0], f"rank {rank}: every replica comes from the rank that wrote it"
+

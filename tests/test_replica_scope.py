@@ -33,3 +33,4 @@ def test_without_a_shared_tier_each_directory_gets_one_copy(tmp_path: Path) -> N
     for rank, result in enumerate(restored):
         assert result["step"] == STEP and result["bytes"] == saved[0], f"rank {rank}"
         assert all(label.startswith("local") for label in result["chunks_by_tier"]), result["chunks_by_tier"]
+
