@@ -94,3 +94,19 @@ def test_a_copy_poisoned_in_memory_is_read_again_from_disk(tmp_path: Path, refer
     assert recovered[0]["tier"].startswith("local "), "the survivor reads step 6 again from its disk"
     assert "rank 0: restore check: step 6 is poisoned in memory on rank(s) [0]" in result.stderr
     assert "rolling back" not in result.stderr and "set-aside" not in result.stderr
+
+
+def test_the_default_restore_check_names_the_non_finite_tensors_and_passes_finite_ones() -> None:
+    import torch
+
+    from ckptd.elastic import finite_tensors
+
+    model = torch.nn.Linear(3, 2)
+    state = {"model": model, "ids": torch.tensor([1, 2]), "empty": torch.empty(0), "lr": 0.1}
+    assert finite_tensors(state) is None
+    with torch.no_grad():
+        model.weight[0, 1] = float("nan")
+        model.bias[1] = float("-inf")
+    found = finite_tensors(state)
+    assert found == ("tensor 'model/weight' has 1 non-finite value(s) of 6; "
+                     "tensor 'model/bias' has 1 non-finite value(s) of 2"), found
