@@ -44,7 +44,7 @@ class Holdings:
     zero_stage: int | None
     plan: WritePlan
     #: DTensor name -> placements (see :func:`~ckptd.state.replicas.placement_codes`).
-    placements_saved: dict[str, str] = dataclasses.field(default_factory=dict)
+    dtensor_placements: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def placements(tensors: Mapping[str, torch.Tensor]) -> dict[str, ShardPlacement]:
@@ -79,7 +79,7 @@ class Holdings:
         layout = SavedLayout(mesh=dict(self.mesh), coordinates=tuple(entry.coordinates or () for entry in
                                                                      manifest.ranks),
                              zero_stage=self.zero_stage, source=self.source, replicated=pieces,
-                             placements=dict(self.placements_saved))
+                             placements=dict(self.dtensor_placements))
         return dataclasses.replace(manifest, layout=layout, format_version=LAYOUT_SINCE)
 
 
@@ -116,4 +116,4 @@ class LayoutRecorder:
                  if code is not None}
         return Holdings(mesh=mesh, coordinates=coordinates, source=source,
                         zero_stage=None if self.layout is None else self.layout.zero_stage,
-                        plan=plan_writers(tensors, holders, rank=self.rank), placements_saved=codes)
+                        plan=plan_writers(tensors, holders, rank=self.rank), dtensor_placements=codes)

@@ -96,8 +96,8 @@ class CheckpointManager:
     the holders; restore reads it from whichever holder wrote it, through every tier (a rank of another
     node finds it on the object or peer tier). ``"once-per-directory"``: by one holder in each local
     directory, so every directory holds its ranks' whole state. ``"every-rank"``: every rank writes its whole
-    state. The default is ``"once"`` with ``remote`` or ``peer`` or one directory for the job, else
-    ``"once-per-directory"``. A step restores into another layout (TP, PP, DP or FSDP sharding changed)
+    state. The default is ``"once"`` with ``remote`` (every rank's files reach it) or one directory for the
+    job, else ``"once-per-directory"`` (a peer tier holds a buddy's copy of this node's directory only). A step restores into another layout (TP, PP, DP or FSDP sharding changed)
     through DCP's resharding.
     """
 
@@ -140,8 +140,8 @@ class CheckpointManager:
                 log.info("removed %d temporary file(s) left by an earlier crash", len(removed))
             self.layout = layout
             if write_replicas is None:  # one copy per directory unless a tier reaches every rank's files
-                write_replicas = "once" if remote is not None or peer is not None or \
-                    self.sharing.layout in ("single", "job-shared") else "once-per-directory"
+                write_replicas = "once" if remote is not None or self.sharing.layout in ("single", "job-shared") \
+                    else "once-per-directory"
             recorder = LayoutRecorder(self.rank, layout, world_size=self.world_size, write_replicas=write_replicas,
                                       directory_ranks=self.sharing.ranks_here)
             self._saver = Saver(self.local, self.coordinator, policy=self.policy, codec=self.codec,
