@@ -28,7 +28,7 @@ import torch
 
 from ckptd.dcp.reader import CkptdStorageReader
 from ckptd.dcp.resharding import TensorReader, live_reader
-from ckptd.errors import ResumeMismatchError
+from ckptd.errors import CkptdError, ResumeMismatchError
 from ckptd.format.records import DTYPE_NAMES, Manifest
 from ckptd.format.values import manager_skeleton, parse_values
 from ckptd.state.tree import flatten, skeleton_tensor_names
@@ -148,22 +148,30 @@ def relayout_source(tiers: list[StorageTier], step: int, live: MutableMapping[st
 
     targets: dict[str, torch.Tensor] = {}
     via_dcp: dict[str, str] = {}
+    refused: CkptdError | None = None  # raised after dcp.load: every rank must take part in it
     loaded_names = set(skeleton_tensor_names(skeleton))
     for name, saved_rank in merged.owner.items():
         shard = values[saved_rank].shards.get(name)
         target = live_tensors.get(name)
         if name not in loaded_names or (shard is None and not _is_dtensor(target)):
             continue
-        record = holder(name).record(name)
+        try:
+            record = holder(name).record(name)
+        except CkptdError as error:
+            refused = refused or error
+            continue
         fqn, shape = (shard[0], shard[1].global_shape) if shard is not None else (name, record.shape)
         dtype = record.dtype
         if target is None:
             target = torch.empty(shape, dtype=_torch_dtype(dtype))
         elif tuple(target.shape) != tuple(shape) or DTYPE_NAMES.get(target.dtype) != dtype:
-            raise mismatch(name, dtype, tuple(shape), target)
+            refused = refused or mismatch(name, dtype, tuple(shape), target)
+            continue
         targets[fqn], via_dcp[name] = target, fqn
     dcp.load(targets, storage_reader=CkptdStorageReader(list(tiers), step, allow_pickle=allow_pickle),
              planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    if refused is not None:
+        raise refused
 
     def read_whole(name: str, out: torch.Tensor | None) -> torch.Tensor:
         reader = holder(name)
