@@ -1,4 +1,5 @@
-"""``ckptd demo``: train, crash for real, resume, and check bit-for-bit equality."""
+"""``ckptd demo``: train, crash for real, resume, and check bit-for-bit equality; then kill one of 2 ranks under
+``ckptd launch`` and check the recovered run the same way."""
 
 from __future__ import annotations
 
@@ -17,12 +18,15 @@ import click
               "S3 endpoint on 127.0.0.1).")
 @click.option("--endpoint-url", envvar="CKPTD_S3_ENDPOINT_URL", default=None,
               help="S3-compatible endpoint for --remote. [env: CKPTD_S3_ENDPOINT_URL]")
+@click.option("--elastic/--no-elastic", default=True, show_default=True,
+              help="Also run the elastic phase: 2 ranks under `ckptd launch`, one killed after --crash-at.")
 def demo(steps: int, crash_at: int, every: int, workdir: Path | None, remote: str | None,
-         endpoint_url: str | None) -> None:
-    """Run the crash-and-resume demo; exits 1 if the resumed run differs from the uninterrupted one."""
+         endpoint_url: str | None, elastic: bool) -> None:
+    """Run the crash-and-resume demo and its elastic phase; exits 1 if a recovered run differs from the
+    uninterrupted one."""
     from ckptd.demo.runner import DemoOptions, run_demo
 
     options = DemoOptions(steps=steps, crash_at=crash_at, every=every, workdir=workdir, remote=remote,
-                          endpoint_url=endpoint_url)
+                          endpoint_url=endpoint_url, elastic=elastic)
     if not run_demo(options):
         raise click.exceptions.Exit(1)

@@ -1,4 +1,5 @@
-"""Orchestrates the demo: an uninterrupted run, a run that crashes with SIGKILL, and its resume."""
+"""Orchestrates the demo: an uninterrupted run, a run that crashes with SIGKILL, and its resume; then the
+elastic phase (:mod:`ckptd.demo.elastic_phase`): 2 ranks under ``ckptd launch``, one killed mid-run."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from ckptd.data import index_dataset
 from ckptd.data.manifest import save_dataset_manifest
+from ckptd.demo.elastic_phase import run_elastic_phase
 from ckptd.demo.training import SEQ_LEN, VOCAB
 from ckptd.embedded_s3 import EmbeddedS3
 from ckptd.errors import CkptdError
@@ -29,7 +31,8 @@ _SHARDS, _TOKENS_PER_SHARD = 6, 64 * SEQ_LEN
 @dataclass(frozen=True)
 class DemoOptions:
     """What the demo runs: total steps, the step after which it crashes, save interval, work directory,
-    and the object tier (an embedded S3 endpoint on loopback unless ``remote`` is given)."""
+    and the object tier (an embedded S3 endpoint on loopback unless ``remote`` is given); ``elastic``: also
+    run the elastic phase (2 ranks under ``ckptd launch``, one killed after ``crash_at``)."""
 
     steps: int = 60
     crash_at: int = 37
@@ -37,6 +40,7 @@ class DemoOptions:
     workdir: Path | None = None
     remote: str | None = None
     endpoint_url: str | None = None
+    elastic: bool = True
 
 
 def prepare_dataset(directory: Path) -> Path:
@@ -74,27 +78,32 @@ def run_demo(options: DemoOptions) -> bool:
             server.create_bucket("ckptd-demo")
             remote, endpoint_url = "s3://ckptd-demo/run", server.endpoint_url
             env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
-            click.echo(f"[0/3] started an embedded S3 endpoint (moto) at {endpoint_url}")
+            click.echo(f"[0/4] started an embedded S3 endpoint (moto) at {endpoint_url}")
         manifest = prepare_dataset(work / "data")
-        click.echo(f"[0/3] wrote {_SHARDS} token shards and indexed them (xxh3 per shard) into {manifest}")
+        click.echo(f"[0/4] wrote {_SHARDS} token shards and indexed them (xxh3 per shard) into {manifest}")
         common = ["--steps", str(options.steps), "--every", str(options.every), "--data", str(manifest),
                   "--cache", str(work / "cache")]
         tiers = ["--remote", remote] + (["--endpoint-url", endpoint_url] if endpoint_url else [])
         reference, resumed = _run_phases(options, work, common, tiers, remote, env)
-    return _compare(reference, resumed)
+        equal = _compare(reference, resumed)
+        if options.elastic:
+            equal = run_elastic_phase(work / "elastic", manifest, steps=options.steps, kill_step=options.crash_at,
+                                      every=options.every) and equal
+    return equal
 
 
 def _run_phases(options: DemoOptions, work: Path, common: list[str], tiers: list[str], remote: str,
                 env: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
     ckpt = work / "checkpoints"
-    click.echo(f"[1/3] training {options.steps} steps without interruption (the reference run)")
+    click.echo(f"[1/4] training {options.steps} steps without interruption (the reference run)")
     code, reference = _run_child(common, work / "reference.json", env)
     if code != 0 or reference is None:
         raise CkptdError(f"the reference run failed with exit code {code}")
     click.echo(f"      final weights xxh3-128 {reference['weights_digest']}")
 
-    click.echo(f"[2/3] training with ckptd: save every {options.every} steps to {ckpt}, promote to {remote}; "
-               f"the process kills itself with SIGKILL after step {options.crash_at}")
+    click.echo(f"[2/4] training with ckptd: save every {options.every} steps to {ckpt}, promote to {remote}; "
+               f"the process kills itself with SIGKILL after step {options.crash_at} (once its saves so far are on "
+               "the object tier)")
     code, _ = _run_child(common + tiers + ["--ckpt", str(ckpt), "--crash-at", str(options.crash_at)],
                          work / "crashed.json", env)
     if code != -signal.SIGKILL:
@@ -103,7 +112,7 @@ def _run_phases(options: DemoOptions, work: Path, common: list[str], tiers: list
     click.echo(f"      crashed (killed by signal {signal.SIGKILL}); steps committed on local disk: {committed}")
 
     shutil.rmtree(ckpt)
-    click.echo("[3/3] the node lost its local disk: a new process on an empty local tier restores the newest "
+    click.echo("[3/4] the node lost its local disk: a new process on an empty local tier restores the newest "
                "intact step from the object tier and trains to the end")
     code, resumed = _run_child(common + tiers + ["--ckpt", str(ckpt)], work / "resumed.json", env)
     if code != 0 or resumed is None:

@@ -5,8 +5,8 @@ Run as a child process by :mod:`ckptd.demo.runner`::
 
     python -m ckptd.demo.training --data MANIFEST --ckpt DIR --steps 60 --crash-at 37 --result OUT.json
 
-With ``--crash-at`` the process sends itself SIGKILL right after that training step (a real crash:
-no cleanup, no flush). Without a checkpoint directory it trains from scratch without saving. It writes
+With ``--crash-at`` the process sends itself SIGKILL right after that training step, once the saves so
+far have reached the object tier (a real crash: no cleanup, no flush, and the steps after it are lost). Without a checkpoint directory it trains from scratch without saving. It writes
 the xxh3-128 digest of its final weights and the last random draws to the result file.
 """
 
@@ -96,6 +96,8 @@ def train(data: str, cache: str, ckpt: str | None, steps: int, crash_at: int | N
             if manager:
                 manager.save(step, state)
             if crash_at is not None and step == crash_at:
+                if manager:  # the node's disk is lost next: let the saves so far reach the object tier
+                    manager.wait_uploads()
                 os.kill(os.getpid(), signal.SIGKILL)
             if step == steps:
                 break
