@@ -224,6 +224,8 @@ class _BeatingManager(CheckpointManager):
             restored = checked_restore(self, state, self._restore_check)
         if restored is not None:  # the steps after it are set aside and saved again with new contents
             self._committed_here.difference_update([done for done in list(self._committed_here) if done > restored])
+        if self._older is not None and (restored is None or self._older.step > restored):
+            self._older = None
         self._refused_memory.clear()
         return restored
 
