@@ -79,7 +79,7 @@ class SparePool:
         for spare in list(self.spares):
             code = spare.process.poll()
             if code is not None:
-                log.warning("warm spare %d (pid %d) exited with code %s before it was needed; not replaced",
+                log.warning("warm spare %d (pid %d) exited with code %s before it was needed; dropped",
                             spare.ident, spare.process.pid, code)
                 self.spares.remove(spare)
 
