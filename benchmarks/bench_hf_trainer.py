@@ -32,7 +32,7 @@ from typing import Any
 
 def _run(mode: str, root: Path, options: argparse.Namespace) -> dict[str, Any]:
     import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers import GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer, TrainingArguments
 
     from ckptd.plugins.huggingface import CkptdCallback, ckptd_resume
 
@@ -53,6 +53,7 @@ def _run(mode: str, root: Path, options: argparse.Namespace) -> dict[str, Any]:
                              "steps", save_steps=options.save_every, save_total_limit=2, logging_steps=10**6,
                              report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[callback] if callback else [])
+    trainer.remove_callback(PrinterCallback)  # its log lines would mix with --json
     stalls: list[float] = []
 
     def timed(function: Any) -> Any:

@@ -205,6 +205,7 @@ class CkptdCallback(TrainerCallback):
         values = {key: self._state()[key] for key in keys}
         self.manager.restore(values, step=self._resumed_step, keys=keys)
         log.info("optimizer and scheduler of step %d restored from ckptd", self._resumed_step)
+        self._resumed_step = None  # a later train() of the same Trainer starts from its own state
 
     def resume(self, trainer: Any) -> str | None:
         """Restore the newest intact step for ``trainer`` and write its resume directory; see :func:`ckptd_resume`."""
