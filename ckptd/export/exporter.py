@@ -10,14 +10,20 @@ fits safetensors) and plans the output files by size (:mod:`ckptd.export.hf_layo
 the tensor being written (and its cast copy) and the next one, in buffers reused from tensor to tensor.
 
 The output appears at once: everything is written into a hidden temporary directory beside ``out``,
-fsynced, and renamed to ``out`` (which must not exist, or be an empty directory). A failure removes the
-temporary directory; a process killed mid-export leaves it behind under a ``.<out>.tmp-*`` name.
+fsynced, and renamed to ``out`` (which must not exist, or be an empty directory other than the current
+one: the rename replaces it). A failure removes the temporary directory; a process killed mid-export
+leaves it behind under a ``.<out>.tmp-<12 hex digits>`` name, which the next export to ``out`` removes.
+An export holds an exclusive ``flock`` on its temporary directory while it writes, so only directories
+no live process holds are removed.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import logging
 import os
+import re
 import shutil
 import time
 import uuid
@@ -41,6 +47,8 @@ from ckptd.tiers.local import AtomicFile, fsync_directory
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 #: ``--dtype`` names and the torch dtype each stands for.
 DTYPE_CHOICES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
@@ -128,7 +136,7 @@ def plan_export(tiers: list[StorageTier], step: int, out: str | os.PathLike[str]
     for tensor in tensors:
         check_pieces(tensor, step=step, consolidate=options.consolidate)
         dtype = _output_dtype(tensor.dtype, cast)
-        safetensors_dtype(dtype, key=tensor.key)
+        safetensors_dtype(dtype, key=tensor.key, step=manifest.step)
         slots.append(TensorSlot(tensor.key, dtype, tensor.shape))
     return ExportPlan(step=manifest.step, out=target, shards=tuple(plan_shards(slots, max_bytes)),
                       tensors={tensor.key: tensor for tensor in tensors}, readers=tuple(readers), config=config,
@@ -141,14 +149,18 @@ def write_export(plan: ExportPlan, *, progress: Callable[[int], None] | None = N
     fails its digest on every tier; nothing appears at ``out`` unless the whole export succeeded."""
     started = time.monotonic()
     _check_target(plan.out)
+    remove_stale_temporaries(plan.out)
     staging = plan.out.with_name(f".{plan.out.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}")
     staging.mkdir(parents=True)
+    held = _hold(staging)
     try:
         _write_layout(staging, plan, progress)
         _publish(staging, plan.out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        os.close(held)
     return ExportReport(step=plan.step, out=str(plan.out), files=plan.files,
                         tensors=sum(len(shard.slots) for shard in plan.shards), total_size=plan.total_size,
                         seconds=time.monotonic() - started)
@@ -214,6 +226,55 @@ def _check_target(target: Path) -> None:
     if target.is_symlink() or (target.exists() and (not target.is_dir() or any(target.iterdir()))):
         raise ConfigError("the export directory exists and is not empty", path=str(target),
                           hint="choose a new --out directory (an export never writes into an existing one)")
+    if target.exists() and os.path.samefile(target, os.getcwd()):
+        raise ConfigError("the export directory is the current directory, which the finished export would "
+                          "replace", path=str(target),
+                          hint="name a new directory, such as --out ./model, or run the export from the "
+                               "directory above")
+
+
+def remove_stale_temporaries(target: Path) -> list[Path]:
+    """Remove the temporary directories that killed exports to ``target`` left beside it
+    (``.<name>.tmp-<12 hex digits>``); one that a running export holds (its ``flock``) is kept.
+    Returns the directories removed."""
+    pattern = re.compile(re.escape(f".{target.name}{TEMP_MARKER}") + r"[0-9a-f]{12}")
+    removed: list[Path] = []
+    try:
+        names = os.listdir(target.parent)
+    except OSError:  # no parent yet (the export creates it), or one the export cannot write either
+        return removed
+    for name in names:
+        candidate = target.parent / name
+        if not pattern.fullmatch(name) or candidate.is_symlink() or not candidate.is_dir():
+            continue
+        try:
+            held = _hold(candidate)
+        except BlockingIOError:
+            continue  # a live export is writing it
+        except OSError:
+            continue  # vanished, or not ours to open
+        try:
+            shutil.rmtree(candidate)
+        except OSError as exc:
+            log.warning("could not remove the stale export directory %s: %s", candidate, exc)
+        else:
+            removed.append(candidate)
+            log.warning("removed %s, left by an export that did not finish", candidate)
+        finally:
+            os.close(held)
+    return removed
+
+
+def _hold(directory: Path) -> int:
+    """An open descriptor of ``directory`` holding an exclusive ``flock`` on it (BlockingIOError when
+    another process holds it); the lock ends when the descriptor is closed or the process dies."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _publish(staging: Path, target: Path) -> None:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ckptd.errors import ConfigError
-from ckptd.export.safetensors_file import TensorSlot
+from ckptd.export.safetensors_file import TensorSlot, aligned_order
 
 SINGLE_FILE_NAME = "model.safetensors"
 INDEX_FILE_NAME = "model.safetensors.index.json"
@@ -57,7 +57,8 @@ class ShardFile:
 
 
 def plan_shards(slots: Sequence[TensorSlot], max_shard_bytes: int) -> list[ShardFile]:
-    """Split ``slots`` in order into files of at most ``max_shard_bytes`` tensor bytes each."""
+    """Split ``slots`` in order into files of at most ``max_shard_bytes`` tensor bytes each; each file's
+    tensors in :func:`~ckptd.export.safetensors_file.aligned_order`."""
     groups: list[list[TensorSlot]] = [[]]
     size = 0
     for slot in slots:
@@ -67,9 +68,9 @@ def plan_shards(slots: Sequence[TensorSlot], max_shard_bytes: int) -> list[Shard
         groups[-1].append(slot)
         size += slot.nbytes
     if len(groups) == 1:
-        return [ShardFile(SINGLE_FILE_NAME, tuple(groups[0]))]
+        return [ShardFile(SINGLE_FILE_NAME, tuple(aligned_order(groups[0])))]
     count = len(groups)
-    return [ShardFile(f"model-{number:05d}-of-{count:05d}.safetensors", tuple(group))
+    return [ShardFile(f"model-{number:05d}-of-{count:05d}.safetensors", tuple(aligned_order(group)))
             for number, group in enumerate(groups, start=1)]
 
 

@@ -3,7 +3,10 @@
 A safetensors file is an 8-byte little-endian header length, a JSON header naming every tensor's
 dtype, shape and byte range in the data that follows, and the tensors' raw bytes back to back. The
 header depends only on names, dtypes and shapes, so it is written first from a plan
-(:class:`TensorSlot`); then each tensor is produced by the caller, written and dropped. The
+(:class:`TensorSlot`); then each tensor is produced by the caller, written and dropped. Data is laid out
+as the safetensors library lays it out (:func:`aligned_order`: larger elements first, so that every
+tensor starts at a multiple of its element size and a reader may map it without copying); bytes are
+little-endian, so a big-endian host is refused. The
 ``safetensors`` package's own writers take every tensor of the file at once, which is why ckptd
 writes the (small, stable) format itself; files are read back with the ``safetensors`` package in the
 tests.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,21 +38,22 @@ _SAFETENSORS_DTYPES: dict[str, str] = {
     "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
     "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
     "float8_e4m3fn": "F8_E4M3", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2": "F8_E5M2",
-    "float8_e5m2fnuz": "F8_E5M2FNUZ", "complex64": "C64",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ", "float8_e8m0fnu": "F8_E8M0", "complex64": "C64",
 }
 #: The header is padded with spaces to a multiple of this, as the safetensors library does.
 _HEADER_ALIGNMENT = 8
 
 
-def safetensors_dtype(dtype: torch.dtype, *, key: str) -> str:
-    """The safetensors name of a torch dtype; ConfigError naming ``key`` when safetensors cannot hold it."""
+def safetensors_dtype(dtype: torch.dtype, *, key: str, step: int | None = None) -> str:
+    """The safetensors name of a torch dtype; ConfigError naming ``key`` (and ``step``) when safetensors
+    cannot hold it."""
     name = str(dtype).removeprefix("torch.")
     try:
         return _SAFETENSORS_DTYPES[name]
     except KeyError:
-        raise ConfigError(f"tensor {key!r} has dtype {name}, which safetensors cannot hold",
-                          hint="cast it with --dtype (floating tensors only), or leave it out with "
-                               "--key-prefix") from None
+        raise ConfigError(f"tensor {key!r} has dtype {name}, which safetensors cannot hold", step=step,
+                          hint="cast it with --dtype (floating tensors only), or leave it out with --exclude "
+                               "or --key-prefix") from None
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,13 @@ class TensorSlot:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+def aligned_order(slots: Iterable[TensorSlot]) -> list[TensorSlot]:
+    """``slots`` in the order a file stores their data: larger elements first, otherwise as given. The
+    data starts at a multiple of 8 and element sizes are powers of two, so every tensor then starts at a
+    multiple of its element size, as the safetensors library writes files."""
+    return sorted(slots, key=lambda slot: -slot.dtype.itemsize)
 
 
 def header_bytes(slots: Iterable[TensorSlot], metadata: Mapping[str, str] | None = None) -> bytes:
@@ -90,6 +102,10 @@ def write_safetensors(path: Path, slots: list[TensorSlot], produce: Callable[[Te
     ``sync_directory=False``: the caller fsyncs the directory once after writing several files."""
     import torch
 
+    if sys.byteorder != "little":
+        raise ConfigError("safetensors files are little-endian and this host is big-endian; ckptd writes "
+                          "tensors' bytes as they are in memory", path=str(path),
+                          hint="export on a little-endian machine")
     output = AtomicFile(Path(path))
     try:
         output.write(header_bytes(slots, metadata))
@@ -114,5 +130,5 @@ def write_safetensors(path: Path, slots: list[TensorSlot], produce: Callable[[Te
 
 def save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None) -> int:
     """Write tensors already in memory to one safetensors file (atomically); returns the file's size."""
-    slots = [TensorSlot(key, tensor.dtype, tuple(tensor.shape)) for key, tensor in tensors.items()]
+    slots = aligned_order(TensorSlot(key, tensor.dtype, tuple(tensor.shape)) for key, tensor in tensors.items())
     return write_safetensors(path, slots, lambda slot: tensors[slot.key], metadata)
