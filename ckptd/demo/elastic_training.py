@@ -36,9 +36,13 @@ from ckptd.demo.training import BATCH, TokenModel, to_tensors, weights_digest
 from ckptd.format.hashing import chunk_digest
 
 
+def _tensor_digest(tensor: torch.Tensor) -> str:
+    return chunk_digest(tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
+
+
 def _optimizer_digest(optimizer: torch.optim.Optimizer) -> str:
-    parts = [chunk_digest(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy()) if isinstance(value, torch.Tensor)
-             else repr(value) for entry in optimizer.state_dict()["state"].values() for value in entry.values()]
+    parts = [_tensor_digest(value) if isinstance(value, torch.Tensor) else repr(value)
+             for entry in optimizer.state_dict()["state"].values() for value in entry.values()]
     return chunk_digest("".join(parts).encode())
 
 

@@ -6,7 +6,8 @@ Run as a child process by :mod:`ckptd.demo.runner`::
     python -m ckptd.demo.training --data MANIFEST --ckpt DIR --steps 60 --crash-at 37 --result OUT.json
 
 With ``--crash-at`` the process sends itself SIGKILL right after that training step, once the saves so
-far have reached the object tier (a real crash: no cleanup, no flush, and the steps after it are lost). Without a checkpoint directory it trains from scratch without saving. It writes
+far have reached the object tier (a real crash: no cleanup, no flush, and the steps after it are lost).
+Without a checkpoint directory it trains from scratch without saving. It writes
 the xxh3-128 digest of its final weights and the last random draws to the result file.
 """
 
