@@ -191,7 +191,7 @@ def test_a_tier_that_cannot_keep_up_bounds_the_interval():
     (lambda: Layout(dp=12, gpus_per_node=8), "not a multiple of --gpus-per-node 8"),
     (lambda: Layout.for_world(100, tp=8), "tp x pp = 8 does not divide the world size 100"),
     (lambda: Layout.for_world(64, tp=8, dp=3), "tp x pp x dp = 24 but the world size is 64"),
-    (lambda: StateBytes(moments=-1), "--moment-bytes must be a number >= 0"),
+    (lambda: StateBytes(moments=-1), "--moment-bytes must be a finite number >= 0"),
     (lambda: ParameterCount.flat(0), "the parameter count must be a positive number"),
     (lambda: shape_from_config({"hidden_size": 4096}, source="cfg.json"), "cfg.json: missing num_attention_heads"),
     (lambda: shape_from_config({**LLAMA2_7B, "num_key_value_heads": 5}), "not a multiple of num_key_value_heads"),
@@ -201,7 +201,7 @@ def test_a_tier_that_cannot_keep_up_bounds_the_interval():
     (lambda: shape_from_config({**LLAMA3_8B, "num_attention_heads": 24, "head_dim": 128}).check_tensor_parallel(6),
      "--tp 6 and the model's 8 key-value heads"),
     (lambda: shape_from_config({**MIXTRAL_8X7B, "n_shared_experts": 2}), "give --params and --expert-params"),
-    (lambda: Bandwidths(disk=0), "--disk-gbps must be a positive number"),
+    (lambda: Bandwidths(disk=0), "--disk-gb-per-s must be a positive number"),
     (lambda: Retention(keep_local=-1), "--keep-local must be an integer >= 0"),
 ])
 def test_bad_input_is_a_config_error_naming_the_option(make, says):

@@ -15,14 +15,14 @@ from ckptd.cli.main import cli
 LLAMA2_7B = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 11008, "vocab_size": 32000,
              "num_attention_heads": 32, "num_key_value_heads": 32, "tie_word_embeddings": False}
 
-#: Every key of schema 1, level by level (see ckptd.planning.plan).
+#: Every key of schema 2, level by level (see ckptd.planning.plan).
 SCHEMA_KEYS = {
     "": {"schema", "inputs", "checkpoint", "rank", "node", "stages", "staging", "tiers", "warnings"},
     "inputs": {"parameters", "expert_parameters", "parameters_from", "bytes_per_parameter", "layout", "dedup",
-               "bandwidths_gbps", "bandwidth_sources", "retention", "failures"},
+               "bandwidths_gb_per_s", "bandwidth_sources", "retention", "failures"},
     "inputs.bytes_per_parameter": {"weights", "grads", "master", "moments", "total"},
     "inputs.layout": {"tp", "pp", "dp", "ep", "zero_stage", "gpus_per_node", "world_size", "nodes"},
-    "inputs.bandwidths_gbps": {"d2h", "host_memcpy", "disk", "peer", "object", "object_job"},
+    "inputs.bandwidths_gb_per_s": {"d2h", "host_memcpy", "disk", "peer", "object", "object_job"},
     "inputs.bandwidth_sources": {"d2h", "host_memcpy", "disk", "peer", "object", "object_job"},
     "inputs.retention": {"keep_local", "keep_peer", "keep_remote"},
     "inputs.failures": {"mtbf_hours", "mtbf_from", "per_gpu_failures_per_hour", "restart_s"},
@@ -51,7 +51,7 @@ def _json(*args: str, env: dict[str, str] | None = None) -> dict:
 
 def test_the_json_schema_is_stable():
     document = _json("--params", "70e9", "--tp", "8", "--pp", "4", "--dp", "4", "--zero-stage", "1")
-    assert document["schema"] == 1
+    assert document["schema"] == 2
     for path, keys in SCHEMA_KEYS.items():
         node = document
         for part in filter(None, path.split(".")):
@@ -118,10 +118,10 @@ def test_warnings_say_what_the_plan_cannot_see():
 
 
 def test_given_bandwidths_win_and_say_so():
-    document = _json("--params", "7e9", "--disk-gbps", "2", env={"CKPTD_PLAN_OBJECT_GBPS": "1"})
+    document = _json("--params", "7e9", "--disk-gb-per-s", "2", env={"CKPTD_PLAN_OBJECT_GB_PER_S": "1"})
     sources = document["inputs"]["bandwidth_sources"]
     assert sources["disk"] == "given" and sources["object"] == "given" and sources["peer"] == "default"
-    assert document["inputs"]["bandwidths_gbps"]["object"] == 1.0
+    assert document["inputs"]["bandwidths_gb_per_s"]["object"] == 1.0
     assert document["tiers"]["local"]["write_seconds"] == pytest.approx(7e9 * 16 / 2e9)
 
 
@@ -148,7 +148,7 @@ def test_the_table_for_people():
     (("--params", "70e9", "--world-size", "100", "--tp", "8"), "does not divide the world size 100"),
     (("--params", "70e9", "--world-size", "64", "--tp", "8", "--dp", "3"), "but the world size is 64"),
     (("--params", "70e9", "--dp", "6", "--ep", "4"), "--ep 4 does not divide --dp 6"),
-    (("--params", "70e9", "--disk-gbps", "-1"), "--disk-gbps must be a positive number"),
+    (("--params", "70e9", "--disk-gb-per-s", "-1"), "--disk-gb-per-s must be a positive number"),
     (("--params", "70e9", "--keep-remote", "-2"), "--keep-remote must be an integer >= 0"),
     (("--params", "70e9", "--mtbf-hours", "0"), "--mtbf-hours must be a positive number"),
     (("--params", "70e9", "--mtbf-hours", "3", "--failures", "10"), "give the failure rate one way"),
@@ -157,12 +157,38 @@ def test_the_table_for_people():
     ((), "exactly one of --params COUNT and --config FILE"),
     (("--params", "70e9", "--local", "."), "add --measure"),
     (("--params", "70e9", "--config", "config.json"), "exactly one of --params COUNT and --config FILE"),
+    (("--params", "1e400"), "--params: '1e400' is more parameters than ckptd plan counts"),
+    (("--params", "70e9", "--expert-params", "1e400"), "--expert-params: '1e400' is more parameters"),
+    (("--params", "70e9", "--weight-bytes", "inf"), "--weight-bytes must be a finite number >= 0"),
+    (("--params", "70e9", "--restart-minutes", "-1"), "the restart time (--restart-minutes) must be"),
+    (("--params", "70e9", "--measure", "--measure-mib", "100000"), "--measure-mib must be between 1 and 4096"),
+    (("--params", "70e9", "--mtbf-hours", "3", "--days", "2"), "give the failure rate one way"),
 ])
 def test_bad_input_exits_2_with_one_line(args, says):
     result = _run(*args)
     assert result.exit_code == 2, result.output
     assert says in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.output
+
+
+def test_bandwidth_flags_are_gigabytes_per_second():
+    result = _run("--help")
+    assert result.exit_code == 0
+    for name in ("d2h", "host-memcpy", "disk", "peer", "object", "object-job"):
+        assert f"--{name}-gb-per-s" in result.stdout, name
+    assert "gbps" not in result.stdout.lower(), "Gbps reads as gigabits per second"
+    assert "not gigabits" in " ".join(result.stdout.split())
+    document = _json("--params", "1e9", "--peer-gb-per-s", "12.5", "--disk-gb-per-s", "100")
+    assert document["inputs"]["bandwidths_gb_per_s"]["peer"] == 12.5
+    assert document["tiers"]["peer"]["write_seconds"] == pytest.approx(16e9 / 12.5e9)  # 12.5e9 bytes/s
+
+
+def test_the_disk_probe_is_bounded_in_time_and_removed(tmp_path):
+    from ckptd.planning.measure import disk_gbps
+
+    assert disk_gbps(tmp_path, 1 << 30, deadline_s=0.0) > 0, "one 8 MiB piece, not the whole GiB"
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_bad_config_file_is_named(tmp_path):
@@ -189,8 +215,8 @@ def test_measure_here_writes_probes_and_removes_them(tmp_path, s3_server, s3_buc
     local.mkdir()
     document = _json("--params", "1e9", "--measure", "--local", str(local), "--measure-mib", "4",
                      "--measure-object", f"s3://{s3_bucket}/probe", "--endpoint-url", s3_server.endpoint_url,
-                     "--region", "us-east-1", "--peer-gbps", "7")
-    sources, gbps = document["inputs"]["bandwidth_sources"], document["inputs"]["bandwidths_gbps"]
+                     "--region", "us-east-1", "--peer-gb-per-s", "7")
+    sources, gbps = document["inputs"]["bandwidth_sources"], document["inputs"]["bandwidths_gb_per_s"]
     assert sources["host_memcpy"] == sources["disk"] == sources["object"] == "measured"
     assert sources["peer"] == "given" and gbps["peer"] == 7.0
     assert sources["d2h"] in {"measured", "default"}  # measured only where torch sees a CUDA device

@@ -18,6 +18,10 @@ import click
 from ckptd.cli.options import json_option, print_json, s3_options, storage_options
 
 _COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+#: Parameter counts at or above this are refused (a typo, or a float that overflowed to infinity).
+_MAX_COUNT = 1e18
+#: The most ``--measure-mib`` may move (host memory holds two buffers of it, the GPU one).
+_MAX_MEASURE_MIB = 4096
 #: The fleet record the issue cites (Llama 3 405B pre-training), used when no failure rate is given.
 _DEFAULT_FAILURES = (419.0, 54.0, 16384)
 _BANDWIDTH_HELP = {
@@ -32,25 +36,30 @@ _BANDWIDTH_HELP = {
 
 def _parse_count(value: str | None, option: str) -> int | None:
     """A parameter count: ``70e9``, ``70B``, ``6.74b``, ``175_000_000_000``."""
+    from ckptd.errors import ConfigError
+
     if value is None:
         return None
     match = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-zA-Z]?)\s*", value, flags=re.I)
     if not match or match.group(2).lower() not in _COUNT_SUFFIXES:
-        raise click.BadParameter(f"{value!r} is not a parameter count like 70e9 or 70B", param_hint=option)
-    count = round(float(match.group(1).replace("_", "")) * _COUNT_SUFFIXES[match.group(2).lower()])
+        raise ConfigError(f"{option}: {value!r} is not a parameter count like 70e9 or 70B")
+    scaled = float(match.group(1).replace("_", "")) * _COUNT_SUFFIXES[match.group(2).lower()]
+    if not scaled < _MAX_COUNT:
+        raise ConfigError(f"{option}: {value!r} is more parameters than ckptd plan counts (at most 1e18)")
+    count = round(scaled)
     if count < 1:
-        raise click.BadParameter(f"{value!r}: the count must be at least 1", param_hint=option)
+        raise ConfigError(f"{option}: {value!r}: the count must be at least 1")
     return count
 
 
 def _bandwidth_options(command: Any) -> Any:
     for name in reversed(list(_BANDWIDTH_HELP)):
         flag = name.replace("_", "-")
-        variable = f"CKPTD_PLAN_{name.upper()}_GBPS"
+        variable = f"CKPTD_PLAN_{name.upper()}_GB_PER_S"
         default = "" if name == "object_job" else " (default: see README)"
-        command = click.option(f"--{flag}-gbps", name, type=float, default=None, envvar=variable,
-                               help=f"GB/s (1e9 bytes/s, not bits), {_BANDWIDTH_HELP[name]}{default}. "
-                                    f"[env: {variable}]")(command)
+        command = click.option(f"--{flag}-gb-per-s", name, type=float, default=None, envvar=variable,
+                               help=f"GB/s: gigabytes (1e9 bytes) per second, not gigabits (a 100 Gbit/s link "
+                                    f"is 12.5), {_BANDWIDTH_HELP[name]}{default}. [env: {variable}]")(command)
     return command
 
 
@@ -92,7 +101,8 @@ def _bandwidth_options(command: Any) -> Any:
               help="With --measure: a directory on the local checkpoint disk.")
 @click.option("--measure-object", default=None, metavar="URL",
               help="With --measure: an s3:// URL to upload a probe object to (it is deleted).")
-@click.option("--measure-mib", type=int, default=256, show_default=True, help="MiB each measurement moves.")
+@click.option("--measure-mib", type=int, default=256, show_default=True,
+              help=f"MiB each measurement moves (1 to {_MAX_MEASURE_MIB}; a disk probe stops after 20 s).")
 @s3_options
 @click.option("--keep-local", type=int, default=2, show_default=True, help="Steps the local tier keeps.")
 @click.option("--keep-peer", type=int, default=1, show_default=True, help="Steps the peer tier keeps.")
@@ -146,15 +156,16 @@ def plan(params: str | None, config_path: str | None, tied_embeddings: bool | No
 def _parameters(params: str | None, config_path: str | None, tied_embeddings: bool | None,
                 expert_params: str | None, *, tp: int) -> tuple[Any, str]:
     """The model's :class:`~ckptd.planning.ParameterCount` and where it came from."""
+    from ckptd.errors import ConfigError
     from ckptd.planning import ParameterCount, load_config, shape_from_config
 
     if (params is None) == (config_path is None):
-        raise click.UsageError("give the model size: exactly one of --params COUNT and --config FILE")
+        raise ConfigError("give the model size: exactly one of --params COUNT and --config FILE")
     if config_path is None:
         return ParameterCount.flat(_parse_count(params, "--params") or 0,
                                    _parse_count(expert_params, "--expert-params") or 0), "--params"
     if expert_params is not None:
-        raise click.UsageError("--expert-params goes with --params; a --config counts its experts itself")
+        raise ConfigError("--expert-params goes with --params; a --config counts its experts itself")
     shape = shape_from_config(load_config(config_path), source=config_path, tied_embeddings=tied_embeddings)
     shape.check_tensor_parallel(tp)
     return shape.parameters(), f"config {click.format_filename(config_path)}"
@@ -163,15 +174,16 @@ def _parameters(params: str | None, config_path: str | None, tied_embeddings: bo
 def _mtbf(mtbf_hours: float | None, failures: float | None, days: float | None, gpus: int | None, *,
           job_gpus: int) -> tuple[float, float | None]:
     """(the job's MTBF in hours, the per-GPU failure rate it came from or None when given directly)."""
+    from ckptd.errors import ConfigError
     from ckptd.planning import job_mtbf_hours, per_gpu_failures_per_hour
 
     record = (failures, days, gpus)
     if mtbf_hours is not None:
         if any(value is not None for value in record):
-            raise click.UsageError("give the failure rate one way: --mtbf-hours, or --failures --days --gpus")
+            raise ConfigError("give the failure rate one way: --mtbf-hours, or --failures --days --gpus")
         return mtbf_hours, None
     if any(value is None for value in record) and any(value is not None for value in record):
-        raise click.UsageError("--failures, --days and --gpus go together (a fleet's interruptions, the days "
+        raise ConfigError("--failures, --days and --gpus go together (a fleet's interruptions, the days "
                                "they were seen over, and its GPU count)")
     fleet = _DEFAULT_FAILURES if failures is None else record
     return job_mtbf_hours(*fleet, job_gpus=job_gpus), per_gpu_failures_per_hour(*fleet)  # type: ignore[arg-type]
@@ -190,8 +202,8 @@ def _bandwidths(given: dict[str, float | None], *, measure: bool, local_dir: str
     if measure:
         from ckptd.planning import measure as probe
 
-        if nbytes < 1:
-            raise ConfigError("--measure-mib must be at least 1")
+        if not 1 <= nbytes >> 20 <= _MAX_MEASURE_MIB:
+            raise ConfigError(f"--measure-mib must be between 1 and {_MAX_MEASURE_MIB}, got {nbytes >> 20}")
         measured: dict[str, float | None] = {"host_memcpy": probe.host_memcpy_gbps(nbytes),
                                              "d2h": probe.device_to_host_gbps(nbytes)}
         if local_dir is not None:
@@ -253,7 +265,7 @@ def _print_plan(document: dict[str, Any]) -> None:
     console.print(table)
     staging = document["staging"]
     console.print(f"staging stall: {_duration(staging['seconds'])} ({staging['bound']} bound)")
-    gbps, sources = inputs["bandwidths_gbps"], inputs["bandwidth_sources"]
+    gbps, sources = inputs["bandwidths_gb_per_s"], inputs["bandwidth_sources"]
     console.print("bandwidths, GB/s: " + ", ".join(
         f"{name.replace('_', ' ')} {value:.3g} ({sources[name]})" for name, value in gbps.items() if value is not None))
     tiers = Table("tier", "durable", "restore", "kept/node", "job total", "every", "Young", "lost",

@@ -37,8 +37,8 @@ _FLAGS = {"weights": "--weight-bytes", "grads": "--grad-bytes", "master": "--mas
 
 
 def _check_non_negative(owner: str, name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value < 0:
-        raise ConfigError(f"{owner}: {name} must be a number >= 0, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{owner}: {name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)

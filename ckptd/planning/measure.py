@@ -1,17 +1,19 @@
 """Bandwidths measured on this machine for ``ckptd plan --measure``: short, bounded runs of a few hundred MiB.
 
 - host memory: one process copying a buffer (numpy), the median of ``repeats`` copies. This is one copier;
-  a node's ranks copy in parallel, so the node's figure is usually higher (give ``--host-memcpy-gbps``);
+  a node's ranks copy in parallel, so the node's figure is usually higher (give ``--host-memcpy-gb-per-s``);
 - device to host: a pinned copy from the first CUDA device, when torch sees one (else not measured);
-- disk: writing ``nbytes`` to a file in ``--local DIR`` in 8 MiB pieces, then fsync; the file is removed;
+- disk: writing ``nbytes`` to a file in ``--local DIR`` in 8 MiB pieces (stopping after about 20 s on a
+  slow disk), then fsync; the file is removed;
 - object store: one upload of ``nbytes`` to the given URL through ckptd's tier (the same client a save
-  uses), then the object is deleted.
+  uses), then the object is deleted (also when the upload failed).
 
 Each function returns GB/s (1e9 bytes/s). Main thread; each run is one pass over ``nbytes``.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
@@ -19,7 +21,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ckptd.errors import ConfigError, StorageError
+from ckptd.errors import CkptdError, ConfigError, StorageError
+
+log = logging.getLogger(__name__)
 
 _PIECE = 8 << 20
 
@@ -60,8 +64,9 @@ def device_to_host_gbps(nbytes: int, *, repeats: int = 3) -> float | None:
     return nbytes / statistics.median(times) / 1e9
 
 
-def disk_gbps(directory: str | Path, nbytes: int) -> float:
-    """GB/s of writing ``nbytes`` into ``directory`` and fsyncing it (the probe file is removed after)."""
+def disk_gbps(directory: str | Path, nbytes: int, *, deadline_s: float = 20.0) -> float:
+    """GB/s of writing ``nbytes`` into ``directory`` and fsyncing it (the probe file is removed after);
+    a slow disk stops after about ``deadline_s`` seconds and the bytes written by then count."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ConfigError("--local must name an existing directory to measure its disk", path=str(directory))
@@ -70,17 +75,17 @@ def disk_gbps(directory: str | Path, nbytes: int) -> float:
     try:
         start = time.perf_counter()
         with open(path, "wb", buffering=0) as handle:
-            left = nbytes
-            while left > 0:
-                left -= handle.write(piece[:min(left, len(piece))])
+            written = 0
+            while written < nbytes and (not written or time.perf_counter() - start < deadline_s):
+                written += handle.write(piece[:min(nbytes - written, len(piece))])
             os.fsync(handle.fileno())
         elapsed = time.perf_counter() - start
     except OSError as exc:
         raise StorageError(f"cannot write the disk probe: {exc.strerror or exc}", path=str(path), tier="local",
-                           hint="give --disk-gbps instead of measuring") from exc
+                           hint="give --disk-gb-per-s instead of measuring") from exc
     finally:
         path.unlink(missing_ok=True)
-    return nbytes / elapsed / 1e9
+    return written / elapsed / 1e9
 
 
 def object_gbps(url: str, nbytes: int, *, storage_options: dict[str, Any] | None = None) -> float:
@@ -94,7 +99,11 @@ def object_gbps(url: str, nbytes: int, *, storage_options: dict[str, Any] | None
         start = time.perf_counter()
         tier.write_bytes(name, data)
         elapsed = time.perf_counter() - start
-        tier.delete_files([name])
     finally:
-        tier.close()
+        try:
+            tier.delete_files([name])  # also after a failed or interrupted upload that may have landed
+        except CkptdError as error:
+            log.warning("could not delete the object probe %s: %s", name, error)
+        finally:
+            tier.close()
     return nbytes / elapsed / 1e9

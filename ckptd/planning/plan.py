@@ -24,13 +24,14 @@ stall's overhead, the expected recomputation (half a segment plus the tier's dur
 (``restart_s`` plus the restore from that tier), per failure. Not modelled: compute slowed by background
 writes, compression, and steps that share unchanged chunks.
 
-JSON schema 1 (``Plan.as_json``; keys are stable, new keys may be added, removals bump ``schema``)::
+JSON schema 2 (``Plan.as_json``; keys are stable, new keys may be added, removals bump ``schema``; 2
+renamed schema 1's ``bandwidths_gbps``, whose values were GB/s and not the gigabits "Gbps" suggests)::
 
-    schema: 1
+    schema: 2
     inputs: {parameters, expert_parameters, parameters_from,
              bytes_per_parameter: {weights, grads, master, moments, total},
              layout: {tp, pp, dp, ep, zero_stage, gpus_per_node, world_size, nodes},
-             dedup, bandwidths_gbps: {d2h, host_memcpy, disk, peer, object, object_job},
+             dedup, bandwidths_gb_per_s: {d2h, host_memcpy, disk, peer, object, object_job},
              bandwidth_sources: {same keys: "default" | "given" | "measured"},
              retention: {keep_local, keep_peer, keep_remote},
              failures: {mtbf_hours, mtbf_from, per_gpu_failures_per_hour, restart_s}}
@@ -61,7 +62,7 @@ from ckptd.planning.failures import LostTime, daly_interval_s, lost_fraction, yo
 from ckptd.planning.layout import CheckpointSplit, Layout, StateBytes, split_checkpoint, whole_bytes
 from ckptd.planning.model import ParameterCount
 
-SCHEMA = 1
+SCHEMA = 2
 _GB = 1e9
 #: Bandwidths used when neither given nor measured, GB/s (see README "ckptd plan"): one PCIe Gen4 x16
 #: link's pinned copy per GPU, a two-socket server's host memory, one NVMe drive, a 100 Gbit/s link to the
@@ -90,7 +91,7 @@ class Bandwidths:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
-                raise ConfigError(f"bandwidth: --{name.replace('_', '-')}-gbps must be a positive number of GB/s, "
+                raise ConfigError(f"bandwidth: --{name.replace('_', '-')}-gb-per-s must be a positive number of GB/s, "
                                   f"got {value!r}")
 
 
@@ -130,7 +131,8 @@ class PlanInputs:
                 or not math.isfinite(self.mtbf_hours) or self.mtbf_hours <= 0:
             raise ConfigError(f"failures: --mtbf-hours must be a positive number, got {self.mtbf_hours!r}")
         if not isinstance(self.restart_s, (int, float)) or not math.isfinite(self.restart_s) or self.restart_s < 0:
-            raise ConfigError(f"failures: the restart time must be >= 0 seconds, got {self.restart_s!r}")
+            raise ConfigError(f"failures: the restart time (--restart-minutes) must be a finite number >= 0, got "
+                              f"{self.restart_s!r} s")
 
 
 @dataclass(frozen=True)
@@ -179,7 +181,7 @@ class Plan:
                            "zero_stage": layout.zero_stage, "gpus_per_node": layout.gpus_per_node,
                            "world_size": layout.world_size, "nodes": layout.nodes},
                 "dedup": i.dedup,
-                "bandwidths_gbps": {name: getattr(b, name) for name in DEFAULT_GBPS},
+                "bandwidths_gb_per_s": {name: getattr(b, name) for name in DEFAULT_GBPS},
                 "bandwidth_sources": {name: b.sources.get(name, "default") for name in DEFAULT_GBPS},
                 "retention": {"keep_local": i.retention.keep_local, "keep_peer": i.retention.keep_peer,
                               "keep_remote": i.retention.keep_remote},
