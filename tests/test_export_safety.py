@@ -1,7 +1,8 @@
 """``ckptd export``'s output directory and file layout: the current directory is never replaced, a
 temporary left by a killed export (real SIGKILL) is removed by the next one unless a live export holds
 it, every tensor's data starts at a multiple of its element size, float8_e8m0fnu is written as
-``F8_E8M0``, and a dtype error names the step."""
+``F8_E8M0``, a dtype error names the step, and ``ckptd restore`` to one safetensors file refuses two
+entries with one dotted key instead of dropping one."""
 
 from __future__ import annotations
 
@@ -157,3 +158,18 @@ def test_a_big_endian_host_is_refused(tmp_path: Path, monkeypatch: pytest.Monkey
     with pytest.raises(ConfigError, match="big-endian"):
         save_tensors(tmp_path / "x.safetensors", {"w": torch.ones(2)})
     assert list(tmp_path.iterdir()) == []
+
+
+def test_restore_to_safetensors_refuses_two_entries_with_one_key(tmp_path: Path) -> None:
+    with ckptd.CheckpointManager(tmp_path / "ckpt", capture_rng=False) as manager:
+        manager.save(3, {"a.b": torch.ones(2), "a": {"b": torch.zeros(2)}, "c": torch.arange(2)}, force=True)
+    out = tmp_path / "rank0.safetensors"
+    result = CliRunner().invoke(cli, ["restore", str(tmp_path / "ckpt"), "--step", "3", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    assert "two entries of the state export to the key 'a.b'" in result.output and "step 3" in result.output
+    assert not out.exists()
+    whole = tmp_path / "rank0.pt"
+    result = CliRunner().invoke(cli, ["restore", str(tmp_path / "ckpt"), "--step", "3", "--out", str(whole)])
+    assert result.exit_code == 0, result.output
+    state = torch.load(whole, weights_only=True)
+    assert torch.equal(state["a.b"], torch.ones(2)) and torch.equal(state["a"]["b"], torch.zeros(2))

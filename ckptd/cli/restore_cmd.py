@@ -11,23 +11,32 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ckptd.cli.options import open_cli_tier, s3_options
-from ckptd.errors import NotFoundError
+from ckptd.errors import ConfigError, NotFoundError
 
 if TYPE_CHECKING:
     import torch
 
 
-def _flatten_tensors(value: Any, prefix: str, tensors: dict[str, torch.Tensor], other: dict[str, Any]) -> None:
+def _flatten_tensors(value: Any, prefix: str, tensors: dict[str, torch.Tensor], other: dict[str, Any], *,
+                     unique: bool = True) -> None:
+    """The leaves of a rebuilt state under dotted keys (as ``ckptd export`` names them). ``unique``:
+    ConfigError when two entries get one key (``{"a.b": x, "a": {"b": y}}``), which one file of keys
+    cannot hold."""
     import torch
 
+    if unique and (isinstance(value, torch.Tensor) or not isinstance(value, (dict, list, tuple))):
+        if prefix in tensors or prefix in other:
+            raise ConfigError(f"two entries of the state export to the key {prefix!r}",
+                              hint="keys are the state's paths joined with dots; rename one of the two entries, "
+                                   "or restore with --format torch")
     if isinstance(value, torch.Tensor):
         tensors[prefix] = value.contiguous()
     elif isinstance(value, dict):
         for key, child in value.items():
-            _flatten_tensors(child, f"{prefix}.{key}" if prefix else str(key), tensors, other)
+            _flatten_tensors(child, f"{prefix}.{key}" if prefix else str(key), tensors, other, unique=unique)
     elif isinstance(value, (list, tuple)):
         for i, child in enumerate(value):
-            _flatten_tensors(child, f"{prefix}.{i}", tensors, other)
+            _flatten_tensors(child, f"{prefix}.{i}" if prefix else str(i), tensors, other, unique=unique)
     else:
         other[prefix] = value if isinstance(value, (str, int, float, bool, type(None))) else repr(value)
 
@@ -39,12 +48,15 @@ def write_rank_file(state: Any, out: Path, fmt: str, step: int) -> int:
     if fmt == "torch":
         torch.save(state, out)
         tensors: dict[str, torch.Tensor] = {}
-        _flatten_tensors(state, "", tensors, {})
+        _flatten_tensors(state, "", tensors, {}, unique=False)
         return len(tensors)
     from ckptd.export import save_tensors
 
     tensors, other = {}, {}
-    _flatten_tensors(state, "", tensors, other)
+    try:
+        _flatten_tensors(state, "", tensors, other)
+    except ConfigError as error:
+        raise ConfigError(error.message, path=str(out), step=step, hint=error.hint) from None
     save_tensors(out, tensors, metadata={"format": "pt", "ckptd_step": str(step), "ckptd_values": json.dumps(other)})
     return len(tensors)
 
