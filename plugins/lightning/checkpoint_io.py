@@ -24,8 +24,10 @@ when ``save_top_k`` drops one, ``teardown()`` at the end of a stage. This one ma
 With several processes (DDP), Lightning saves and removes on global rank 0 only, and loads on every rank:
 rank 0 restores from the tiers and hands the checkpoint to the other ranks over the process group
 (``broadcast_object_list``, as Lightning's own strategies share objects between the job's processes); the
-other ranks never open the checkpoint directory. A failure on rank 0 is raised on every rank. The RNG
-states saved are rank 0's, restored on rank 0.
+other ranks never open the checkpoint directory. A failure on rank 0 is raised on every rank. Every rank's
+RNG states are saved and each rank gets its own back: :class:`ckptd.plugins.lightning.rank_rng.CkptdRankRNG`,
+a callback Lightning adds to every Trainer through ckptd's ``lightning.pytorch.callbacks_factory`` entry
+point, gathers them while Lightning builds the checkpoint (on every rank).
 
 Nothing is pickled: values that need pickle (an object in ``hyper_parameters``) raise
 ``PickleRefusedError`` naming the entry unless ``allow_pickle=True`` (then loading needs it too). The
@@ -93,6 +95,7 @@ class CkptdCheckpointIO(CheckpointIO):
         super().__init__()
         self.local = os.fspath(local)
         self.remote = remote
+        self.capture_rng = capture_rng
         self._manager_options: dict[str, Any] = {
             "remote": remote, "storage_options": storage_options, "codec": codec, "capture_rng": capture_rng,
             "allow_pickle": allow_pickle, "daemon": daemon, "repopulate_local": repopulate_local}

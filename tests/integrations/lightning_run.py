@@ -28,10 +28,16 @@ STEPS_PER_EPOCH = SAMPLES // BATCH
 
 
 class TinyModel(L.LightningModule):
-    def __init__(self, width: int = 16) -> None:
+    def __init__(self, width: int = 16, dropout: float = 0.0, rank_seed: int | None = None) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Linear(width, 1))
+        self.rank_seed = rank_seed
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Tanh(), torch.nn.Dropout(dropout),
+                                       torch.nn.Linear(width, 1))
+
+    def setup(self, stage: str) -> None:  # per-rank randomness (dropout masks differ between the ranks)
+        if self.rank_seed is not None:
+            torch.manual_seed(self.rank_seed + self.global_rank)
 
     def training_step(self, batch, batch_index):
         inputs, targets = batch
@@ -71,8 +77,9 @@ class BlockAfter(Callback):
 
     def on_train_batch_start(self, trainer, *args) -> None:  # ModelCheckpoint saved at the previous batch's end
         if trainer.global_step == self.step:
-            self.io.manager.wait()
-            self.ready.write_text(str(self.step))
+            if trainer.is_global_zero:  # the one rank that saves
+                self.io.manager.wait()
+                self.ready.write_text(str(self.step))
             while True:
                 time.sleep(1)
 
@@ -83,7 +90,7 @@ def main(config: dict) -> None:
     out = Path(config["out"])
     io = CkptdCheckpointIO(config["local"], remote=config.get("remote"),
                            storage_options=config.get("storage_options"))
-    checkpoints = ModelCheckpoint(dirpath=config["dirpath"], every_n_train_steps=STEPS_PER_EPOCH, save_top_k=1,
+    checkpoints = ModelCheckpoint(dirpath=config["dirpath"], every_n_train_steps=config.get("every", STEPS_PER_EPOCH), save_top_k=1,
                                   save_last=True)
     callbacks: list[Callback] = [checkpoints]
     if config.get("block_after_step"):
@@ -92,7 +99,7 @@ def main(config: dict) -> None:
     trainer = L.Trainer(max_epochs=config["max_epochs"], plugins=[io], callbacks=callbacks, deterministic=True,
                         accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", logger=False, enable_progress_bar=False,
                         enable_model_summary=False, default_root_dir=str(out))
-    model, data = TinyModel(), TinyData()
+    model, data = TinyModel(dropout=config.get("dropout", 0.0), rank_seed=config.get("rank_seed")), TinyData()
     started: dict = {}
 
     class Started(Callback):

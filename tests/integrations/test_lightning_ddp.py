@@ -1,0 +1,77 @@
+"""Lightning DDP (2 gloo ranks on CPU) through ``CkptdCheckpointIO``: every rank gets its own RNG back.
+
+The model has dropout, seeded differently on each rank, so each rank draws its own masks. The job is
+SIGKILLed (the whole process group, both ranks) right after a committed save, resumed in new processes
+with ``ckpt_path="last"``, and must end with the weights of an uninterrupted 2-rank run, bit for bit: a
+rank that resumed with another RNG state than it had at the save draws other masks, which changes the
+averaged gradients. CPU arithmetic with one thread and a two-rank gloo all-reduce is reproducible.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptd.format.layout import MANIFEST_NAME, step_dir
+from ckptd.testing.compare import state_differences
+
+RUN = Path(__file__).with_name("lightning_run.py")
+STEPS_PER_EPOCH = 4  # 64 samples, batches of 8, split over 2 ranks
+EPOCHS = 3
+
+
+def _config(root: Path, **extra: Any) -> dict[str, Any]:
+    root.mkdir(parents=True, exist_ok=True)
+    return {"out": str(root), "local": str(root / "ckpt"), "dirpath": str(root / "lightning"), "devices": 2,
+            "max_epochs": EPOCHS, "every": STEPS_PER_EPOCH, "dropout": 0.5, "rank_seed": 100, **extra}
+
+
+def _start(config: dict[str, Any]) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    env.pop("MASTER_PORT", None)
+    return subprocess.Popen([sys.executable, str(RUN), json.dumps(config)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _finish(child: subprocess.Popen[bytes], config: dict[str, Any]) -> dict[str, Any]:
+    output, _ = child.communicate(timeout=300)
+    assert child.returncode == 0, output.decode()[-4000:]
+    return json.loads((Path(config["out"]) / "summary.json").read_text())
+
+
+def _weights(config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return torch.load(Path(config["out"]) / "weights.pt", weights_only=True)
+
+
+def test_ddp_ranks_with_their_own_dropout_resume_bit_for_bit_after_sigkill(tmp_path: Path) -> None:
+    reference_config = _config(tmp_path / "reference")
+    reference = _start(reference_config)  # the uninterrupted run, alongside the one that is killed
+    killed_at = STEPS_PER_EPOCH
+    config = _config(tmp_path / "killed", block_after_step=killed_at)
+    child = _start(config)
+    manifest = Path(config["local"]) / step_dir(killed_at) / MANIFEST_NAME
+    deadline = time.monotonic() + 240
+    while not ((tmp_path / "killed" / "ready").exists() and manifest.exists()):
+        assert child.poll() is None, child.communicate()[0].decode()[-4000:]
+        assert time.monotonic() < deadline, "the job never committed the step"
+        time.sleep(0.1)
+    os.killpg(child.pid, signal.SIGKILL)  # both ranks: the whole job is lost at once
+    child.wait(timeout=30)
+    assert child.returncode == -signal.SIGKILL
+
+    resumed = _finish(_start(_config(tmp_path / "killed", ckpt_path="last")), config)
+    assert resumed["started"]["restored_step"] == killed_at
+    assert resumed["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    rank_one = json.loads((tmp_path / "killed" / "summary-rank1.json").read_text())
+    assert rank_one["started"]["global_step"] == killed_at and not rank_one["opened_manager"]
+    uninterrupted = _finish(reference, reference_config)
+    assert uninterrupted["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    assert state_differences(_weights(config), _weights(reference_config)) == []
