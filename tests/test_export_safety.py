@@ -173,3 +173,32 @@ def test_restore_to_safetensors_refuses_two_entries_with_one_key(tmp_path: Path)
     assert result.exit_code == 0, result.output
     state = torch.load(whole, weights_only=True)
     assert torch.equal(state["a.b"], torch.ones(2)) and torch.equal(state["a"]["b"], torch.zeros(2))
+
+
+def test_two_large_tensors_in_a_row_are_never_held_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import weakref
+
+    import ckptd.export.assembly as assembly
+
+    big = {f"layer{number}": torch.randn(256, 1024, generator=torch.Generator().manual_seed(number))
+           for number in range(3)}  # 1 MiB each, over the 500 kB shard size: none is read ahead
+    with ckptd.CheckpointManager(tmp_path / "ckpt", capture_rng=False) as manager:
+        manager.save(1, {"model": big}, force=True)
+    live, peak = [0], [0]
+
+    def tracked(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buffer = real(shape, dtype)
+        size = buffer.numel() * buffer.element_size()
+        live[0] += size
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(buffer, lambda: live.__setitem__(0, live[0] - size))
+        return buffer
+
+    real = assembly.aligned_empty
+    monkeypatch.setattr(assembly, "aligned_empty", tracked)
+    export_safetensors(str(tmp_path / "ckpt"), 1, tmp_path / "out", ExportOptions(key_prefix="model",
+                                                                                max_shard_size="500kB"))
+    assert peak[0] == 256 * 1024 * 4, "one large tensor in memory at a time"
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    for key, name in index["weight_map"].items():
+        assert _same(load_file(str(tmp_path / "out" / name))[key], big[key])

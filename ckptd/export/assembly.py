@@ -72,7 +72,7 @@ class TensorFeed:
     Tensors are read into two reusable buffers, taken in turn, so that fresh memory is not faulted in
     for every tensor; :meth:`take` returns the tensor at ``position`` (0, 1, 2, ... in order) and starts
     reading the one after it, unless that one is larger than ``prefetch_limit`` bytes. Memory holds at
-    most the tensor being written and the next one. The returned tensor is valid until the next
+    most the tensor being written and the next one, and never two tensors larger than ``prefetch_limit``. The returned tensor is valid until the next
     :meth:`take`. Call :meth:`close` when done or after a failure (it waits for reads in flight).
     Thread: one caller thread; the chunks are read on the ``ckptd-read`` pool."""
 
@@ -87,7 +87,8 @@ class TensorFeed:
         if position != self._started and position != self._started + 1:
             raise ValueError(f"TensorFeed.take({position}) out of order")
         try:
-            if position > self._started:
+            if position > self._started:  # not read ahead (too large): the previous tensor's buffer goes first
+                self._release_large((position + 1) % 2)
                 self._start(position)
             settle_all(self.readers)
             following = position + 1
@@ -102,6 +103,13 @@ class TensorFeed:
         """Wait until no read is in flight (failures are not raised) and release the buffers."""
         settle_all(self.readers, raise_errors=False)
         self._buffers = [None, None]
+
+    def _release_large(self, slot: int) -> None:
+        """Drop a buffer larger than the read-ahead limit, so that two large tensors in a row are never held
+        at once (a small buffer is kept for reuse)."""
+        buffer = self._buffers[slot]
+        if buffer is not None and buffer.numel() > self.prefetch_limit:
+            self._buffers[slot] = None
 
     def _start(self, position: int) -> None:
         buffer = self._buffers[position % 2]

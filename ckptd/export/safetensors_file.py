@@ -117,9 +117,10 @@ def write_safetensors(path: Path, slots: list[TensorSlot], produce: Callable[[Te
             if slot.nbytes:
                 data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
                 output.write(memoryview(data))
+                del data
             if progress is not None:
                 progress(slot.nbytes)
-            del tensor
+            del tensor  # before the next is produced: the producer may free or reuse its memory
         size = output.size
         output.commit(sync_directory=sync_directory)
     except BaseException:
