@@ -202,3 +202,14 @@ def test_two_large_tensors_in_a_row_are_never_held_at_once(tmp_path: Path, monke
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     for key, name in index["weight_map"].items():
         assert _same(load_file(str(tmp_path / "out" / name))[key], big[key])
+
+
+def test_a_shard_size_in_bits_is_refused_not_read_as_bytes() -> None:
+    from ckptd.export.hf_layout import parse_shard_size
+
+    for bits in ("5Gb", "500mb", "2kb", "8b"):
+        with pytest.raises(ConfigError, match="Hugging Face reads as bits"):
+            parse_shard_size(bits)
+    assert parse_shard_size("5GB") == parse_shard_size("5gB") == 5 * 10**9
+    assert parse_shard_size("2gib") == parse_shard_size("2GiB") == 2 * 2**30
+    assert parse_shard_size("500kB") == 500 * 10**3

@@ -7,7 +7,8 @@ that gets a file of its own) plus ``model.safetensors.index.json``::
     {"metadata": {"total_size": <bytes of all tensors>}, "weight_map": {"<key>": "<file name>", ...}}
 
 which is what ``transformers``' ``from_pretrained`` and other safetensors readers expect. Sizes follow
-Hugging Face's convention: ``5GB`` is 5 * 10**9 bytes, ``5GiB`` 5 * 2**30.
+Hugging Face's convention: ``5GB`` is 5 * 10**9 bytes, ``5GiB`` 5 * 2**30; ``5Gb``, which Hugging Face
+reads as gigabits, is refused rather than read another way.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def parse_shard_size(text: str | int) -> int:
         match = _SIZE.fullmatch(text)
         if not match or match.group(2).lower() not in _UNITS:
             raise ConfigError(f"{text!r} is not a size", hint="write it like 5GB, 500MB, 2GiB or a number of bytes")
+        if match.group(2).endswith("b") and not match.group(2).lower().endswith("ib"):
+            raise ConfigError(f"{text!r} ends in a lowercase b, which Hugging Face reads as bits (5Gb = 625MB)",
+                              hint=f"write {match.group(1)}{match.group(2)[:-1].upper()}B for bytes")
         size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
     if size < 1:
         raise ConfigError(f"the maximum shard size must be at least one byte, got {text!r}")
