@@ -197,15 +197,23 @@ class _BeatingManager(CheckpointManager):
         before = self._saver.memory
         try:
             saved = super().save(step, state, force=force)
-        except BaseException:  # it may have staged part of the state over the older copy
-            self._older = None
+        except BaseException:
+            staged = self._saver.memory
+            if staged is not None and staged.step == step:  # staged and handed to the writer: the error is
+                self._keep_older(before, step)               # an earlier save's, re-raised after it
+            else:  # it may have staged part of the state over the older copy
+                self._older = None
             raise
-        if saved:  # the next save stages into the other buffers: these keep this one's copy until then
-            self._older = before
-            self._saver.stager, self._spare_stager = self._spare_stager, self._saver.stager
-            kept = before.step if before is not None else step
-            self._committed_here.difference_update([done for done in list(self._committed_here) if done < kept])
+        if saved:
+            self._keep_older(before, step)
         return saved
+
+    def _keep_older(self, before: MemoryCopy | None, step: int) -> None:
+        """``step`` is staged: the next save stages into the other buffers, these keep ``before`` until then."""
+        self._older = before
+        self._saver.stager, self._spare_stager = self._spare_stager, self._saver.stager
+        kept = before.step if before is not None else step
+        self._committed_here.difference_update([done for done in list(self._committed_here) if done < kept])
 
     def _memory_copies(self) -> tuple[MemoryCopy, ...]:
         older = self._older

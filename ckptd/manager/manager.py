@@ -28,6 +28,7 @@ from ckptd.manager.daemon_handoff import (DaemonHandoff, SharedLoss, leftover_pi
 from ckptd.manager.daemon_link import DaemonLink
 from ckptd.promotion.lag import PromotionLag, promotion_lag
 from ckptd.promotion.pinning import PIN_DIRECTORY
+from ckptd.manager.interrupted_commit import complete_interrupted_commit
 from ckptd.manager.restoring import RestoreResult, TierListings, restore_state
 from ckptd.manager.saving import MemoryCopy, Saver
 from ckptd.tiers.base import StorageTier
@@ -335,12 +336,17 @@ class CheckpointManager:
             raise
         except CkptdError as error:  # a failed save must not prevent recovery; restore picks another step
             log.warning("an earlier background save failed on rank %d: %s", self.rank, error)
+        memory = self._memory_copies()
+        if step is None and keys is None:  # a dead rank's unfinished commit is finished first
+            finished = complete_interrupted_commit(self.local, self.coordinator, self.sharing)
+            memory = tuple(MemoryCopy(copy.step, copy.values, copy.staged, committed=True)
+                           if copy.step == finished else copy for copy in memory)
         listings = TierListings(self.tiers)  # each tier listed once; one that does not answer is skipped
         if self._remote_sync is not None and keys is None:  # a partial restore reads too little to fetch ahead
             self._remote_sync.before_restore(step, listings)
         result = restore_state(self.tiers, state, rank=self.rank, world_size=self.world_size, step=step,
                                allow_pickle=self.allow_pickle, restore_rng=self.capture_rng,
-                               coordinator=self.coordinator, memory=self._memory_copies(), listings=listings,
+                               coordinator=self.coordinator, memory=memory, listings=listings,
                                keys=keys, layout=self.layout)
         earlier, self.last_restore = self.last_restore, result
         if keys is not None:  # the full restore that follows prepares staging, sets aside, re-populates

@@ -8,7 +8,9 @@ repeated a batch shows in them.
 
 With ``--kill-rank R --kill-step S`` rank R sends itself ``--kill-signal`` (KILL, or STOP for a hang)
 at step S of the first generation, ``--kill-phase`` before the step's collectives, before or after that
-step's save, before it once the earlier saves are committed, or once that save is committed; with ``--kill-generations N`` also at the first step of generations 1 to N-1 (a crash loop). Each rank writes,
+step's save, before it once the earlier saves are committed, once that save is committed, or
+(``before-commit-marker``) from its writer thread once that save is agreed and committed in every other
+rank's directory, before it writes its own commit marker; with ``--kill-generations N`` also at the first step of generations 1 to N-1 (a crash loop). Each rank writes,
 for every generation it joins, ``rank<r>-gen<g>.json`` (pid, restored step, tier, its OS threads and open files, wall-clock times of
 entering the generation, of the restore and of its first completed step; the victim also writes
 ``rank<r>-killed.json`` just before the signal) and at the end
@@ -39,6 +41,7 @@ import torch.distributed as dist
 import ckptd
 from ckptd import elastic
 from ckptd.elastic import keys as elastic_keys
+from ckptd.format.layout import MANIFEST_NAME, step_file
 
 SAMPLES = 96
 BATCH_PER_RANK = 4
@@ -103,6 +106,26 @@ def _save(manager: ckptd.CheckpointManager, step: int, state: dict[str, Any], *,
     return saved
 
 
+def _die_before_commit_marker(manager: ckptd.CheckpointManager, step: int, others: list[Path]) -> None:
+    """The fault of ``--kill-phase before-commit-marker``: this rank's writer SIGKILLs the process once the
+    commit of ``step`` is agreed and the other ranks' directories (``others``) hold it committed, just before
+    it writes its own commit marker (a moment no signal sent from outside can hit). Wraps the real commit."""
+    commit = manager._saver._commit
+    real = commit.commit
+
+    def dying(at: int, manifest_bytes: bytes, **options: Any) -> None:
+        if at == step:
+            deadline = time.monotonic() + 60.0
+            while not all((other / step_file(step, MANIFEST_NAME)).exists() for other in others):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"step {step} was not committed by the other ranks within 60 s")
+                time.sleep(0.01)
+            _signal_self("KILL")
+        real(at, manifest_bytes, **options)
+
+    commit.commit = dying  # type: ignore[method-assign]
+
+
 def _setup(args: argparse.Namespace) -> dict[str, Any]:
     """What the job builds before it knows its rank (``setup_fn``): a warm spare has it ready."""
     torch.manual_seed(args.seed)
@@ -133,6 +156,9 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
     entered = time.time()
     manager = ctx.checkpoint_manager(Path(args.root) / f"rank{ctx.rank}",
                                      policy=ckptd.Policy(every_steps=args.every, keep_local=3))
+    if ctx.rank == args.kill_rank and ctx.generation == 0 and args.kill_phase == "before-commit-marker":
+        _die_before_commit_marker(manager, args.kill_step, [Path(args.root) / f"rank{other}"
+                                                           for other in range(ctx.world_size) if other != ctx.rank])
     start = manager.restore(state)
     out = Path(args.out)
     record = {"pid": os.getpid(), "generation": ctx.generation, "restored": start, "restart_count": ctx.restart_count,
@@ -197,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-step", type=int, default=-1)
     parser.add_argument("--kill-signal", choices=("KILL", "STOP"), default="KILL")
     parser.add_argument("--kill-phase", choices=("before-step", "before-save", "before-save-committed", "after-save",
-                                                       "after-commit"), default="after-save")
+                                                       "after-commit", "before-commit-marker"),
+                        default="after-save")
     parser.add_argument("--kill-generations", type=int, default=1)
     parser.add_argument("--kill-when-spare-ready", action="store_true")
     parser.add_argument("--poison-rank", type=int, default=-1)
