@@ -1,5 +1,6 @@
 """The README demo end to end: a real SIGKILL, a resume, bit-for-bit equality; then 2 ranks under ``ckptd
-launch``, one SIGKILLed, only it restarted, and the recovered run equal to the uninterrupted one."""
+launch`` with a warm spare, one SIGKILLed, only it replaced (by the spare), and the recovered run equal to the
+uninterrupted one."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ def test_demo_crashes_resumes_and_matches(tmp_path: Path) -> None:
     assert "resumed from step" in completed.stdout and "read from object" in completed.stdout
     assert "result: resumed run vs uninterrupted run: samples, weights and RNG streams EQUAL, bit for bit" \
         in completed.stdout
-    assert "the supervisor restarted only rank 1 (pid " in completed.stdout
+    assert "ckptd launch: handed rank 1 to warm spare 0 (pid " in completed.stdout
+    assert "the supervisor replaced only rank 1, by a warm spare (pid " in completed.stdout
     assert re.search(r"restored step 12: rank 1 from local \S+, rank 0 from memory; steps lost: 1; time to recover "
                      r"\(SIGKILL to the next completed step\): \d+\.\d\d s", completed.stdout), completed.stdout
     assert "result: elastic run with a killed rank vs uninterrupted run: samples, weights and optimizer state of " \

@@ -20,13 +20,15 @@ import click
               help="S3-compatible endpoint for --remote. [env: CKPTD_S3_ENDPOINT_URL]")
 @click.option("--elastic/--no-elastic", default=True, show_default=True,
               help="Also run the elastic phase: 2 ranks under `ckptd launch`, one killed after --crash-at.")
+@click.option("--spares", type=int, default=1, show_default=True,
+              help="Warm spares in the elastic phase (`ckptd launch --spares`; 0: a new process replaces the rank).")
 def demo(steps: int, crash_at: int, every: int, workdir: Path | None, remote: str | None,
-         endpoint_url: str | None, elastic: bool) -> None:
+         endpoint_url: str | None, elastic: bool, spares: int) -> None:
     """Run the crash-and-resume demo and its elastic phase; exits 1 if a recovered run differs from the
     uninterrupted one."""
     from ckptd.demo.runner import DemoOptions, run_demo
 
     options = DemoOptions(steps=steps, crash_at=crash_at, every=every, workdir=workdir, remote=remote,
-                          endpoint_url=endpoint_url, elastic=elastic)
+                          endpoint_url=endpoint_url, elastic=elastic, spares=spares)
     if not run_demo(options):
         raise click.exceptions.Exit(1)

@@ -1,5 +1,6 @@
 """The demo's elastic phase: the job of :mod:`ckptd.demo.elastic_training` on 2 ranks under ``ckptd launch``,
-uninterrupted and then with one rank SIGKILLed mid-run; prints the recovery and compares the two runs."""
+uninterrupted and then with a warm spare (``--spares``) and one rank SIGKILLed mid-run; prints the recovery
+and compares the two runs."""
 
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ class Recovery:
     seconds: float
 
 
-def _launch(job_args: list[str], environment: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _launch(job_args: list[str], environment: dict[str, str], spares: int) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "ckptd.cli.main", "launch", "--nproc-per-node", str(WORLD), "--max-restarts", "1",
-               "--hang-timeout", "60", "-m", "ckptd.demo.elastic_training", *job_args]
+               "--hang-timeout", "60", "--spares", str(spares), "-m", "ckptd.demo.elastic_training", *job_args]
     return subprocess.run(command, capture_output=True, text=True, check=False, env=environment, timeout=600)
 
 
@@ -57,16 +58,19 @@ def _recovery(out: Path) -> Recovery:
                     seconds=max(by[1]["first_step_at"] for by in records.values()) - killed["at"])
 
 
-def run_elastic_phase(work: Path, manifest: Path, *, steps: int, kill_step: int, every: int) -> bool:
-    """Run both elastic runs in ``work``, print what happens, return whether they match bit for bit."""
+def run_elastic_phase(work: Path, manifest: Path, *, steps: int, kill_step: int, every: int, spares: int = 1) -> bool:
+    """Run both elastic runs in ``work`` (the killed one with ``spares`` warm spares), print what happens,
+    return whether they match bit for bit."""
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = ["--data", str(manifest), "--cache", str(work / "cache"), "--steps", str(steps), "--every", str(every)]
     click.echo(f"[4/4] elastic: {steps} steps on {WORLD} ranks under `ckptd launch` (gloo), uninterrupted, then "
-               f"with rank {VICTIM} killed by SIGKILL after step {kill_step}")
+               f"with {spares} warm spare(s) and rank {VICTIM} killed by SIGKILL after step {kill_step}")
     runs, logs = {}, {}
-    for name, extra in (("uninterrupted", []), ("killed", ["--kill-rank", str(VICTIM), "--kill-step", str(kill_step)])):
+    for name, extra, spares_here in (("uninterrupted", [], 0),
+                                     ("killed", ["--kill-rank", str(VICTIM), "--kill-step", str(kill_step)], spares)):
         out = work / name
-        done = _launch(common + ["--ckpt", str(work / f"{name}-ckpt"), "--out", str(out), *extra], environment)
+        done = _launch(common + ["--ckpt", str(work / f"{name}-ckpt"), "--out", str(out), *extra], environment,
+                       spares_here)
         if done.returncode != 0:
             raise CkptdError(f"the {name} elastic run failed with exit code {done.returncode}: "
                              f"{done.stderr.strip().splitlines()[-1:] or ''}")
@@ -74,11 +78,12 @@ def run_elastic_phase(work: Path, manifest: Path, *, steps: int, kill_step: int,
         runs[name] = [json.loads((out / f"rank{rank}-final.json").read_text()) for rank in range(WORLD)]
     recovery = _recovery(work / "killed")
     for line in logs["killed"].splitlines():
-        if "restarting it alone" in line:
+        if "restarting it alone" in line or "to warm spare" in line:
             click.echo(f"      {line}")
     survivors = ", ".join(f"rank {rank} from {tier}" for rank, tier in recovery.survivor_tiers.items())
-    click.echo(f"      the supervisor restarted only rank {VICTIM} (pid {recovery.old_pid} -> {recovery.new_pid}); "
-               f"the survivor kept its process")
+    replaced_by = "a warm spare" if spares > 0 else "a new process"
+    click.echo(f"      the supervisor replaced only rank {VICTIM}, by {replaced_by} (pid {recovery.old_pid} -> "
+               f"{recovery.new_pid}); the survivor kept its process")
     click.echo(f"      restored step {recovery.restored_step}: rank {VICTIM} from {recovery.replacement_tier}, "
                f"{survivors}; steps lost: {recovery.killed_step - recovery.restored_step}; time to recover "
                f"(SIGKILL to the next completed step): {recovery.seconds:.2f} s")

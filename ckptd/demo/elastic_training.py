@@ -1,11 +1,12 @@
 """The demo's data-parallel job under ``ckptd launch``: the demo's token model on 2 gloo ranks, each fed its
 slice of every global batch by ckptd's verified shard loader, gradients averaged with ``all_reduce``, and
 checkpointed through :meth:`ckptd.elastic.WorkerContext.checkpoint_manager` (model, optimizer, loader
-position, RNG streams, and the digests of the batches seen so far).
+position, RNG streams, and the digests of the batches seen so far). Model and optimizer are built by the
+``setup_fn`` (:func:`ckptd.elastic.run`), so that a warm spare has them ready.
 
 Run by :mod:`ckptd.demo.elastic_phase`::
 
-    ckptd launch --nproc-per-node 2 -m ckptd.demo.elastic_training --data MANIFEST --cache DIR --ckpt DIR \\
+    ckptd launch --nproc-per-node 2 [--spares 1] -m ckptd.demo.elastic_training --data MANIFEST --cache DIR --ckpt DIR \\
         --out DIR [--kill-rank R --kill-step S]
 
 With ``--kill-rank`` rank R sends itself SIGKILL right after its save of step S in the first generation.
@@ -51,11 +52,16 @@ def _batch_id(inputs: torch.Tensor) -> int:
     return int(chunk_digest(inputs.numpy().tobytes())[:16], 16) >> 1
 
 
-def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
-    entered = time.time()
+def _setup() -> dict[str, Any]:
+    """What does not depend on the rank (a warm spare builds it before it is given one)."""
     torch.manual_seed(0)  # the same initial weights on every rank
     model = TokenModel()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=1e-2)}
+
+
+def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
+    entered = time.time()
+    model, optimizer = ctx.setup["model"], ctx.setup["optim"]
     torch.manual_seed(1 + ctx.rank)  # each rank its own dropout stream
     np.random.seed(ctx.rank)
     random.seed(ctx.rank)
@@ -118,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # see ckptd.demo.training.train: the demo compares bits
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    elastic.run(lambda ctx: _train(ctx, args))
+    elastic.run(lambda ctx: _train(ctx, args), setup_fn=_setup)
 
 
 if __name__ == "__main__":

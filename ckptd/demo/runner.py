@@ -32,7 +32,8 @@ _SHARDS, _TOKENS_PER_SHARD = 6, 64 * SEQ_LEN
 class DemoOptions:
     """What the demo runs: total steps, the step after which it crashes, save interval, work directory,
     and the object tier (an embedded S3 endpoint on loopback unless ``remote`` is given); ``elastic``: also
-    run the elastic phase (2 ranks under ``ckptd launch``, one killed after ``crash_at``)."""
+    run the elastic phase (2 ranks and ``spares`` warm spares under ``ckptd launch``, one rank killed after
+    ``crash_at``)."""
 
     steps: int = 60
     crash_at: int = 37
@@ -41,6 +42,7 @@ class DemoOptions:
     remote: str | None = None
     endpoint_url: str | None = None
     elastic: bool = True
+    spares: int = 1
 
 
 def prepare_dataset(directory: Path) -> Path:
@@ -88,7 +90,7 @@ def run_demo(options: DemoOptions) -> bool:
         equal = _compare(reference, resumed)
         if options.elastic:
             equal = run_elastic_phase(work / "elastic", manifest, steps=options.steps, kill_step=options.crash_at,
-                                      every=options.every) and equal
+                                      every=options.every, spares=options.spares) and equal
     return equal
 
 
