@@ -17,8 +17,9 @@ when ``save_top_k`` drops one, ``teardown()`` at the end of a stage. This one ma
   then S3), every chunk verified. A step that never committed (the process died while writing it) falls
   back to the newest older committed step, with a warning. RNG states of torch, numpy and ``random`` are
   restored with it (``capture_rng``), so a shuffled ``DataLoader`` continues as it would have.
-- **remove**: the pointer goes; the step is deleted from the tiers at the next commit once no path of
-  this process points to it (see :mod:`ckptd.plugins.lightning.retention`).
+- **remove**: the pointer goes; the step is deleted from the tiers at the next commit once no path
+  points to it: those of this process and the pointers an earlier run left in the same directories (see
+  :mod:`ckptd.plugins.lightning.retention`).
 - **teardown**: waits for pending writes and uploads (:meth:`ckptd.CheckpointManager.close`).
 
 With several processes (DDP), Lightning saves and removes on global rank 0 only, and loads on every rank:
@@ -46,7 +47,7 @@ from lightning.fabric.plugins import CheckpointIO
 
 import ckptd
 from ckptd.errors import CkptdError, CommitError, ConfigError, NoIntactCheckpointError, NotFoundError
-from ckptd.plugins.lightning.pointer import Pointer, read_pointer, remove_pointer, write_pointer
+from ckptd.plugins.lightning.pointer import Pointer, pointers_beside, read_pointer, remove_pointer, write_pointer
 from ckptd.plugins.lightning.retention import PointerRetention
 
 log = logging.getLogger("ckptd.plugins.lightning")
@@ -104,6 +105,7 @@ class CkptdCheckpointIO(CheckpointIO):
                                     keep_local=self._retention, keep_remote=self._retention)
         self._manager: ckptd.CheckpointManager | None = None
         self._steps_here: dict[int, frozenset[str]] = {}  # saved or loaded here (their top-level keys)
+        self._pointer_dirs: set[str] = set()  # directories whose earlier pointers the retention knows
 
     @property
     def manager(self) -> ckptd.CheckpointManager:
@@ -141,6 +143,7 @@ class CkptdCheckpointIO(CheckpointIO):
                               f"{os.fspath(path)} cannot point to it", step=step, path=self.local,
                               hint="make weights-only copies with `ckptd export` or torch.save, not through the "
                                    "Trainer at a step ModelCheckpoint also saves")
+        self._learn_pointers_beside(path)
         epoch = checkpoint.get("epoch")
         write_pointer(path, Pointer(step=step, epoch=epoch if isinstance(epoch, int) else None,
                                     local=self.local, remote=self.remote))
@@ -182,6 +185,7 @@ class CkptdCheckpointIO(CheckpointIO):
         state: dict[str, Any] = {}
         step = self._restore(manager, state, pointer.step, path)
         self._steps_here[step] = frozenset(state)
+        self._learn_pointers_beside(path)
         self._retention.point(_path_key(path), step)
         report = manager.last_restore
         log.info("restored Lightning checkpoint %s from ckptd step %d (tiers: %s)", os.fspath(path), step,
@@ -200,6 +204,19 @@ class CkptdCheckpointIO(CheckpointIO):
             manager.close()
 
     # --- helpers -----------------------------------------------------------------------------------
+    def _learn_pointers_beside(self, path: str | os.PathLike[str]) -> None:
+        """Once per directory: the pointers an earlier run left there that name steps of this root count for
+        retention like this process's own (a step they name is kept; removing them releases it)."""
+        directory = os.path.dirname(_path_key(path))
+        if directory in self._pointer_dirs:
+            return
+        self._pointer_dirs.add(directory)
+        here = _path_key(self.local)
+        for other, pointer in pointers_beside(path):
+            key = _path_key(other)
+            if self._retention.step_of(key) is None and (pointer.local is None or _path_key(pointer.local) == here):
+                self._retention.point(key, pointer.step)
+
     @staticmethod
     def _restore(manager: ckptd.CheckpointManager, state: dict[str, Any], step: int,
                  path: str | os.PathLike[str]) -> int:

@@ -109,3 +109,25 @@ def remove_pointer(path: str | os.PathLike[str]) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def pointers_beside(path: str | os.PathLike[str]) -> list[tuple[str, Pointer]]:
+    """The pointers in the directory of ``path`` (``path`` itself included when it is one), each with its
+    path written as ``path`` is (a local path, or a URL with the same protocol). Files that are not pointers
+    and a directory that does not exist yield nothing."""
+    fs, where = _filesystem(path)
+    text = os.fspath(path)
+    try:
+        names = fs.ls(fs._parent(where), detail=False)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        if os.path.basename(name).startswith("."):  # temporary files of write_pointer
+            continue
+        shown = fs.unstrip_protocol(name) if "://" in text else name
+        try:
+            found.append((shown, read_pointer(shown)))
+        except (FormatError, NotFoundError, IsADirectoryError):
+            continue
+    return found

@@ -2,8 +2,10 @@
 
 ``ModelCheckpoint`` decides what to keep (``save_top_k``, ``last.ckpt``) and calls ``remove_checkpoint``
 for the rest. :class:`PointerRetention` counts, per ckptd step, the paths of this process that point to
-it; a step that was pointed to and no longer is may be deleted, on every tier it is kept with. Steps
-this process never saw (an earlier run's) are kept. The newest committed step is never deleted.
+it; a step that was pointed to and no longer is may be deleted, on every tier it is kept with. The
+CheckpointIO also points it at the pointers an earlier run left in a directory it saves to or loads from
+(a resumed run keeps the steps those name). Steps no known path ever named are kept. The newest
+committed step is never deleted.
 """
 
 from __future__ import annotations

@@ -191,3 +191,26 @@ def test_under_ddp_rank_zero_reads_and_the_other_ranks_receive(tmp_path: Path) -
     assert zero_missing[0] == one_missing[0] == "error"
     assert "no Lightning checkpoint at this path" in zero_missing[1]
     assert "rank 0 could not load the checkpoint" in one_missing[1] and "gone.ckpt" in one_missing[1]
+
+
+def test_after_a_resume_a_step_another_pointer_of_the_earlier_run_names_is_kept(tmp_path: Path) -> None:
+    lc = tmp_path / "lc"
+    earlier = CkptdCheckpointIO(tmp_path / "ckpt")
+    earlier.save_checkpoint(_checkpoint(8), lc / "every-step=8.ckpt")  # save_top_k=-1: kept for good
+    earlier.save_checkpoint(_checkpoint(8), lc / "last.ckpt")
+    earlier.save_checkpoint(_checkpoint(8), lc / "top-step=8.ckpt")
+    earlier.teardown()
+    resumed = CkptdCheckpointIO(tmp_path / "ckpt")
+    resumed.load_checkpoint(lc / "last.ckpt")
+    for step in (16, 24, 32):  # last.ckpt moves on; every-step=8.ckpt still names step 8
+        resumed.save_checkpoint(_checkpoint(step), lc / f"every-step={step}.ckpt")
+        resumed.save_checkpoint(_checkpoint(step), lc / "last.ckpt")
+        resumed.manager.wait()
+    assert step_dir(8) in _steps(tmp_path / "ckpt"), "a step a kept pointer names was deleted"
+    resumed.remove_checkpoint(lc / "every-step=8.ckpt")  # the earlier run's paths are released like its own
+    resumed.remove_checkpoint(lc / "top-step=8.ckpt")
+    resumed.save_checkpoint(_checkpoint(40), lc / "last.ckpt")
+    resumed.teardown()
+    assert step_dir(8) not in _steps(tmp_path / "ckpt"), "no pointer names step 8 any more"
+    loaded = CkptdCheckpointIO(tmp_path / "ckpt").load_checkpoint(lc / "every-step=16.ckpt")
+    assert state_differences(loaded, _checkpoint(16)) == []
