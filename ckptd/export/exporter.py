@@ -226,11 +226,18 @@ def _check_target(target: Path) -> None:
     if target.is_symlink() or (target.exists() and (not target.is_dir() or any(target.iterdir()))):
         raise ConfigError("the export directory exists and is not empty", path=str(target),
                           hint="choose a new --out directory (an export never writes into an existing one)")
-    if target.exists() and os.path.samefile(target, os.getcwd()):
+    if target.exists() and _is_current_directory(target):
         raise ConfigError("the export directory is the current directory, which the finished export would "
                           "replace", path=str(target),
                           hint="name a new directory, such as --out ./model, or run the export from the "
                                "directory above")
+
+
+def _is_current_directory(target: Path) -> bool:
+    try:
+        return os.path.samefile(target, os.getcwd())
+    except OSError:  # no current directory (removed under the process)
+        return False
 
 
 def remove_stale_temporaries(target: Path) -> list[Path]:
