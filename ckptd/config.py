@@ -96,7 +96,8 @@ class Settings:
     #: Promotion: most bytes held only by pins (of steps local retention already deleted) per local
     #: directory and rank (0: no byte limit); past it the oldest unpromoted pins are released.
     pin_max_bytes: int = 32 * 1024 * 1024 * 1024
-    #: Host memory the stager may hold for one save (0: no limit).
+    #: Host memory the stager may hold for one save (0: no limit). A ``ckptd launch`` rank's manager keeps two
+    #: sets of staging buffers (its two newest saves), each bounded by this: up to twice it in all.
     staging_budget_bytes: int = 0
     #: Pin the stager's host buffers when CUDA is present (faster device-to-host copies).
     pin_staging: bool = True

@@ -37,7 +37,9 @@ collector. A warm spare (``CKPTD_ELASTIC_SPARE`` set) then waits to be given a r
 (:func:`ckptd.elastic.spares.become_rank`) and goes on as that rank.
 
 The managers of :meth:`WorkerContext.checkpoint_manager` keep the staged copies of their two newest saves
-(a survivor restores from memory the step agreed when a peer died before the newest one committed), and
+(a survivor restores from memory the step agreed when a peer died before the newest one committed): two
+sets of staging buffers, so host memory holds two copies of the saved state, each set bounded by
+``CKPTD_STAGING_BUDGET_BYTES`` (the budget is per set: set it to half the host memory meant for staging);
 their ``restore`` runs a restore check with rollback (:mod:`ckptd.elastic.restore_check`).
 
 Outside ``ckptd launch`` (no ``CKPTD_ELASTIC_STORE``) :func:`run` raises ConfigError;
