@@ -184,6 +184,12 @@ def test_bandwidth_flags_are_gigabytes_per_second():
     assert document["tiers"]["peer"]["write_seconds"] == pytest.approx(16e9 / 12.5e9)  # 12.5e9 bytes/s
 
 
+def test_host_memory_is_measured_by_parallel_copiers():
+    from ckptd.planning.measure import host_memcpy_gbps
+
+    assert host_memcpy_gbps(4 << 20, repeats=1, copiers=3) > 0  # shares of 1398101, 1398101, 1398102 bytes
+
+
 def test_the_disk_probe_is_bounded_in_time_and_removed(tmp_path):
     from ckptd.planning.measure import disk_gbps
 

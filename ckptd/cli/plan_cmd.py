@@ -10,6 +10,7 @@ schema are documented in :mod:`ckptd.planning.plan`. Bad input exits 2 with one 
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -95,7 +96,7 @@ def _bandwidth_options(command: Any) -> Any:
               help="Replicas written once (ckptd), or every replica writes its copy.")
 @_bandwidth_options
 @click.option("--measure", is_flag=True,
-              help="Measure host memcpy, device-to-host (with a GPU), the disk of --local and the object store "
+              help="Measure host memcpy (one copier per rank of a node, up to this machine's cores), device-to-host (with a GPU), the disk of --local and the object store "
                    "of --measure-object here; bandwidths given as options win.")
 @click.option("--local", "local_dir", type=click.Path(file_okay=False), default=None,
               help="With --measure: a directory on the local checkpoint disk.")
@@ -139,6 +140,7 @@ def plan(params: str | None, config_path: str | None, tied_embeddings: bool | No
     count, source = _parameters(params, config_path, tied_embeddings, expert_params, tp=layout.tp)
     mtbf_hours, rate = _mtbf(mtbf_hours, failures, days, gpus, job_gpus=layout.world_size)
     values, sources = _bandwidths(gbps, measure=measure, local_dir=local_dir, measure_object=measure_object,
+                                  copiers=min(layout.ranks_per_node, os.cpu_count() or 1),
                                   nbytes=measure_mib << 20, options=storage_options(endpoint_url, region),
                                   defaults=DEFAULT_GBPS)
     inputs = PlanInputs(parameters=count, parameters_from=source, state=state, layout=layout, mtbf_hours=mtbf_hours,
@@ -184,13 +186,13 @@ def _mtbf(mtbf_hours: float | None, failures: float | None, days: float | None, 
         return mtbf_hours, None
     if any(value is None for value in record) and any(value is not None for value in record):
         raise ConfigError("--failures, --days and --gpus go together (a fleet's interruptions, the days "
-                               "they were seen over, and its GPU count)")
+                          "they were seen over, and its GPU count)")
     fleet = _DEFAULT_FAILURES if failures is None else record
     return job_mtbf_hours(*fleet, job_gpus=job_gpus), per_gpu_failures_per_hour(*fleet)  # type: ignore[arg-type]
 
 
 def _bandwidths(given: dict[str, float | None], *, measure: bool, local_dir: str | None, measure_object: str | None,
-                nbytes: int, options: dict[str, Any] | None,
+                copiers: int, nbytes: int, options: dict[str, Any] | None,
                 defaults: dict[str, float | None]) -> tuple[dict[str, float | None], dict[str, str]]:
     """Each bandwidth and where it came from: given on the command line, measured here, or the default."""
     from ckptd.errors import ConfigError
@@ -204,7 +206,7 @@ def _bandwidths(given: dict[str, float | None], *, measure: bool, local_dir: str
 
         if not 1 <= nbytes >> 20 <= _MAX_MEASURE_MIB:
             raise ConfigError(f"--measure-mib must be between 1 and {_MAX_MEASURE_MIB}, got {nbytes >> 20}")
-        measured: dict[str, float | None] = {"host_memcpy": probe.host_memcpy_gbps(nbytes),
+        measured: dict[str, float | None] = {"host_memcpy": probe.host_memcpy_gbps(nbytes, copiers=copiers),
                                              "d2h": probe.device_to_host_gbps(nbytes)}
         if local_dir is not None:
             measured["disk"] = probe.disk_gbps(local_dir, nbytes)

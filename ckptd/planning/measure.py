@@ -1,7 +1,7 @@
 """Bandwidths measured on this machine for ``ckptd plan --measure``: short, bounded runs of a few hundred MiB.
 
-- host memory: one process copying a buffer (numpy), the median of ``repeats`` copies. This is one copier;
-  a node's ranks copy in parallel, so the node's figure is usually higher (give ``--host-memcpy-gb-per-s``);
+- host memory: a buffer copied (numpy) by as many threads at once as the node has ranks (at most this
+  machine's cores), the median of ``repeats`` copies: the node's ranks stage in parallel;
 - device to host: a pinned copy from the first CUDA device, when torch sees one (else not measured);
 - disk: writing ``nbytes`` to a file in ``--local DIR`` in 8 MiB pieces (stopping after about 20 s on a
   slow disk), then fsync; the file is removed;
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 import statistics
 import time
 import uuid
@@ -28,18 +29,28 @@ log = logging.getLogger(__name__)
 _PIECE = 8 << 20
 
 
-def host_memcpy_gbps(nbytes: int, *, repeats: int = 3) -> float:
-    """Median GB/s of copying ``nbytes`` between two host buffers (after one warm-up copy)."""
+def host_memcpy_gbps(nbytes: int, *, repeats: int = 3, copiers: int = 1) -> float:
+    """Median GB/s of copying ``nbytes`` between two host buffers (after one warm-up copy), by ``copiers``
+    threads at once, each copying its share (numpy releases the GIL while it copies), as a node's ranks
+    stage at the same time."""
     import numpy as np
 
     source = np.ones(nbytes, dtype=np.uint8)
     target = np.empty_like(source)
-    np.copyto(target, source)
-    times = []
-    for _ in range(max(1, repeats)):
+    bounds = [nbytes * part // max(1, copiers) for part in range(max(1, copiers) + 1)]
+    shares = [(target[low:high], source[low:high]) for low, high in zip(bounds, bounds[1:])]
+
+    def copy_all() -> float:
         start = time.perf_counter()
-        np.copyto(target, source)
-        times.append(time.perf_counter() - start)
+        if len(shares) == 1:
+            np.copyto(*shares[0])
+        else:
+            with ThreadPoolExecutor(len(shares), thread_name_prefix="ckptd-plan-copy") as pool:
+                list(pool.map(lambda share: np.copyto(*share), shares))
+        return time.perf_counter() - start
+
+    copy_all()
+    times = [copy_all() for _ in range(max(1, repeats))]
     return nbytes / statistics.median(times) / 1e9
 
 
