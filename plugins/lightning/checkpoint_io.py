@@ -105,6 +105,7 @@ class CkptdCheckpointIO(CheckpointIO):
                                     keep_local=self._retention, keep_remote=self._retention)
         self._manager: ckptd.CheckpointManager | None = None
         self._steps_here: dict[int, frozenset[str]] = {}  # saved or loaded here (their top-level keys)
+        self._other_tiers_steps: dict[int, str] | None = None  # committed on the peer/object tiers, at first save
         self._pointer_dirs: set[str] = set()  # directories whose earlier pointers the retention knows
 
     @property
@@ -136,6 +137,14 @@ class CkptdCheckpointIO(CheckpointIO):
                 raise CommitError(f"global step {step} is committed already by an earlier run and is never "
                                   f"overwritten", step=step, path=self.local,
                                   hint="resume from the newest checkpoint (ckpt_path='last') or use a new directory")
+            elsewhere = self._steps_on_other_tiers(manager).get(step)
+            if elsewhere is not None:
+                raise CommitError(f"global step {step} is committed already on the {elsewhere} tier by an earlier run "
+                                  f"(the local directory does not hold it: a lost node?) and is never overwritten",
+                                  step=step, path=self.local,
+                                  hint="resume from it: keep ModelCheckpoint's dirpath on shared storage (an s3:// "
+                                       "path works) and pass ckpt_path='last'; `ckptd ls` lists the steps; "
+                                       "or use a new directory")
             manager.save(step, checkpoint, force=True)
             self._steps_here[step] = frozenset(checkpoint)
         elif not set(checkpoint) <= stored:  # a weights-only save came first: this one cannot share its step
@@ -204,6 +213,22 @@ class CkptdCheckpointIO(CheckpointIO):
             manager.close()
 
     # --- helpers -----------------------------------------------------------------------------------
+    def _steps_on_other_tiers(self, manager: ckptd.CheckpointManager) -> dict[int, str]:
+        """The steps the peer and object tiers held committed when this process first saved (earlier runs'
+        steps: this process's own are in ``_steps_here``); a tier that cannot answer counts as empty."""
+        if self._other_tiers_steps is None:
+            found: dict[int, str] = {}
+            for tier in manager.tiers[1:]:
+                try:
+                    steps = tier.committed_steps()
+                except CkptdError as error:
+                    log.warning("could not list the committed steps of %s: %s", tier, error)
+                    continue
+                for step in steps:
+                    found.setdefault(step, getattr(tier, "kind", None) or type(tier).__name__)
+            self._other_tiers_steps = found
+        return self._other_tiers_steps
+
     def _learn_pointers_beside(self, path: str | os.PathLike[str]) -> None:
         """Once per directory: the pointers an earlier run left there that name steps of this root count for
         retention like this process's own (a step they name is kept; removing them releases it)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -214,3 +215,25 @@ def test_after_a_resume_a_step_another_pointer_of_the_earlier_run_names_is_kept(
     assert step_dir(8) not in _steps(tmp_path / "ckpt"), "no pointer names step 8 any more"
     loaded = CkptdCheckpointIO(tmp_path / "ckpt").load_checkpoint(lc / "every-step=16.ckpt")
     assert state_differences(loaded, _checkpoint(16)) == []
+
+
+def test_a_run_that_lost_its_node_and_its_pointers_does_not_save_over_the_object_tier(
+        tmp_path: Path, s3_bucket: str, s3_options: dict[str, Any]) -> None:
+    remote = f"s3://{s3_bucket}/lost-node"
+    earlier = CkptdCheckpointIO(tmp_path / "ckpt", remote=remote, storage_options=s3_options)
+    for step in (8, 16):
+        earlier.save_checkpoint(_checkpoint(step), tmp_path / "lc" / f"step={step}.ckpt")
+    earlier.teardown()
+    shutil.rmtree(tmp_path / "ckpt")  # the node is gone, the ModelCheckpoint directory (its disk) with it
+    shutil.rmtree(tmp_path / "lc")
+    fresh = CkptdCheckpointIO(tmp_path / "ckpt", remote=remote, storage_options=s3_options)
+    fresh.save_checkpoint(_checkpoint(4, epoch=0), tmp_path / "lc" / "step=4.ckpt")  # no step of S3: saved
+    with pytest.raises(CommitError, match="committed already on the object tier") as caught:
+        fresh.save_checkpoint(_checkpoint(8, epoch=7), tmp_path / "lc" / "step=8.ckpt")  # started over from scratch
+    assert "ckpt_path='last'" in caught.value.hint and not (tmp_path / "lc" / "step=8.ckpt").exists()
+    fresh.teardown()
+    (tmp_path / "lc" / "again.ckpt").write_text('{"format": "ckptd-lightning-pointer/1", "step": 8}')
+    shutil.rmtree(tmp_path / "ckpt")
+    loaded = CkptdCheckpointIO(tmp_path / "ckpt", remote=remote, storage_options=s3_options).load_checkpoint(
+        tmp_path / "lc" / "again.ckpt")
+    assert state_differences(loaded, _checkpoint(8)) == [], "the earlier run's step 8 is intact on S3"
