@@ -67,6 +67,7 @@ def test_the_built_wheel_ships_plugins_as_ckptd_plugins_and_frameworks_only_as_e
     assert "ckptd/py.typed" in names
     assert "[ckptd.integrations]" in entry_points and "lightning = ckptd.plugins.lightning:CkptdCheckpointIO" \
         in entry_points
+    assert "[lightning.pytorch.callbacks_factory]" in entry_points, "each DDP rank's RNG: the Trainer callback"
     requires = [line.split(":", 1)[1].strip() for line in metadata_text.splitlines()
                 if line.startswith("Requires-Dist:")]
     core = [requirement for requirement in requires if "extra ==" not in requirement]
