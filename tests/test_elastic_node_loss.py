@@ -8,9 +8,9 @@ launcher replaces failed ranks, not a lost supervisor: the node's loss ends the 
 started again (new supervisors, a new job store) on the same checkpoints, node 1 on an empty root. The
 buddy is the daemon's real peer endpoints (:class:`~ckptd.testing.peer_server.PeerServer`). Standing in
 for node 1's daemon, this test copies node 1's committed steps, while node 1 is still up, to the buddy and
-to node 1's prefix on S3 with :func:`~ckptd.promotion.replicate.replicate_step` (the daemon's replication);
-the ranks themselves do not promote (see the report: in-process promotion blocks the restarted job's
-``close``).
+to node 1's prefix on S3 with :func:`~ckptd.promotion.replicate.replicate_step` (the daemon's replication).
+The ranks themselves do not promote: with in-process promotion, rank 0 of the restarted job waited in its
+``close`` for rank 1 to promote the previous job's pinned steps with it, which rank 1's new root never had.
 """
 
 from __future__ import annotations
@@ -71,9 +71,8 @@ def _finish(supervisors: list[subprocess.Popen[str]], timeout_s: float = 120) ->
 
 def _kill(supervisors: list[subprocess.Popen[str]]) -> None:
     for supervisor in supervisors:
-        if supervisor.poll() is None:
+        if supervisor.returncode is None:  # not yet waited for
             supervisor.kill()
-        if supervisor.returncode is None or supervisor.stdout and not supervisor.stdout.closed:
             supervisor.communicate()
 
 
