@@ -8,6 +8,7 @@ integer keys, ``loops``, ``callbacks`` with tensors, ``hyper_parameters``); one 
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import os
 import shutil
@@ -237,3 +238,44 @@ def test_a_run_that_lost_its_node_and_its_pointers_does_not_save_over_the_object
     loaded = CkptdCheckpointIO(tmp_path / "ckpt", remote=remote, storage_options=s3_options).load_checkpoint(
         tmp_path / "lc" / "again.ckpt")
     assert state_differences(loaded, _checkpoint(8)) == [], "the earlier run's step 8 is intact on S3"
+
+
+class _ValidatedModel(TinyModel):
+    def validation_step(self, batch, batch_index):
+        inputs, targets = batch
+        self.log("val_loss", torch.nn.functional.mse_loss(self.net(inputs), targets))
+
+
+class _ValidatedData(TinyData):
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(self.dataset, batch_size=16)
+
+
+def _two_checkpoints(root: Path, epochs: int) -> L.Trainer:
+    """A batch-end and a validation-end ModelCheckpoint: both save at the last batch's global step."""
+    return L.Trainer(max_epochs=epochs, plugins=[CkptdCheckpointIO(root / "ckpt")], deterministic=True,
+                     accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=str(root),
+                     callbacks=[ModelCheckpoint(dirpath=root / "lc", filename="batch-{step}",
+                                                every_n_train_steps=STEPS_PER_EPOCH, save_top_k=-1),
+                                ModelCheckpoint(dirpath=root / "lc", filename="val-{epoch}", monitor="val_loss")])
+
+
+def test_the_later_save_at_one_step_resumes_through_the_shared_first_one_like_an_uninterrupted_run(
+        tmp_path: Path) -> None:
+    """The validation-end path shares the batch-end save of its global step (taken before validation): a resume
+    from it runs that validation and the epoch end again, and ends where an uninterrupted run ends."""
+    torch.set_num_threads(1)
+    L.seed_everything(5)
+    uninterrupted = _ValidatedModel(dropout=0.3)
+    _two_checkpoints(tmp_path / "a", 3).fit(uninterrupted, datamodule=_ValidatedData())
+    L.seed_everything(5)
+    _two_checkpoints(tmp_path / "b", 1).fit(_ValidatedModel(dropout=0.3), datamodule=_ValidatedData())
+    later = tmp_path / "b" / "lc" / "val-epoch=0.ckpt"
+    assert json.loads(later.read_text())["step"] == STEPS_PER_EPOCH
+    L.seed_everything(5)
+    resumed = _ValidatedModel(dropout=0.3)
+    trainer = _two_checkpoints(tmp_path / "b", 3)
+    trainer.fit(resumed, datamodule=_ValidatedData(), ckpt_path=str(later))
+    assert trainer.global_step == 3 * STEPS_PER_EPOCH
+    assert state_differences(resumed.state_dict(), uninterrupted.state_dict()) == []
