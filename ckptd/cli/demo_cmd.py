@@ -24,8 +24,10 @@ import click
               help="Warm spares in the elastic phase (`ckptd launch --spares`; 0: a new process replaces the rank).")
 def demo(steps: int, crash_at: int, every: int, workdir: Path | None, remote: str | None,
          endpoint_url: str | None, elastic: bool, spares: int) -> None:
-    """Run the crash-and-resume demo and its elastic phase; exits 1 if a recovered run differs from the
-    uninterrupted one."""
+    """Run the crash-and-resume demo; exits 1 if the resumed run differs from the uninterrupted one.
+
+    Its elastic phase then kills one of 2 ranks under `ckptd launch` (with --spares warm spares) and
+    compares the recovered run with an uninterrupted one the same way."""
     from ckptd.demo.runner import DemoOptions, run_demo
 
     options = DemoOptions(steps=steps, crash_at=crash_at, every=every, workdir=workdir, remote=remote,
