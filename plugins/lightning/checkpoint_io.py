@@ -142,9 +142,9 @@ class CkptdCheckpointIO(CheckpointIO):
                 raise CommitError(f"global step {step} is committed already on the {elsewhere} tier by an earlier run "
                                   f"(the local directory does not hold it: a lost node?) and is never overwritten",
                                   step=step, path=self.local,
-                                  hint="resume from it: keep ModelCheckpoint's dirpath on shared storage (an s3:// "
-                                       "path works) and pass ckpt_path='last'; `ckptd ls` lists the steps; "
-                                       "or use a new directory")
+                                  hint="resume from it: keep ModelCheckpoint's dirpath on storage that outlives the "
+                                       "node and pass ckpt_path='last'; `ckptd ls` lists the steps; or use a "
+                                       "new directory")
             manager.save(step, checkpoint, force=True)
             self._steps_here[step] = frozenset(checkpoint)
         elif not set(checkpoint) <= stored:  # a weights-only save came first: this one cannot share its step
