@@ -237,6 +237,9 @@ class RankEntry:
     replicas: dict[str, int] = field(default_factory=dict)
     #: Pieces this rank wrote that other ranks hold too: name -> every holder's rank.
     shared: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: Dtype and shape of each piece in ``replicas`` and ``shared`` (``"float32[4, 6]"``), sent to rank 0
+    #: while the ranks agree on a commit so that holders of different tensors are caught; not in manifests.
+    signatures: dict[str, str] = field(default_factory=dict)
 
     @property
     def data_size(self) -> int:
@@ -252,6 +255,8 @@ class RankEntry:
             body["replicas"] = dict(self.replicas)
         if self.shared:
             body["shared"] = {name: list(holders) for name, holders in self.shared.items()}
+        if self.signatures:
+            body["signatures"] = dict(self.signatures)
         return body
 
     @classmethod
@@ -419,9 +424,12 @@ def _parse_holdings(item: dict[str, Any], problems: _Problems) -> dict[str, Any]
         found["coordinates"] = tuple(problems.non_negative_int(c, "coordinate") for c in coords)
     replicas = item.get("replicas") or {}
     shared = item.get("shared") or {}
-    if not isinstance(replicas, dict) or not isinstance(shared, dict) \
+    signatures = item.get("signatures") or {}
+    if not isinstance(replicas, dict) or not isinstance(shared, dict) or not isinstance(signatures, dict) \
             or not all(isinstance(holders, list) for holders in shared.values()):
-        problems.fail("'replicas' or 'shared' of a rank entry has the wrong type")
+        problems.fail("'replicas', 'shared' or 'signatures' of a rank entry has the wrong type")
+    found["signatures"] = {problems.text(name, "piece name"): problems.text(sig, "piece signature")
+                           for name, sig in signatures.items()}
     found["replicas"] = {problems.text(name, "piece name"): problems.non_negative_int(writer, "writer rank")
                          for name, writer in replicas.items()}
     found["shared"] = {problems.text(name, "piece name"): tuple(problems.non_negative_int(r, "holder rank")

@@ -26,7 +26,7 @@ import torch
 
 from ckptd.errors import CommitError, ConfigError
 from ckptd.format.mesh_layout import Layout, ReplicatedPiece, SavedLayout
-from ckptd.format.records import LAYOUT_SINCE, Manifest, RankEntry
+from ckptd.format.records import DTYPE_NAMES, LAYOUT_SINCE, Manifest, RankEntry
 from ckptd.format.values import ShardPlacement
 from ckptd.state.replicas import WritePlan, holders_of, mesh_of_state, placement_codes, plan_writers
 from ckptd.state.staging import local_view
@@ -45,6 +45,8 @@ class Holdings:
     plan: WritePlan
     #: DTensor name -> placements (see :func:`~ckptd.state.replicas.placement_codes`).
     dtensor_placements: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: Replicated piece -> its dtype and local shape as this rank holds it (checked against the writer's).
+    signatures: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @staticmethod
     def placements(tensors: Mapping[str, torch.Tensor]) -> dict[str, ShardPlacement]:
@@ -59,21 +61,30 @@ class Holdings:
     def entry(self, entry: RankEntry) -> RankEntry:
         """Writer thread: this rank's manifest entry with its coordinates and replicated pieces."""
         return dataclasses.replace(entry, coordinates=self.coordinates, replicas=self.plan.replicas,
-                                   shared=self.plan.shared)
+                                   shared=self.plan.shared, signatures=dict(self.signatures))
 
     def manifest(self, manifest: Manifest) -> Manifest:
         """Rank 0, writer thread: the manifest with the layout record; CommitError when a rank refers to a
-        piece that its writer did not write (the ranks disagreed on the plan)."""
+        piece that its writer did not write (the ranks disagreed on the plan), or that the writer holds with
+        another dtype or shape (the holders' tensors differ: one copy would not restore both)."""
         by_rank = {entry.rank: entry for entry in manifest.ranks}
+        hint = ("replicated state must have the same names, dtypes and shapes on every holder; save with "
+                "write_replicas='every-rank' or fix the layout's replicated dimensions")
         for entry in manifest.ranks:
             for name, writer in sorted(entry.replicas.items()):
                 holders = by_rank[writer].shared.get(name) if writer in by_rank else None
                 if holders is None or entry.rank not in holders:
                     raise CommitError(
                         f"rank {entry.rank} left tensor {name!r} to rank {writer}, which did not write it for "
-                        f"rank {entry.rank}: the ranks disagree on who holds it", step=manifest.step,
-                        hint="replicated state must have the same names and sizes on every holder; save with "
-                             "write_replicas='every-rank' or fix the layout's replicated dimensions")
+                        f"rank {entry.rank}: the ranks disagree on who holds it", step=manifest.step, hint=hint)
+                mine, theirs = entry.signatures.get(name), by_rank[writer].signatures.get(name)
+                if mine != theirs:
+                    raise CommitError(
+                        f"tensor {name!r} is held as {mine} by rank {entry.rank} but as {theirs} by rank {writer}, "
+                        f"which writes it for both: the holders of a replicated piece hold different tensors",
+                        step=manifest.step, hint=hint)
+        manifest = dataclasses.replace(manifest, ranks=tuple(dataclasses.replace(entry, signatures={})
+                                                             for entry in manifest.ranks))
         pieces = tuple(ReplicatedPiece(name, entry.rank, holders) for entry in manifest.ranks
                        for name, holders in sorted(entry.shared.items()))
         layout = SavedLayout(mesh=dict(self.mesh), coordinates=tuple(entry.coordinates or () for entry in
@@ -116,4 +127,11 @@ class LayoutRecorder:
                  if code is not None}
         return Holdings(mesh=mesh, coordinates=coordinates, source=source,
                         zero_stage=None if self.layout is None else self.layout.zero_stage,
-                        plan=plan_writers(tensors, holders, rank=self.rank), dtensor_placements=codes)
+                        plan=plan_writers(tensors, holders, rank=self.rank), dtensor_placements=codes,
+                        signatures={name: _signature(tensors[name]) for name in holders})
+
+
+def _signature(tensor: torch.Tensor) -> str:
+    """A replicated piece's dtype and local shape, as this rank holds it: ``"float32[4, 6]"``."""
+    local, _ = local_view(tensor.detach())
+    return f"{DTYPE_NAMES.get(local.dtype, str(local.dtype))}{list(local.shape)}"

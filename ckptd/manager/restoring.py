@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,7 @@ from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator
 from ckptd.manager.saving import MemoryCopy
 from ckptd.state import rng
 from ckptd.state.saved_values import saved_keys, select_keys, stateful_keys
+from ckptd.state.staging import local_view
 from ckptd.state.tree import flatten, load_into, no_pending_reads
 from ckptd.tiers.base import StorageTier
 
@@ -241,9 +242,18 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
         if not common:
             break
         agreed = max(common)
-        error = _try_load(metadata, agreed, state, result, rank=rank, world_size=world_size,
-                          allow_pickle=allow_pickle, restore_rng=restore_rng and keys is None, memory=memory,
-                          keys=keys, layout=layout)
+        # resharding calls dcp.load, whose collectives wait for every rank: the ranks decide it together
+        votes = coordinator.exchange("restore-reshard", _reshard_vote(metadata, agreed, state, rank=rank,
+                                                                      world_size=world_size,
+                                                                      allow_pickle=allow_pickle, layout=layout))
+        unread = {r: vote["error"] for r, vote in enumerate(votes) if "error" in vote}
+        if unread:
+            error = {"error": f"rank(s) {sorted(unread)} could not read the step's metadata: " + " | ".join(
+                unread.values()), "mismatch": False, "pickle": False, "message": "", "hint": None, "tier": None}
+        else:
+            error = _try_load(metadata, agreed, state, result, rank=rank, world_size=world_size,
+                              allow_pickle=allow_pickle, restore_rng=restore_rng and keys is None, memory=memory,
+                              keys=keys, reshard=any(vote["reshard"] for vote in votes))
         outcomes = coordinator.exchange("restore-outcome", error)
         failures = {r: why for r, why in enumerate(outcomes) if why is not None}
         if not failures:
@@ -286,11 +296,12 @@ def _failed_hint(failed: dict[str, str]) -> str | None:
 
 def _try_load(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
               result: RestoreResult, *, rank: int, world_size: int, allow_pickle: bool, restore_rng: bool,
-              memory: MemoryTier, keys: Sequence[str] | None, layout: Layout | None = None) -> dict[str, Any] | None:
-    """None on success, else ``{"error": text, "mismatch": bool, ...}`` (JSON, for the outcome exchange)."""
+              memory: MemoryTier, keys: Sequence[str] | None, reshard: bool = False) -> dict[str, Any] | None:
+    """None on success, else ``{"error": text, "mismatch": bool, ...}`` (JSON, for the outcome exchange).
+    ``reshard``: what the ranks decided together (see :func:`_reshard_vote`)."""
     try:
         skeleton, read, settle, supplied = _source(metadata, step, state, result, rank=rank, world_size=world_size,
-                                                   allow_pickle=allow_pickle, memory=memory, layout=layout)
+                                                   allow_pickle=allow_pickle, memory=memory, reshard=reshard)
         _load(_selected(skeleton, state, keys, step=step, tier=result.tier), read, settle, state,
               allow_pickle=allow_pickle, restore_rng=restore_rng)
     except CkptdError as error:
@@ -340,19 +351,18 @@ def _listed(keys: Sequence[str]) -> str:
 
 def _source(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
             result: RestoreResult, *, rank: int, world_size: int, allow_pickle: bool,
-            memory: MemoryTier, layout: Layout | None = None
+            memory: MemoryTier, reshard: bool = False
             ) -> tuple[Any, TensorReader, Callable[..., None], Callable[[], dict[str, int]]]:
     """The skeleton to load, the reader of its tensors, what waits for reads that are still running, and
-    what counts, once they are done, the chunks each tier supplied."""
+    what counts, once they are done, the chunks each tier supplied. ``reshard``: as every rank decided."""
     saved_world = _saved_world_size(metadata, step)
     saved = _manifest(metadata, step)
-    if saved.layout is not None and (saved_world != world_size or _layout_changed(
-            saved, state, allow_pickle=allow_pickle, layout=layout)):
+    if saved.layout is not None and reshard:
         holding = metadata.listings.holding(step)
         result.resharded, result.tier = True, holding[0].label
         skeleton, relaid, readers = relayout_source(holding, step, state, rank=rank, allow_pickle=allow_pickle)
         return skeleton, relaid, lambda **kw: settle_all(readers, **kw), dict
-    if saved_world != world_size:
+    if reshard:
         holding = metadata.listings.holding(step)
         result.resharded, result.tier = True, holding[0].label
         return (*resharded_source(holding, step, state, rank=rank, allow_pickle=allow_pickle), no_pending_reads,
@@ -439,17 +449,65 @@ def _manifest(metadata: _Metadata, step: int) -> Manifest:
     raise NotFoundError(f"no tier has a readable manifest of step {step}: " + " | ".join(errors), step=step)
 
 
-def _layout_changed(saved: Manifest, state: MutableMapping[str, Any], *, allow_pickle: bool,
-                    layout: Layout | None) -> bool:
+def _reshard_vote(metadata: _Metadata, step: int, state: MutableMapping[str, Any], *, rank: int, world_size: int,
+                  allow_pickle: bool, layout: Layout | None) -> dict[str, Any]:
+    """This rank's vote on whether ``step`` is restored through resharding (``{"reshard": bool}``), or why
+    it could not tell (``{"error": text}``). The ranks reshard when any votes for it: a pipeline stage sees
+    only its own DTensors, so one rank may see a change that the others cannot."""
+    try:
+        saved = _manifest(metadata, step)
+        if saved.world_size != world_size:
+            return {"reshard": True}
+        if saved.layout is None:
+            return {"reshard": False}
+        try:
+            live = flatten(dict(state), allow_pickle=allow_pickle).tensors
+        except CkptdError:  # a live value that cannot be taken apart; the load reports what does not fit
+            return {"reshard": False}
+        changed = _layout_changed(saved, live, layout=layout) or _shards_moved(metadata, saved, live, rank=rank)
+        return {"reshard": changed}
+    except CkptdError as error:
+        return {"error": f"rank {rank}: {error}"}
+
+
+def _shards_moved(metadata: _Metadata, saved: Manifest, live: Mapping[str, torch.Tensor], *, rank: int) -> bool:
+    """Whether a live tensor of this rank sits elsewhere in its global tensor than the piece this rank saved
+    under its name (another shard, a DTensor saved as a plain tensor or the other way round)."""
+    index = next((metadata.rank_index(tier, saved.step, rank) for tier in metadata.listings.holding(saved.step)
+                  if _has_index(metadata, tier, saved.step, rank)), None)
+    if index is None:
+        return False  # the direct load reports the missing index
+    shards = parse_values(index.values).shards
+    replicas = saved.entry(rank).replicas
+    for name, tensor in live.items():
+        local, placement = local_view(tensor.detach())
+        piece = shards.get(name)
+        if piece is None and name not in index.tensors and name not in replicas:
+            continue  # not saved by this rank: the load says what does not fit
+        if (placement is None) != (piece is None) or (placement is not None and (
+                piece[1] != placement or _local_shape(index, name) not in (None, tuple(local.shape)))):
+            return True
+    return False
+
+
+def _has_index(metadata: _Metadata, tier: StorageTier, step: int, rank: int) -> bool:
+    try:
+        metadata.rank_index(tier, step, rank)
+        return True
+    except CkptdError:
+        return False
+
+
+def _local_shape(index: RankIndex, name: str) -> tuple[int, ...] | None:
+    """The shape of the piece saved under ``name`` by this rank; None for a replica another rank wrote."""
+    record = index.tensors.get(name)
+    return None if record is None else tuple(record.shape)
+
+
+def _layout_changed(saved: Manifest, live: Mapping[str, torch.Tensor], *, layout: Layout | None) -> bool:
     """Whether the live job is laid out otherwise than the step's layout records: another mesh (the given
     ``layout``, else the live DTensors' mesh), or a live DTensor with other placements than the step records
-    for it (the sharding changed on the same mesh). It reads only what every rank sees alike (the manifest,
-    the mesh, the placements of the DTensors), so every rank decides the same: a resharded restore issues
-    collectives."""
-    try:
-        live = flatten(dict(state), allow_pickle=allow_pickle).tensors
-    except CkptdError:  # a live value that cannot be taken apart; the load reports what does not fit
-        return False
+    for it (the sharding changed on the same mesh). One rank's view: the ranks vote (:func:`_reshard_vote`)."""
     recorded = saved.layout
     found = mesh_of_state(live)
     mesh = dict(layout.mesh) if layout is not None else (found[0] if found is not None else None)
