@@ -82,6 +82,8 @@ class CkptdRankRNG(Callback):
         return {"world_size": world, "ranks": gathered}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not self._active:  # capture_rng=False (or another CheckpointIO) now: the generators stay as they are
+            return
         ranks = state_dict.get("ranks") or []
         world, rank = _group_size(), dist.get_rank() if _group_size() > 1 else 0
         if len(ranks) != world:
