@@ -17,7 +17,8 @@ entering the generation, of the restore and of its first completed step; the vic
 ``rank<r>-final.json`` (weights, optimizer state, sample ids) into ``--out``, and after each save that
 staged a step ``rank<r>-staged.json`` (the steps staged, by generation). Its model, optimizer and data stream
 are built by ``setup_fn`` (:func:`ckptd.elastic.run`); a warm spare writes ``spare-<pid>.json`` once it has
-built them, and ``--kill-when-spare-ready`` holds the kill until one has.
+built them, and ``--kill-when-spare-ready`` holds the kill until one has (``--kill-spare-first``: then the
+victim SIGKILLs that spare first). ``--also-kill-rank R`` kills rank R too, at the same step and phase.
 
 ``--poison-rank R --poison-step K`` poisons rank R's step K of the first generation with NaN weights, with
 correct hashes: ``--poison-how saved`` saves NaN weights as step K (memory and disk hold them; the live
@@ -150,6 +151,27 @@ def _wait_for_a_spare(out: Path, timeout_s: float = 120.0) -> None:
     time.sleep(0.2)  # its ready key follows the file
 
 
+def _kill_the_spares(out: Path, timeout_s: float = 60.0) -> None:
+    """SIGKILL every warm spare that finished its setup and wait until each is dead (a zombie its supervisor
+    has not reaped yet counts as dead)."""
+    for path in out.glob("spare-*.json"):
+        pid = json.loads(path.read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        while _running(pid):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"warm spare {pid} still runs {timeout_s} s after SIGKILL")
+            time.sleep(0.01)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
     features, state = ctx.setup["features"], ctx.setup["state"]
     model, optim, stream, seen = state["model"], state["optim"], state["data"], state["seen"]
@@ -173,9 +195,12 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
     for step in range((start or 0) + 1, args.steps + 1):
         victim = ctx.rank == args.kill_rank and (step == args.kill_step if ctx.generation == 0 else
                                                  ctx.generation < args.kill_generations and step == (start or 0) + 1)
+        victim = victim or (ctx.generation == 0 and ctx.rank == args.also_kill_rank and step == args.kill_step)
         if victim and args.kill_when_spare_ready:  # the saves so far committed, a spare ready
             manager.wait()
             _wait_for_a_spare(out)
+            if args.kill_spare_first and ctx.rank == args.kill_rank:
+                _kill_the_spares(out)
         if victim:
             (out / f"rank{ctx.rank}-killed.json").write_text(json.dumps({"step": step, "at": time.time()}))
         if victim and args.kill_phase == "before-step":
@@ -227,6 +252,10 @@ def main(argv: list[str] | None = None) -> None:
                         default="after-save")
     parser.add_argument("--kill-generations", type=int, default=1)
     parser.add_argument("--kill-when-spare-ready", action="store_true")
+    parser.add_argument("--kill-spare-first", action="store_true",
+                        help="with --kill-when-spare-ready: the victim SIGKILLs the ready spares before it dies")
+    parser.add_argument("--also-kill-rank", type=int, default=-1,
+                        help="a second victim, killed at the same step, phase and signal in generation 0")
     parser.add_argument("--poison-rank", type=int, default=-1)
     parser.add_argument("--poison-step", type=int, default=-1)
     parser.add_argument("--poison-how", choices=("saved", "memory"), default="saved")
