@@ -113,6 +113,9 @@ def test_recoveries_in_a_row_end_bit_for_bit_and_the_survivor_keeps_no_old_gener
     # (generations 0 and 1 are left out: the writer starts at the first save, one failed generation may linger)
     assert len({(record["tasks"], record["fds"]) for generation, record in survivor.items() if generation >= 2}) == 1, \
         survivor
+    # what run() froze after setup is frozen once: no later generation adds its leftovers to the frozen objects
+    frozen = [survivor[generation]["frozen"] for generation in sorted(survivor)]
+    assert frozen[0] > 0 and frozen == sorted(frozen, reverse=True), frozen
 
 
 def test_a_failure_past_max_restarts_stops_every_rank_and_names_rank_and_cause(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ in host memory once step K is committed (a fault in RAM only a fake can make; di
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -187,7 +188,9 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
               "rejoined": ctx.rejoined, "tier": manager.last_restore.tier if manager.last_restore else None,
               "entered_at": entered, "restored_at": time.time(),
               # the process's OS threads and open files: a survivor's must not grow from generation to generation
-              "tasks": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd"))}
+              "tasks": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd")),
+              # objects frozen out of the GC (ckptd.elastic.run freezes what setup built, once per process)
+              "frozen": gc.get_freeze_count()}
     record_path = out / f"rank{ctx.rank}-gen{ctx.generation}.json"
     staged_path = out / f"rank{ctx.rank}-staged.json"
     staged = json.loads(staged_path.read_text()) if staged_path.exists() else {}
