@@ -53,17 +53,18 @@ class StoredPiece:
 PieceKey = tuple[str, "tuple[int, ...] | None"]
 
 
-def derive_metadata(indexes: list[RankIndex], extra: dict[str, Any], *, checkpoint_id: str | None = None
-                    ) -> tuple[Metadata, dict[PieceKey, StoredPiece]]:
+def derive_metadata(indexes: list[RankIndex], extra: dict[str, Any], *, checkpoint_id: str | None = None,
+                    manifest_version: int | None = None) -> tuple[Metadata, dict[PieceKey, StoredPiece]]:
     """Build DCP ``Metadata`` and the piece locations from every rank's index (ordered by rank).
 
     The metadata's ``storage_data`` maps each item's ``MetadataIndex`` to its :class:`StoredPiece`; its
-    ``storage_meta`` names ``checkpoint_id`` and the save id the writer recorded."""
+    ``storage_meta`` names ``checkpoint_id`` and the save id the writer recorded. ``manifest_version``: the
+    step's manifest format, against which the indexes' value keys are checked."""
     state: dict[str, Any] = {}
     pieces: dict[PieceKey, StoredPiece] = {}
     for index in indexes:
         path = step_file(index.step, rank_index_name(index.rank))
-        values = parse_values(index.values, path=path, step=index.step)
+        values = parse_values(index.values, path=path, step=index.step, manifest_version=manifest_version)
         for name, record in index.tensors.items():
             if name in values.pickled or name in values.buffers:
                 kind = "pickled" if name in values.pickled else "bytesio"

@@ -13,7 +13,8 @@ the step) and copies the requested regions into the planner's tensors. The world
 the one that saved: DCP's planners decide which regions each rank reads.
 
 ``tiers`` may be a root path or a list of tiers, nearest first. Without ``step`` the newest step
-committed on any of them is read. A checkpoint id passed to ``dcp.load`` may name a step directory
+committed on any of them is read, looked up again by every load (a reader kept for several loads reads
+each time the newest), and the coordinator's choice is the one every rank reads. A checkpoint id passed to ``dcp.load`` may name a step directory
 (``<root>/step-<12 digits>``) or any directory a :class:`~ckptd.dcp.writer.CkptdStorageWriter` saved to
 (its newest committed step). Values saved as JSON come back as the same values, ``io.BytesIO`` values
 as ``io.BytesIO`` with the same bytes; values saved with pickle are refused unless ``allow_pickle=True``.
@@ -21,6 +22,7 @@ as ``io.BytesIO`` with the same bytes; values saved with pickle are refused unle
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import uuid
@@ -103,8 +105,11 @@ class CkptdStorageReader(StorageReader):
                  *, allow_pickle: bool = False) -> None:
         super().__init__()
         self.allow_pickle = allow_pickle
+        #: The step this load reads (resolved by :meth:`read_metadata` when none was asked for).
         self.step = step
         self._requested_step = step
+        #: The step asked for: ``step``, or the one a step directory given as checkpoint id names.
+        self._asked_step = step
         self.load_id = uuid.uuid4().hex
         self._tiers: list[StorageTier] | None = None
         #: A root given by path or URL, opened when first read (it may not exist yet when the reader is made).
@@ -121,7 +126,8 @@ class CkptdStorageReader(StorageReader):
         """Every rank, first: a checkpoint id (a step directory) overrides the tiers and step."""
         if checkpoint_id is not None:
             root, id_step = split_checkpoint_id(checkpoint_id)
-            self.step = id_step if id_step is not None else self._requested_step
+            self._asked_step = id_step if id_step is not None else self._requested_step
+            self.step = self._asked_step
             self._tiers, self._root = None, root
         self.load_id = uuid.uuid4().hex
         self._readers, self._pieces, self.manifest = [], {}, None
@@ -134,17 +140,22 @@ class CkptdStorageReader(StorageReader):
         return f"{where.rstrip('/')}/{step_dir(self.step)}"
 
     def read_metadata(self) -> Metadata:
-        """Every rank: read the manifest and all indexes (digest-checked) and derive DCP's Metadata."""
+        """Every rank, at the start of each load: read the manifest and all indexes (digest-checked) and
+        derive DCP's Metadata (of the newest committed step, unless a step was asked for)."""
         if self._tiers is None and self._root is not None:
             self._tiers = [open_tier(self._root)]
         if not self._tiers:
             raise ConfigError("CkptdStorageReader needs tiers (or a directory as checkpoint_id)",
                               hint="CkptdStorageReader(root, step=N), or dcp.load(..., checkpoint_id=DIR)")
-        if self.step is None:
-            self.step = newest_committed_step(self._tiers)
-        self.manifest, self._readers = open_step(self._tiers, self.step)
+        # DCP calls reset() only when given a checkpoint id: a reader kept for another load starts here.
+        return self._open(self._asked_step if self._asked_step is not None else newest_committed_step(self._tiers))
+
+    def _open(self, step: int) -> Metadata:
+        self.step = step
+        self.manifest, self._readers = open_step(self._tiers, step)  # type: ignore[arg-type]
         metadata, self._pieces = derive_metadata([r.index for r in self._readers], self.manifest.extra,
-                                                 checkpoint_id=self.checkpoint_id)
+                                                 checkpoint_id=self.checkpoint_id,
+                                                 manifest_version=self.manifest.format_version)
         metadata.storage_meta.load_id = self.load_id  # type: ignore[union-attr]
         return metadata
 
@@ -162,10 +173,15 @@ class CkptdStorageReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """Coordinator: send the step it reads to every rank (in each plan's ``storage_data``), so that all
+        read one step even when a save committed a newer one while the ranks looked up the newest."""
+        return [dataclasses.replace(plan, storage_data=self.step) for plan in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Every rank: read and verify each stored piece the plan needs, once, and hand it to the planner."""
+        chosen = plan.storage_data
+        if isinstance(chosen, int) and not isinstance(chosen, bool) and chosen != self.step:
+            self._open(chosen)  # this rank found another newest step than the coordinator
         groups: dict[StoredPiece, list[ReadItem]] = defaultdict(list)
         for item in plan.items:
             offsets = None if item.type == LoadItemType.BYTE_IO else tuple(int(o) for o in item.storage_index.offset)

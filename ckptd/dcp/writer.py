@@ -39,6 +39,7 @@ import dataclasses
 import io
 import os
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,11 +55,12 @@ from ckptd.config import settings
 from ckptd.format.values import SavedValues, ShardPlacement
 from ckptd.dcp import quantized as quantization
 from ckptd.dcp.metadata import MANIFEST_KEY, StoredPiece, planner_data_to_json
-from ckptd.errors import CommitError, ConfigError, PickleRefusedError
+from ckptd.errors import CommitError, ConfigError, PickleRefusedError, StorageError
 from ckptd.format import codecs
-from ckptd.format.layout import MANIFEST_NAME, parse_step_dir, step_dir, step_file
+from ckptd.format.layout import parse_step_dir, step_dir
 from ckptd.stepio.rank_writer import RankWriter
-from ckptd.format.records import Manifest, RankEntry
+from ckptd.format.records import FORMAT_VERSION, Manifest, RankEntry
+from ckptd.format.values import VALUE_KEYS_SINCE
 from ckptd.state.staging import Stager, stage_tree
 from ckptd.state.tree import flatten
 from ckptd.tiers.atomicity import step_commit
@@ -92,6 +94,17 @@ class SaveTarget:
     save_id: str
 
 
+@dataclass(frozen=True)
+class _RankShare:
+    """What one rank's write sends to the coordinator's :meth:`CkptdStorageWriter.finish`: its manifest
+    entry and the save it belongs to, so that the commit never reads the writer's attributes, which the
+    next save with the same writer may already have reset."""
+
+    entry: RankEntry
+    root: str
+    target: SaveTarget
+
+
 class CkptdStorageWriter(StorageWriter):
     """Writes one step of a checkpoint root (``root`` + ``step``, a step directory as checkpoint id, or
     the next step of a root: see the module docstring)."""
@@ -113,22 +126,28 @@ class CkptdStorageWriter(StorageWriter):
         self._staged_elsewhere = False
         self._buffers_free = threading.Event()
         self._buffers_free.set()
+        #: The thread of the save that reads the staged copy (it ends, failed or not, when that save does).
+        self._save_thread: threading.Thread | None = None
         self._tier: LocalTier | None = None
+        #: Whether :meth:`reset` began the current save (DCP calls it only when given a checkpoint id).
+        self._began = False
 
     def __getstate__(self) -> dict[str, Any]:
         """What a copy in DCP's checkpoint process gets: settings only (no tier, buffers or event)."""
+        state = dict(self.__dict__)
+        for name in ("_stager", "_buffers_free", "_tier", "_save_thread"):
+            state.pop(name, None)
         if not self._buffers_free.is_set():
             # This process cannot see when the copy is done with the staged buffers: the next stage()
-            # here stages into new ones.
+            # here stages into new ones, and need not wait for this save any longer.
             self._staged_elsewhere = True
-        state = dict(self.__dict__)
-        for name in ("_stager", "_buffers_free", "_tier"):
-            state.pop(name, None)
+            self._buffers_free.set()
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._stager, self._tier, self._staged_elsewhere = None, None, False
+        self._stager, self._tier, self._staged_elsewhere, self._save_thread = None, None, False, None
+        self._began = False
         self._buffers_free = threading.Event()
         self._buffers_free.set()
 
@@ -146,6 +165,7 @@ class CkptdStorageWriter(StorageWriter):
                               hint="CkptdStorageWriter(root, step=N), or dcp.save(..., checkpoint_id=DIR)")
         self.save_id = uuid.uuid4().hex
         self._tier = LocalTier(self.root)
+        self._began = True
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -166,10 +186,17 @@ class CkptdStorageWriter(StorageWriter):
         self.rank = int(rank)
         self.world_size = dist.get_world_size() if distributed else 1
         self.use_collectives = bool(kwargs.get("use_collectives", True))
-        if self._tier is None:
-            self.reset()
-        if self.step is not None:
-            step_commit(self._local).check_writable(self.step)
+        if not self._buffers_free.is_set():
+            self._save_thread = threading.current_thread()
+        try:
+            if not self._began:  # a save without checkpoint id: DCP did not call reset for it
+                self.reset()
+            self._began = False
+            if self.step is not None:
+                step_commit(self._local).check_writable(self.step)
+        except BaseException:
+            self._buffers_free.set()  # this save ends here: the staged copy is not read
+            raise
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -178,7 +205,7 @@ class CkptdStorageWriter(StorageWriter):
         """Coordinator: choose the step (the root's next one unless given) and send it, with this save's
         id, to every rank in its plan's ``storage_data``."""
         if self.step is None:
-            self.step = max(self._local.list_step_numbers(), default=-1) + 1
+            self.step = self._claim_next_step()
         target = SaveTarget(step=self.step, save_id=self.save_id)
         return [dataclasses.replace(plan, storage_data=target) for plan in plans]
 
@@ -200,8 +227,15 @@ class CkptdStorageWriter(StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator only, after every rank wrote: write the commit manifest (last)."""
-        entries = sorted((r.storage_data for rank_results in results for r in rank_results
-                          if r.index.fqn.startswith(_RANK_ENTRY_FQN)), key=lambda e: e.rank)
+        shares = sorted((r.storage_data for rank_results in results for r in rank_results
+                         if isinstance(r.storage_data, _RankShare)), key=lambda s: s.entry.rank)
+        if not shares or len({(s.root, s.target) for s in shares}) != 1:
+            raise CommitError(f"rank {self.rank} got the results of {len({s.target for s in shares})} saves to "
+                              "commit as one; nothing was committed", step=self.step, path=self.checkpoint_id,
+                              hint="save with dcp.save or dcp.async_save")
+        root, target = shares[0].root, shares[0].target
+        step, path = target.step, f"{root.rstrip('/')}/{step_dir(target.step)}"
+        entries = [s.entry for s in shares]
         ranks = [e.rank for e in entries]
         # With collectives, DCP hands the coordinator one result list per rank of its process group (which
         # may be a subgroup); without them each rank gets only its own, and the job's size says how many
@@ -211,18 +245,21 @@ class CkptdStorageWriter(StorageWriter):
             how = "" if self.use_collectives else (" (dcp.save(..., use_collectives=False) gives each rank's "
                                                    "finish only its own results)")
             raise CommitError(f"rank {self.rank} got index entries of ranks {ranks} for a {world_size}-rank "
-                              f"save{how}; nothing was committed", step=self.step, path=self.checkpoint_id,
+                              f"save{how}; nothing was committed", step=step, path=path,
                               hint="save with use_collectives=True, or use ckptd.CheckpointManager, whose ranks "
                               "agree through the job's store")
         extra = {MANIFEST_KEY: {"planner_data": planner_data_to_json(metadata.planner_data),
-                                "version": metadata.version, "save_id": self.save_id}}
-        manifest = Manifest(step=self.step, world_size=world_size, ranks=tuple(entries),  # type: ignore[arg-type]
-                            codec=self.codec, extra=extra)
-        step_commit(self._local).commit(self.step, manifest.to_json_bytes(),  # type: ignore[arg-type]
-                                        world_size=world_size)
-        metadata.storage_data = {r.index: r.storage_data for rank_results in results for r in rank_results
-                                 if isinstance(r.storage_data, StoredPiece)}
-        metadata.storage_meta = self.storage_meta()
+                                "version": metadata.version, "save_id": target.save_id}}
+        pieces = {r.index: r.storage_data for rank_results in results for r in rank_results
+                  if isinstance(r.storage_data, StoredPiece)}
+        # Values kept under the keys 'buffers' and 'quantized' are read wrongly by readers of older formats:
+        # such a step says it needs a reader that knows them, which older ones refuse by its version.
+        newer_values = any(piece.kind in ("bytesio", "quantized") for piece in pieces.values())
+        manifest = Manifest(step=step, world_size=world_size, ranks=tuple(entries), codec=self.codec, extra=extra,
+                            format_version=max(FORMAT_VERSION, VALUE_KEYS_SINCE) if newer_values else FORMAT_VERSION)
+        step_commit(LocalTier(root)).commit(step, manifest.to_json_bytes(), world_size=world_size)
+        metadata.storage_data = pieces
+        metadata.storage_meta = StorageMeta(checkpoint_id=path, save_id=target.save_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -248,15 +285,13 @@ class CkptdStorageWriter(StorageWriter):
         """Training thread, in ``async_save``: copy the state into reusable host buffers.
 
         The buffers are reused, so this waits (up to ``CKPTD_COMMIT_TIMEOUT_S``) until the previous
-        save with this writer has written them (back-pressure), then raises CommitError.
+        save with this writer has written them or ended (back-pressure), then raises CommitError. A
+        staged copy sent to DCP's checkpoint process is left to it: the next one gets new buffers.
         """
+        self._wait_for_buffers()
         if self._staged_elsewhere:  # the last staged copy went to DCP's checkpoint process: keep it intact
             self._stager, self._staged_elsewhere = None, False
-            self._buffers_free.set()
-        if not self._buffers_free.wait(settings().commit_timeout_s):
-            raise CommitError("the previous async_save with this writer is still writing its staged copy",
-                              step=self.step, path=self.checkpoint_id,
-                              hint="wait for its future before the next async_save, or use another writer")
+        self._save_thread = None
         if self._stager is None:
             self._stager = Stager()
         staged = _release_held(stage_tree(self._stager, _hold_quantized(state_dict)))
@@ -272,6 +307,36 @@ class CkptdStorageWriter(StorageWriter):
             self._stager.release()
 
     # --- internals ----------------------------------------------------------------------------
+    def _wait_for_buffers(self) -> None:
+        """Until the previous save with this writer no longer reads the staged copy: it wrote it, sent it to
+        DCP's checkpoint process, or its thread ended (a save that failed before writing)."""
+        deadline = time.monotonic() + settings().commit_timeout_s
+        while not self._buffers_free.wait(min(0.05, max(0.0, deadline - time.monotonic()))):
+            thread = self._save_thread
+            if thread is not None and not thread.is_alive():
+                self._buffers_free.set()
+                return
+            if time.monotonic() >= deadline:
+                raise CommitError("the previous async_save with this writer is still writing its staged copy "
+                                  f"after {settings().commit_timeout_s:g} s", step=self.step,
+                                  path=self.checkpoint_id, hint="wait for its future before the next "
+                                  "async_save, use another writer, or raise CKPTD_COMMIT_TIMEOUT_S")
+
+    def _claim_next_step(self) -> int:
+        """The root's next step (one past the highest step directory), claimed by creating its directory,
+        which fails when another save (another job sharing the root) made it first: then the one after."""
+        step = max(self._local.list_step_numbers(), default=-1) + 1
+        while True:
+            directory = self._local.root / step_dir(step)
+            try:
+                directory.mkdir()
+                return step
+            except FileExistsError:
+                step += 1
+            except OSError as error:
+                raise StorageError(f"cannot create the step directory: {error}", path=str(directory),
+                                   step=step, tier=self._local.label) from error
+
     @property
     def _local(self) -> LocalTier:
         if self._tier is None:
@@ -317,8 +382,10 @@ class CkptdStorageWriter(StorageWriter):
         except BaseException:
             writer.abort()
             raise
+        share = _RankShare(entry=entry, root=self.root,  # type: ignore[arg-type]
+                           target=SaveTarget(step=self.step, save_id=self.save_id))  # type: ignore[arg-type]
         results.append(WriteResult(index=MetadataIndex(f"{_RANK_ENTRY_FQN}{self.rank}"), size_in_bytes=0,
-                                   storage_data=entry))
+                                   storage_data=share))
         return results
 
     def _write_value(self, item: WriteItem, planner: SavePlanner, writer: RankWriter, objects: dict[str, Any],

@@ -18,6 +18,11 @@ working) with these keys added after the skeleton's own:
 - ``quantized``: ``{name: parameters}`` for a quantized tensor stored as its integer representation
   (dtype, scheme, scale(s), zero point(s), axis; see :mod:`ckptd.dcp.quantized`).
 
+``buffers`` and ``quantized`` name tensors that a reader which does not know these keys would hand out
+as plain uint8/integer tensors: a step using them has a manifest of format version
+:data:`VALUE_KEYS_SINCE` or later (older readers refuse it by its version), and :func:`parse_values`
+refuses them in a step whose manifest is older.
+
 DCP's ``Metadata`` is derived from these records by :mod:`ckptd.dcp.metadata`; nothing is pickled.
 An index whose values lack ``layout`` (written before it existed) is read as a bare skeleton.
 """
@@ -28,8 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptd.errors import FormatError, ResumeMismatchError
+from ckptd.format.records import LAYOUT_SINCE
 
 STATE_LAYOUT = "ckptd-state/1"
+#: Manifest format version from which rank indexes may hold ``buffers`` and ``quantized``.
+VALUE_KEYS_SINCE = LAYOUT_SINCE
 _EXTRA_KEYS = frozenset({"layout", "source", "shards", "objects", "pickled", "buffers", "quantized"})
 
 
@@ -78,8 +86,10 @@ class SavedValues:
         return name, ShardPlacement(shape, (0,) * len(shape))
 
 
-def parse_values(values: Any, *, path: str | None = None, step: int | None = None) -> SavedValues:
-    """Parse the ``values`` of a rank index, validating what readers rely on."""
+def parse_values(values: Any, *, path: str | None = None, step: int | None = None,
+                 manifest_version: int | None = None) -> SavedValues:
+    """Parse the ``values`` of a rank index, validating what readers rely on. With ``manifest_version``
+    (the step's manifest format), keys that version cannot have are refused."""
     if not isinstance(values, dict) or values.get("layout") != STATE_LAYOUT:
         return SavedValues(skeleton=values)
 
@@ -103,6 +113,9 @@ def parse_values(values: Any, *, path: str | None = None, step: int | None = Non
     if not isinstance(objects, dict) or not isinstance(pickled, list) or not isinstance(buffers, list) \
             or not isinstance(quantized, dict):
         fail("'objects', 'pickled', 'buffers' or 'quantized' has the wrong type")
+    if manifest_version is not None and manifest_version < VALUE_KEYS_SINCE and (buffers or quantized):
+        fail(f"'buffers' or 'quantized' in a step of manifest format {manifest_version}, which cannot have "
+             f"them (they came with format {VALUE_KEYS_SINCE}); the step was altered or written wrongly")
     skeleton = None
     if values.get("source") == "manager":
         skeleton = {key: value for key, value in values.items() if key not in _EXTRA_KEYS}

@@ -269,7 +269,11 @@ def stage_tree(stager: Stager, tree: Any) -> Any:
             return type(node)(rebuild(child, f"{path}/{i}") for i, child in enumerate(node))
         return node
 
-    return rebuild(tree, "")
+    restaged = rebuild(tree, "")
+    # The nested functions refer to themselves: without this, the staged and source tensors stay alive
+    # until the garbage collector finds the cycle (one state's worth of memory per save, save after save).
+    del collect, rebuild
+    return restaged
 
 
 def _restage(original: torch.Tensor, local: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,109 @@
+"""One CkptdStorageWriter/CkptdStorageReader kept for many saves and loads, as trainers keep them: without
+a checkpoint id (DCP then never calls ``reset``), with ``async_save`` calls that overlap, after a failed
+save, and with two jobs that share a root. Every save writes its own step, whose bytes load back."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from ckptd.dcp import CkptdStorageReader, CkptdStorageWriter
+from ckptd.errors import AlreadyCommittedError
+from ckptd.format.layout import MANIFEST_NAME, step_dir
+from ckptd.tiers.local import LocalTier
+
+
+def _state(i: int, size: int = 64) -> dict:
+    return {"w": torch.arange(size, dtype=torch.float32) + i, "i": i}
+
+
+def _loaded(reader: CkptdStorageReader, size: int = 64, **kwargs) -> dict:
+    state = {"w": torch.zeros(size), "i": -1}
+    dcp.load(state, storage_reader=reader, **kwargs)
+    return state
+
+
+def test_a_writer_and_a_reader_kept_without_checkpoint_id_save_and_load_the_newest_step(tmp_path: Path) -> None:
+    writer, reader = CkptdStorageWriter(tmp_path), CkptdStorageReader(tmp_path)
+    for i in range(3):  # the second save was refused: the first one's step was kept (AlreadyCommittedError)
+        meta = dcp.save(_state(i), storage_writer=writer)
+        assert meta.storage_meta.checkpoint_id == f"{tmp_path}/{step_dir(i)}"  # type: ignore[union-attr]
+        loaded = _loaded(reader)  # the same reader: the newest step each time (it kept reading step 0)
+        assert loaded["i"] == i and torch.equal(loaded["w"], _state(i)["w"]) and reader.step == i
+    assert LocalTier(tmp_path).committed_steps() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("ids", ["writer root", "same directory", "other directories"])
+def test_async_saves_that_overlap_each_commit_their_own_step(tmp_path: Path, ids: str) -> None:
+    size = 1 << 21  # 8 MiB: the next save's reset came while the previous one committed
+    writer = CkptdStorageWriter(tmp_path) if ids == "writer root" else CkptdStorageWriter()
+    directory = {"writer root": lambda i: None, "same directory": lambda i: str(tmp_path),
+                 "other directories": lambda i: str(tmp_path / f"run{i}")}[ids]
+    futures = [dcp.async_save(_state(i, size), checkpoint_id=directory(i), storage_writer=writer) for i in range(4)]
+    results = [future.result() for future in futures]  # failed with AlreadyCommittedError
+    writer.close()
+    for i, meta in enumerate(results):
+        where = f"{tmp_path}/run{i}/{step_dir(0)}" if ids == "other directories" else f"{tmp_path}/{step_dir(i)}"
+        assert meta.storage_meta.checkpoint_id == where  # type: ignore[union-attr]  # named another save's step
+        loaded = _loaded(CkptdStorageReader(), size, checkpoint_id=where)
+        assert loaded["i"] == i and torch.equal(loaded["w"], _state(i, size)["w"])
+        manifest = json.loads(Path(where, MANIFEST_NAME).read_text())
+        assert manifest["extra"]["dcp"]["save_id"] == meta.storage_meta.save_id  # type: ignore[union-attr]
+
+
+def test_an_async_save_that_failed_before_writing_does_not_hold_up_the_next(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTD_COMMIT_TIMEOUT_S", "3")  # the next stage waited this long, then CommitError
+    dcp.save(_state(0), storage_writer=CkptdStorageWriter(tmp_path, step=0))
+    writer = CkptdStorageWriter()
+    failed = dcp.async_save(_state(1), checkpoint_id=str(tmp_path / step_dir(0)), storage_writer=writer)
+    with pytest.raises(BaseException) as caught:
+        failed.result()
+    assert isinstance(caught.value, AlreadyCommittedError) or "AlreadyCommittedError" in str(caught.value)
+    dcp.async_save(_state(2), checkpoint_id=str(tmp_path), storage_writer=writer).result()
+    writer.close()
+    assert _loaded(CkptdStorageReader(tmp_path, step=0))["i"] == 0  # the committed step is as it was
+    assert _loaded(CkptdStorageReader(tmp_path))["i"] == 2
+
+
+def _save_by_hand(writer: CkptdStorageWriter, state: dict) -> tuple:
+    """DCP's save protocol on one rank, step by step, so that two saves can be interleaved."""
+    planner = DefaultSavePlanner()
+    writer.set_up_storage_writer(True)
+    planner.set_up_planner(state, writer.storage_meta(), True)
+    local = writer.prepare_local_plan(planner.create_local_plan())
+    plans, metadata = planner.create_global_plan([local])
+    plan = planner.finish_plan(writer.prepare_global_plan(plans)[0])
+    return writer, planner, plan, metadata
+
+
+def _finish_by_hand(writer: CkptdStorageWriter, planner: DefaultSavePlanner, plan, metadata) -> None:
+    results = writer.write_data(plan, planner).value()
+    writer.finish(metadata, [results])
+
+
+def test_two_jobs_sharing_a_root_never_write_the_same_step(tmp_path: Path) -> None:
+    first = _save_by_hand(CkptdStorageWriter(tmp_path), _state(1))
+    second = _save_by_hand(CkptdStorageWriter(tmp_path), _state(2))  # chose first's step too
+    assert (first[0].step, second[0].step) == (0, 1)
+    _finish_by_hand(*first)
+    _finish_by_hand(*second)  # replaced the committed step's files, then failed to commit
+    for step, i in ((0, 1), (1, 2)):
+        loaded = _loaded(CkptdStorageReader(tmp_path, step=step))
+        assert loaded["i"] == i and torch.equal(loaded["w"], _state(i)["w"])
+
+
+def test_bytesio_and_quantized_values_need_a_reader_of_format_4(tmp_path: Path) -> None:
+    dcp.save({"w": torch.ones(2)}, storage_writer=CkptdStorageWriter(tmp_path, step=0))
+    dcp.save({"w": torch.ones(2), "b": io.BytesIO(b"abc")}, storage_writer=CkptdStorageWriter(tmp_path, step=1))
+    versions = [json.loads((tmp_path / step_dir(s) / MANIFEST_NAME).read_text())["format_version"] for s in (0, 1)]
+    assert versions == [3, 4]  # older readers refuse step 1 by its version instead of loading bytes as a tensor
+    loaded = {"w": torch.zeros(2)}
+    dcp.load(loaded, storage_reader=CkptdStorageReader(tmp_path, step=0))  # the older format is still read
+    assert loaded["w"].tolist() == [1.0, 1.0]
