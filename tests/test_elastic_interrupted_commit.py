@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ckptd
-from ckptd.format.layout import step_dir
+from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, step_dir
 from ckptd.testing.elastic_runs import WORLD, finals, generations, launch_job
 from ckptd.testing.multirank import run_multirank
 from ckptd.tiers.local import LocalTier
@@ -67,6 +67,32 @@ def _restore(rank: int, world_size: int, roots: list[str]) -> str:
     finally:
         manager.close()
     return f"restored {step}"
+
+
+def _restore_weights(rank: int, world_size: int, roots: list[str]) -> tuple[int | None, bytes]:
+    manager = ckptd.CheckpointManager(roots[rank], capture_rng=False)
+    state = {"weights": torch.zeros(64)}
+    try:
+        step = manager.restore(state)
+    finally:
+        manager.close()
+    return step, state["weights"].numpy().tobytes()
+
+
+def test_a_whole_job_restart_finishes_a_first_save_whose_commit_one_directory_lacks(tmp_path: Path) -> None:
+    # the on-disk state a rank leaves when it dies between the agreement and its own commit marker: its files
+    # complete, no manifest (nor the list of the ranks it holds) beside them; every rank restarts (torchrun)
+    roots = [str(tmp_path / f"rank{rank}") for rank in range(WORLD)]
+    run_multirank(_save, WORLD, roots, timeout_s=120)
+    for name in (MANIFEST_NAME, RANKS_HERE_NAME):
+        (Path(roots[1]) / step_dir(1) / name).unlink()
+    assert LocalTier(Path(roots[1]), create=False).committed_steps() == []
+    restored = run_multirank(_restore_weights, WORLD, roots, timeout_s=120)
+    for rank, (step, weights) in enumerate(restored):
+        assert step == 1 and weights == torch.full((64,), float(rank)).numpy().tobytes(), (rank, step)
+    assert LocalTier(Path(roots[1]), create=False).committed_steps() == [1]
+    manifests = [(Path(root) / step_dir(1) / MANIFEST_NAME).read_bytes() for root in roots]
+    assert manifests[0] == manifests[1], "the directory is committed with the manifest every rank agreed on"
 
 
 def test_a_directory_that_lost_its_files_of_the_step_is_not_taken_for_an_interrupted_commit(tmp_path: Path) -> None:

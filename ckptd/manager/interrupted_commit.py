@@ -51,8 +51,16 @@ def complete_interrupted_commit(local: LocalTier, coordinator: CommitCoordinator
     if step is None:
         return None
     source = min(rank for rank, answer in enumerate(held) if step in answer["committed"])
-    manifest = local.read_bytes(step_file(step, MANIFEST_NAME)).decode() if coordinator.rank == source else None
+    manifest = None
+    if coordinator.rank == source:
+        try:
+            manifest = local.read_bytes(step_file(step, MANIFEST_NAME)).decode()
+        except (CkptdError, UnicodeDecodeError) as error:  # every rank still answers the next round
+            log.warning("rank %d: cannot read the manifest of step %d to finish its commit elsewhere: %s",
+                        coordinator.rank, step, error)
     sent = coordinator.exchange("interrupted-commit-manifest", manifest)[source]
+    if sent is None:  # seen alike by every rank
+        return None
     failure = None
     if sharing.is_owner and step not in committed:
         failure = _commit_here(local, step, sent.encode(), coordinator, sharing)
