@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,9 +35,24 @@ def _config(root: Path, **extra: Any) -> dict[str, Any]:
             "max_epochs": EPOCHS, "every": STEPS_PER_EPOCH, "dropout": 0.5, "rank_seed": 100, **extra}
 
 
+_PORTS_GIVEN: set[int] = set()
+
+
+def _free_port() -> int:
+    """A port free now and not given to another job of this module."""
+    while True:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port not in _PORTS_GIVEN:
+            _PORTS_GIVEN.add(port)
+            return port
+
+
 def _start(config: dict[str, Any]) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
-    env.pop("MASTER_PORT", None)
+    """One job (rank 0 here; Lightning starts rank 1), with its own rendezvous port: two jobs run at once."""
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port())}
     return subprocess.Popen([sys.executable, str(RUN), json.dumps(config)], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
