@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -107,3 +111,78 @@ def test_bytesio_and_quantized_values_need_a_reader_of_format_4(tmp_path: Path) 
     loaded = {"w": torch.zeros(2)}
     dcp.load(loaded, storage_reader=CkptdStorageReader(tmp_path, step=0))  # the older format is still read
     assert loaded["w"].tolist() == [1.0, 1.0]
+
+
+def test_the_next_stage_goes_on_once_the_staged_copy_went_to_the_checkpoint_process(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTD_COMMIT_TIMEOUT_S", "5")  # it waited this long, then CommitError
+    writer = CkptdStorageWriter(tmp_path)
+    first = writer.stage({"w": torch.arange(8.0)})
+    sent: list[bytes] = []
+    # What DCP's process executor does on its own thread, once its checkpoint process is up (seconds).
+    sender = threading.Timer(0.3, lambda: sent.append(pickle.dumps(writer)))
+    sender.start()
+    second = writer.stage({"w": torch.arange(8.0) * 2})  # async_save before waiting for the previous one
+    sender.join()
+    copy = pickle.loads(sent[0])
+    assert torch.equal(first["w"], torch.arange(8.0)) and second["w"].data_ptr() != first["w"].data_ptr()
+    dcp.save(first, storage_writer=copy)  # the copy sent away writes the first state, intact
+    loaded = {"w": torch.zeros(8)}
+    dcp.load(loaded, storage_reader=CkptdStorageReader(tmp_path))
+    assert loaded["w"].tolist() == list(range(8))
+    writer.close()
+
+
+_PROCESS_SAVES = '''
+import gc, json, os, sys
+import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from ckptd.dcp import CkptdStorageWriter
+
+
+def shared_memory_files():
+    found = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            found += os.readlink(f"/proc/self/fd/{name}").startswith("/dev/shm/")
+        except OSError:
+            pass
+    return found
+
+
+def main():
+    root, port, saves = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    gc.disable()  # as DCP_DISABLE_AUTOMATIC_GC=1 does: the buffers must go without the collector's help
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    writer, held = CkptdStorageWriter(), []
+    for i in range(saves):
+        state = {"w": torch.full((1 << 18,), float(i)), "i": i}
+        dcp.async_save(state, checkpoint_id=root, storage_writer=writer,
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS).result()
+        held.append(shared_memory_files())
+    writer.close()
+    print(json.dumps(held))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_process_mode_saves_free_their_shared_memory_save_after_save(tmp_path: Path) -> None:
+    from ckptd.testing.multirank import free_port
+
+    script = tmp_path / "saves.py"
+    script.write_text(_PROCESS_SAVES)
+    saves = 6
+    done = subprocess.run([sys.executable, str(script), str(tmp_path / "root"), str(free_port()), str(saves)],
+                          capture_output=True, text=True, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    held = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(held) == saves and max(held) == min(held) >= 1  # one staged copy in shared memory, not one per save
+    assert LocalTier(tmp_path / "root").committed_steps() == list(range(saves))
+    for i in (0, saves - 1):
+        loaded = {"w": torch.zeros(1 << 18), "i": -1}
+        dcp.load(loaded, storage_reader=CkptdStorageReader(tmp_path / "root", step=i))
+        assert loaded["i"] == i and torch.equal(loaded["w"], torch.full((1 << 18,), float(i)))
