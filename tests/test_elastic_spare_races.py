@@ -1,5 +1,5 @@
-"""Warm spares when things go wrong around them: a spare that died while waiting is dropped and the failed
-rank gets a new process; two ranks failing at once with one spare: one takes the spare, the other a new
+"""Warm spares when things go wrong around them: a rank handed to a spare still in its setup waits for it;
+a spare that died while waiting is dropped and the failed rank gets a new process; two ranks failing at once with one spare: one takes the spare, the other a new
 process. Every run ends with the weights, optimizer state and sample ids of an uninterrupted run, byte for
 byte, and leaves no spare running.
 
@@ -72,4 +72,21 @@ def test_two_ranks_failing_at_once_with_one_spare_get_the_spare_and_a_new_proces
     assert len(handed) == 1 and newest[handed[0]]["pid"] in spares, (handed, newest, spares)
     other = 1 - handed[0]
     assert f"started rank {other} (pid {newest[other]['pid']})" in result.stderr, "the other rank: a new process"
+    assert not any(_alive(pid) for pid in _spares_started(result.stderr)), "a spare outlived the job"
+
+
+def test_a_rank_handed_to_a_spare_still_in_its_setup_is_recovered_once_the_setup_ends(
+        tmp_path: Path, reference: list[bytes]) -> None:
+    # the spare's setup ends only once the supervisor handed it the failed rank: it was not ready when taken
+    result = launch_job(tmp_path, "--kill-rank", "1", "--kill-step", "7", "--kill-phase", "before-step",
+                        "--spare-setup-until-assigned", extra=("--spares", "1"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = tmp_path / "out"
+    assert finals(out) == reference, "the recovered run differs from the uninterrupted one"
+    spare = _spares_started(result.stderr)[0]
+    victim = generations(out, 1)
+    assert sorted(victim) == [0, 1] and victim[1]["pid"] == spare, (victim, spare)
+    assert f"handed rank 1 to warm spare 0 (pid {spare}) in generation 1" in result.stderr
+    killed_at = json.loads((out / "rank1-killed.json").read_text())["at"]
+    assert json.loads((out / f"spare-{spare}.json").read_text())["ready_at"] > killed_at
     assert not any(_alive(pid) for pid in _spares_started(result.stderr)), "a spare outlived the job"

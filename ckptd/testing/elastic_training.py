@@ -18,7 +18,8 @@ entering the generation, of the restore and of its first completed step; the vic
 staged a step ``rank<r>-staged.json`` (the steps staged, by generation). Its model, optimizer and data stream
 are built by ``setup_fn`` (:func:`ckptd.elastic.run`); a warm spare writes ``spare-<pid>.json`` once it has
 built them, and ``--kill-when-spare-ready`` holds the kill until one has (``--kill-spare-first``: then the
-victim SIGKILLs that spare first). ``--also-kill-rank R`` kills rank R too, at the same step and phase.
+victim SIGKILLs that spare first; ``--spare-setup-until-assigned``: a spare's setup ends only once it was
+handed a rank). ``--also-kill-rank R`` kills rank R too, at the same step and phase.
 
 ``--poison-rank R --poison-step K`` poisons rank R's step K of the first generation with NaN weights, with
 correct hashes: ``--poison-how saved`` saves NaN weights as step K (memory and disk hold them; the live
@@ -34,6 +35,7 @@ import json
 import os
 import signal
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +130,15 @@ def _die_before_commit_marker(manager: ckptd.CheckpointManager, step: int, other
     commit.commit = dying  # type: ignore[method-assign]
 
 
+def _wait_for_the_assignment(timeout_s: float = 120.0) -> None:
+    """In a spare (``--spare-setup-until-assigned``): hold the setup until the supervisor has handed this
+    spare a rank, so that the rank is handed to a spare whose setup is not done."""
+    host, _, port = os.environ[elastic_keys.ENV_STORE].rpartition(":")
+    store = dist.TCPStore(host, int(port), None, False, timeout=timedelta(seconds=timeout_s))
+    node, ident = int(os.environ.get("GROUP_RANK", "0")), int(os.environ[elastic_keys.ENV_SPARE])
+    store.wait([elastic_keys.spare_assignment(node, ident)], timedelta(seconds=timeout_s))
+
+
 def _setup(args: argparse.Namespace) -> dict[str, Any]:
     """What the job builds before it knows its rank (``setup_fn``): a warm spare has it ready."""
     torch.manual_seed(args.seed)
@@ -136,6 +147,8 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
              "state": {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=0.01),
                        "data": SampleStream(args.seed),
                        "seen": torch.full((args.steps, BATCH_PER_RANK), -1, dtype=torch.int64)}}
+    if elastic_keys.ENV_SPARE in os.environ and args.spare_setup_until_assigned:
+        _wait_for_the_assignment()
     if elastic_keys.ENV_SPARE in os.environ:
         (Path(args.out) / f"spare-{os.getpid()}.json").write_text(json.dumps({"pid": os.getpid(),
                                                                               "ready_at": time.time()}))
@@ -257,6 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-when-spare-ready", action="store_true")
     parser.add_argument("--kill-spare-first", action="store_true",
                         help="with --kill-when-spare-ready: the victim SIGKILLs the ready spares before it dies")
+    parser.add_argument("--spare-setup-until-assigned", action="store_true",
+                        help="a warm spare's setup ends only once it was handed a rank")
     parser.add_argument("--also-kill-rank", type=int, default=-1,
                         help="a second victim, killed at the same step, phase and signal in generation 0")
     parser.add_argument("--poison-rank", type=int, default=-1)
