@@ -46,6 +46,21 @@ class QuantParams:
         return getattr(torch, self.dtype)
 
 
+@dataclass(frozen=True)
+class StagedQuantized:
+    """A quantized tensor staged by ``async_save``: a copy of its integers and its parameters. DCP saves
+    it as a value (the writer stores it as the tensor it stands for); unlike the quantized tensor, it
+    reaches DCP's checkpoint process whole (PyTorch's multiprocessing drops the quantizer)."""
+
+    integers: torch.Tensor
+    params: QuantParams
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, *, name: str = "") -> StagedQuantized:
+        integers, params = split(tensor.detach(), name=name)
+        return cls(integers, params)
+
+
 def split(tensor: torch.Tensor, *, name: str) -> tuple[torch.Tensor, QuantParams]:
     """The integer representation of a quantized tensor and its parameters; FormatError for a dtype or
     scheme ckptd does not store."""

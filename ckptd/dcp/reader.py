@@ -14,10 +14,11 @@ the one that saved: DCP's planners decide which regions each rank reads.
 
 ``tiers`` may be a root path or a list of tiers, nearest first. Without ``step`` the newest step
 committed on any of them is read, looked up again by every load (a reader kept for several loads reads
-each time the newest), and the coordinator's choice is the one every rank reads. A checkpoint id passed to ``dcp.load`` may name a step directory
-(``<root>/step-<12 digits>``) or any directory a :class:`~ckptd.dcp.writer.CkptdStorageWriter` saved to
-(its newest committed step). Values saved as JSON come back as the same values, ``io.BytesIO`` values
-as ``io.BytesIO`` with the same bytes; values saved with pickle are refused unless ``allow_pickle=True``.
+each time the newest), and the coordinator's choice is the one every rank reads. A checkpoint id passed
+to ``dcp.load`` may name a step directory (``<root>/step-<12 digits>``) or any directory a
+:class:`~ckptd.dcp.writer.CkptdStorageWriter` saved to (its newest committed step). Values saved as JSON
+come back as the same values, ``io.BytesIO`` values as ``io.BytesIO`` with the same bytes; values saved
+with pickle are refused unless ``allow_pickle=True``.
 """
 
 from __future__ import annotations

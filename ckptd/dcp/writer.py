@@ -294,7 +294,7 @@ class CkptdStorageWriter(StorageWriter):
         self._save_thread = None
         if self._stager is None:
             self._stager = Stager()
-        staged = _release_held(stage_tree(self._stager, _hold_quantized(state_dict)))
+        staged = stage_tree(self._stager, _hold_quantized(state_dict))
         self._buffers_free.clear()
         return staged
 
@@ -356,7 +356,7 @@ class CkptdStorageWriter(StorageWriter):
             for item in items:
                 fqn = item.index.fqn
                 if item.type == WriteItemType.BYTE_IO:
-                    results.append(self._write_value(item, planner, writer, objects, pickled, buffers))
+                    results.append(self._write_value(item, planner, writer, objects, pickled, buffers, quantized))
                     continue
                 tensor = planner.resolve_data(item).detach()  # type: ignore[union-attr]
                 local = tensor.to("cpu").contiguous()
@@ -389,11 +389,17 @@ class CkptdStorageWriter(StorageWriter):
         return results
 
     def _write_value(self, item: WriteItem, planner: SavePlanner, writer: RankWriter, objects: dict[str, Any],
-                     pickled: set[str], buffers: set[str]) -> WriteResult:
+                     pickled: set[str], buffers: set[str], quantized: dict[str, Any]) -> WriteResult:
         fqn = item.index.fqn
         lookup = getattr(planner, "lookup_object", None)
         if lookup is not None:
             value = lookup(item.index)
+            if isinstance(value, quantization.StagedQuantized):  # a quantized tensor async_save staged
+                writer.add(fqn, value.integers)
+                quantized[fqn] = value.params.to_json()
+                size = value.integers.numel() * value.integers.element_size()
+                return WriteResult(index=item.index, size_in_bytes=size,
+                                   storage_data=StoredPiece(self.rank, fqn, "quantized"))
             if isinstance(value, io.BytesIO):
                 data = bytearray(value.getbuffer())
                 writer.add(fqn, _bytes_tensor(data))
@@ -419,30 +425,15 @@ class CkptdStorageWriter(StorageWriter):
                            storage_data=StoredPiece(self.rank, fqn, "pickled"))
 
 
-@dataclass(frozen=True)
-class _Held:
-    """A quantized tensor's copy, kept out of the staging buffers (they hold plain dtypes only)."""
-
-    tensor: torch.Tensor
-
-
 def _hold_quantized(node: Any) -> Any:
+    """``node`` with each quantized tensor as its integers and parameters: the staging buffers hold plain
+    dtypes only, and a quantized tensor sent to DCP's checkpoint process arrives without its quantizer."""
     if isinstance(node, torch.Tensor):
-        return _Held(node.clone()) if node.is_quantized else node
+        return quantization.StagedQuantized.of(node) if node.is_quantized else node
     if isinstance(node, Mapping):
         return {key: _hold_quantized(child) for key, child in node.items()}
     if isinstance(node, (list, tuple)):
         return type(node)(_hold_quantized(child) for child in node)
-    return node
-
-
-def _release_held(node: Any) -> Any:
-    if isinstance(node, _Held):
-        return node.tensor
-    if isinstance(node, Mapping):
-        return {key: _release_held(child) for key, child in node.items()}
-    if isinstance(node, (list, tuple)):
-        return type(node)(_release_held(child) for child in node)
     return node
 
 
