@@ -21,6 +21,9 @@ when ``save_top_k`` drops one, ``teardown()`` at the end of a stage. This one ma
   points to it: those of this process and the pointers an earlier run left in the same directories (see
   :mod:`ckptd.plugins.lightning.retention`).
 - **teardown**: waits for pending writes and uploads (:meth:`ckptd.CheckpointManager.close`).
+- **a plain state dict** (no ``global_step``: the last weights ``ddp_spawn`` hands from rank 0 to the main
+  process through a temporary path) is not a training checkpoint: it is saved, synchronously, as step 0 of
+  its own ckptd root beside the path (``<path>.ckptd``), loaded from there and removed with its pointer.
 
 With several processes (DDP), Lightning saves and removes on global rank 0 only, and loads on every rank:
 rank 0 restores from the tiers and hands the checkpoint to the other ranks over the process group
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -56,6 +60,11 @@ log = logging.getLogger("ckptd.plugins.lightning")
 def _path_key(path: str | os.PathLike[str]) -> str:
     text = os.fspath(path)
     return text if "://" in text else os.path.normpath(os.path.abspath(text))
+
+
+def _plain_state_root(path: str | os.PathLike[str]) -> str:
+    """The ckptd root of a plain state dict saved at ``path`` (see :meth:`CkptdCheckpointIO.save_checkpoint`)."""
+    return _path_key(path) + ".ckptd"
 
 
 def _distributed_world() -> int:
@@ -129,7 +138,10 @@ class CkptdCheckpointIO(CheckpointIO):
         if storage_options is not None:
             raise ConfigError("CkptdCheckpointIO takes no storage_options per save",
                               hint="pass storage_options= (s3fs options) to CkptdCheckpointIO itself")
-        step = int(checkpoint.get("global_step", 0))
+        if "global_step" not in checkpoint:
+            self._save_plain_state(checkpoint, path)
+            return
+        step = int(checkpoint["global_step"])
         manager = self.manager
         stored = self._steps_here.get(step)
         if stored is None:
@@ -190,6 +202,8 @@ class CkptdCheckpointIO(CheckpointIO):
 
     def _load_here(self, path: str | os.PathLike[str]) -> dict[str, Any]:
         pointer = read_pointer(path)
+        if pointer.kind == "state":
+            return self._load_plain_state(pointer, path)
         manager = self.manager
         state: dict[str, Any] = {}
         step = self._restore(manager, state, pointer.step, path)
@@ -203,6 +217,9 @@ class CkptdCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Delete the pointer at ``path``; its step leaves the tiers once no other path points to it."""
+        root = _plain_state_root(path)
+        if os.path.isdir(root):  # a plain state dict's own root goes with its pointer
+            shutil.rmtree(root)
         remove_pointer(path)
         self._retention.unpoint(_path_key(path))
 
@@ -213,6 +230,40 @@ class CkptdCheckpointIO(CheckpointIO):
             manager.close()
 
     # --- helpers -----------------------------------------------------------------------------------
+    def _plain_manager(self, root: str) -> ckptd.CheckpointManager:
+        options = self._manager_options
+        return ckptd.CheckpointManager(root, rank=0, world_size=1, capture_rng=False, codec=options["codec"],
+                                       allow_pickle=options["allow_pickle"])
+
+    def _save_plain_state(self, state: dict[str, Any], path: str | os.PathLike[str]) -> None:
+        """A dict that is no trainer checkpoint: step 0 of its own root beside ``path``, committed on return."""
+        if "://" in os.fspath(path):
+            raise ConfigError(f"{os.fspath(path)}: a state dict that is not a Lightning checkpoint (no global_step) "
+                              f"is saved to a local path only", path=os.fspath(path),
+                              hint="save the trainer's checkpoint (trainer.save_checkpoint) or use a local path")
+        root = _plain_state_root(path)
+        if os.path.isdir(root):
+            shutil.rmtree(root)  # an earlier plain state saved at this path: the pointer names the new one
+        manager = self._plain_manager(root)
+        try:
+            manager.save(0, state, force=True)
+        finally:
+            manager.close()
+        write_pointer(path, Pointer(step=0, local=root, kind="state"))
+
+    def _load_plain_state(self, pointer: Pointer, path: str | os.PathLike[str]) -> dict[str, Any]:
+        root = _plain_state_root(path)
+        if not os.path.isdir(root):
+            raise NotFoundError("the state dict this pointer names is gone", path=root,
+                                hint="it is kept beside the pointer, as <path>.ckptd")
+        manager = self._plain_manager(root)
+        try:
+            state: dict[str, Any] = {}
+            self._restore(manager, state, pointer.step, path)
+        finally:
+            manager.close()
+        return state
+
     def _steps_on_other_tiers(self, manager: ckptd.CheckpointManager) -> dict[int, str]:
         """The steps the peer and object tiers held committed when this process first saved (earlier runs'
         steps: this process's own are in ``_steps_here``); a tier that cannot answer counts as empty."""

@@ -33,10 +33,13 @@ class Pointer:
     epoch: int | None = None
     local: str | None = None
     remote: str | None = None
+    #: ``"checkpoint"`` (a trainer checkpoint in the plugin's tiers) or ``"state"`` (a plain state dict, such as
+    #: the weights ``ddp_spawn`` hands back to the main process, kept in its own root ``local``).
+    kind: str = "checkpoint"
 
     def to_json(self) -> dict[str, Any]:
         return {"format": POINTER_FORMAT, "step": self.step, "epoch": self.epoch, "local": self.local,
-                "remote": self.remote}
+                "remote": self.remote, "kind": self.kind}
 
 
 def _filesystem(path: str | os.PathLike[str]) -> tuple[Any, str]:
@@ -98,7 +101,8 @@ def read_pointer(path: str | os.PathLike[str]) -> Pointer:
     epoch = body.get("epoch")
     return Pointer(step=step, epoch=epoch if isinstance(epoch, int) else None,
                    local=body.get("local") if isinstance(body.get("local"), str) else None,
-                   remote=body.get("remote") if isinstance(body.get("remote"), str) else None)
+                   remote=body.get("remote") if isinstance(body.get("remote"), str) else None,
+                   kind="state" if body.get("kind") == "state" else "checkpoint")
 
 
 def remove_pointer(path: str | os.PathLike[str]) -> bool:

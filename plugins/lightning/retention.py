@@ -22,6 +22,15 @@ class PointerRetention:
         self._paths: dict[str, int] = {}
         self._released: set[int] = set()
 
+    def __getstate__(self) -> dict[str, object]:  # a spawning strategy (ddp_spawn) pickles the plugins
+        with self._lock:
+            return {"paths": dict(self._paths), "released": set(self._released)}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self._lock = threading.Lock()
+        self._paths = dict(state["paths"])  # type: ignore[call-overload]
+        self._released = set(state["released"])  # type: ignore[call-overload]
+
     def point(self, path: str, step: int) -> None:
         """``path`` now points to ``step`` (it may have pointed to another step before)."""
         with self._lock:

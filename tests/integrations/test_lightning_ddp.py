@@ -91,3 +91,29 @@ def test_ddp_ranks_with_their_own_dropout_resume_bit_for_bit_after_sigkill(tmp_p
     uninterrupted = _finish(reference, reference_config)
     assert uninterrupted["global_step"] == EPOCHS * STEPS_PER_EPOCH
     assert state_differences(_weights(config), _weights(reference_config)) == []
+
+
+def test_ddp_spawn_copies_the_plugin_into_its_ranks_and_saves_through_ckptd(tmp_path: Path) -> None:
+    """``strategy="ddp_spawn"`` pickles the trainer with its plugins into each rank's process."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ckptd.plugins.lightning import CkptdCheckpointIO
+    from lightning_run import TinyData, TinyModel
+
+    torch.set_num_threads(1)
+    L.seed_everything(11)
+    os.environ["MASTER_PORT"] = str(_free_port())
+    io = CkptdCheckpointIO(tmp_path / "ckpt")
+    model = TinyModel()
+    trainer = L.Trainer(max_epochs=2, plugins=[io], strategy="ddp_spawn", accelerator="cpu", devices=2,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path), callbacks=[ModelCheckpoint(
+                            dirpath=tmp_path / "lc", every_n_train_steps=STEPS_PER_EPOCH, save_top_k=1)])
+    trainer.fit(model, datamodule=TinyData())
+    pointer = tmp_path / "lc" / f"epoch=1-step={2 * STEPS_PER_EPOCH}.ckpt"
+    assert sorted(os.listdir(tmp_path / "lc")) == [pointer.name], "save_top_k=1 removed the older pointer"
+    assert sorted(name for name in os.listdir(tmp_path / "ckpt") if name.startswith("step-")) == \
+        [step_dir(2 * STEPS_PER_EPOCH)], "the ranks' retention deleted the older step"
+    loaded = CkptdCheckpointIO(tmp_path / "ckpt").load_checkpoint(pointer)
+    assert state_differences(loaded["state_dict"], model.state_dict()) == [], "rank 0's weights, as fit returned them"
