@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 from typing import Any
 
 from ckptd.errors import CkptdError, ConfigError
-from ckptd.format.layout import MANIFEST_NAME, rank_files, rank_index_name
+from ckptd.format.layout import MANIFEST_NAME, rank_files
 from ckptd.manager.daemon_link import DaemonLink
 from ckptd.promotion.pinning import PIN_DIRECTORY, PinnedSteps
 from ckptd.tiers import StorageTier, open_tier
@@ -114,7 +114,7 @@ def leftover_pins(local: LocalTier, rank: int) -> list[int]:
     neither reads nor drops that directory), so a manager that finds any promotes in-process."""
     pins = PinnedSteps(local)
     try:
-        return [step for step in pins.pinned() if rank_index_name(rank) in pins.tier.list_files(step)]
+        return pins.held_by(rank)
     except CkptdError as error:
         log.warning("could not list the steps pinned in %s: %s", pins.tier.label, error)
         return []

@@ -6,11 +6,16 @@ The keys live under the :class:`~ckptd.manager.commit.StoreCoordinator`'s genera
 decision of an earlier incarnation of the job is never read as one of this incarnation. When the
 coordinator joins a new generation (an in-process restart, or a survivor's manager moved to a new store),
 the numbering of keys starts again at 1 while the indices the uploader sees keep growing.
+
+The steps each rank holds pinned (:meth:`StorePromotionSchedule.share_pins`) are the key
+``<coordinator prefix>/promotion/pins/<rank>`` (a JSON list), in the same generation scope.
 """
 
 from __future__ import annotations
 
+import json
 import threading
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -66,6 +71,32 @@ class StorePromotionSchedule:
                               hint="rank 0 may have exited or died; its steps stay pinned and are promoted at "
                               "the next start") from exc
         return Decision(index, None if value == CLOSED else int(value))
+
+    def share_pins(self, steps: Sequence[int]) -> None:
+        try:
+            self.coordinator.store.set(self._pins_key(self.coordinator.rank), json.dumps(sorted(steps)))
+        except Exception as exc:  # noqa: BLE001 - c10d store errors are plain RuntimeErrors
+            raise CommitError(f"could not publish the steps rank {self.coordinator.rank} holds pinned in the job's "
+                              f"store: {exc}", hint="the job's store (hosted by rank 0) is unreachable") from exc
+
+    def shared_pins(self, timeout_s: float) -> dict[int, list[int]]:
+        store = self.coordinator.store
+        keys = {rank: self._pins_key(rank) for rank in range(self.coordinator.world_size)}
+        try:
+            if timeout_s > 0:
+                try:
+                    store.wait(list(keys.values()), timedelta(seconds=timeout_s))
+                except Exception:  # noqa: BLE001 - c10d raises a plain RuntimeError/DistStoreError on timeout
+                    pass
+            return {rank: [int(step) for step in json.loads(store.get(key))]
+                    for rank, key in keys.items() if store.check([key])}
+        except Exception as exc:  # noqa: BLE001 - the store went away (rank 0, its host, has exited)
+            raise CommitError(f"could not read the steps the ranks hold pinned from the job's store: {exc}",
+                              hint="rank 0 may have exited or died; the steps stay pinned and are settled at the "
+                              "next start") from exc
+
+    def _pins_key(self, rank: int) -> str:
+        return f"{self.coordinator.prefix}/promotion/pins/{rank}"
 
     def _follow_generation(self, last_index: int) -> None:
         """Under the lock: after a new generation, number this generation's keys from 1 again."""

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ckptd.config import Settings, settings
 from ckptd.errors import ConfigError, StorageError
-from ckptd.format.layout import MANIFEST_NAME, step_dir
+from ckptd.format.layout import MANIFEST_NAME, rank_index_name, step_dir
 from ckptd.tiers.local import LocalTier, fsync_directory
 
 #: Directory under the local root that holds pinned steps.
@@ -118,6 +118,10 @@ class PinnedSteps:
     def pinned(self) -> list[int]:
         """Steps whose pin is complete, ascending."""
         return self.tier.committed_steps()
+
+    def held_by(self, rank: int) -> list[int]:
+        """Steps whose pin is complete and holds ``rank``'s share (its index), ascending."""
+        return [step for step in self.pinned() if rank_index_name(rank) in self.tier.list_files(step)]
 
     def unpin(self, step: int, names: list[str] | None = None) -> None:
         """Drop a pin (only ``names`` when given: other ranks may still need theirs)."""

@@ -16,7 +16,8 @@ it again):
 5. list again and check every chunk and pack the step references is stored with the right size, then
    clear the bad records of the chunks uploaded again;
 6. with several ranks promoting their own shares, each writes ``rank-NNNNN.promoted`` and the committing
-   rank waits for all of them;
+   rank (the share that includes rank 0, unless the caller names another) waits for all of them, at most
+   ``CKPTD_COMMIT_TIMEOUT_S`` and never past :attr:`Promoter.give_up_at`, logging which ranks it waits for;
 7. write ``manifest.json`` last: the exact bytes of the local manifest.
 """
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 from ckptd.background import run_jobs
 from ckptd.config import settings
-from ckptd.errors import AlreadyCommittedError, CommitError, NotFoundError
+from ckptd.errors import AlreadyCommittedError, CommitError, DeadlineError, NotFoundError
 from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
 from ckptd.tiers.atomicity import step_commit
 from ckptd.format.records import ChunkRecord, Manifest
@@ -49,6 +50,8 @@ log = logging.getLogger("ckptd.promotion")
 PhaseHook = Callable[[str], None]
 #: Called with the number of bytes just uploaded (progress bars).
 ProgressHook = Callable[[int], None]
+#: A rank committing a step logs which other ranks' shares it still waits for this often (seconds).
+_WAIT_LOG_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,8 @@ class Promoter:
 
     One promoter per process and remote tier; :meth:`promote` may be called from one thread at a time.
     ``ranks`` limits a promotion to some ranks' shares (multi-node jobs where each node promotes its own);
-    the share that includes rank 0 commits the step once every rank's marker exists.
+    the share that includes rank 0 commits the step once every rank's marker exists (``commits`` names
+    another committing share: a step whose rank 0 share was promoted by an earlier run).
     """
 
     def __init__(self, local: StorageTier, remote: ObjectTier, *, concurrency: int | None = None,
@@ -97,15 +101,20 @@ class Promoter:
         self.local, self.remote = local, remote
         self.concurrency = concurrency or max(1, settings().s3_concurrency)
         self.on_phase = on_phase or (lambda phase: None)
+        #: The monotonic time past which the committing rank stops waiting for the other ranks' shares (None:
+        #: only ``CKPTD_COMMIT_TIMEOUT_S`` bounds it); read while waiting (an uploader's close sets it).
+        self.give_up_at: Callable[[], float | None] = lambda: None
 
-    def promote(self, step: int, *, ranks: list[int] | None = None,
-                progress: ProgressHook | None = None) -> PromotionReport:
+    def promote(self, step: int, *, ranks: list[int] | None = None, progress: ProgressHook | None = None,
+                commits: bool | None = None) -> PromotionReport:
         """Promote one committed local step; returns what was uploaded. Raises NotFoundError when the step
         is not committed locally, IntegrityError when a local chunk is corrupt, StorageError when the
-        object tier fails past its retry budget, CommitError when the remote holds a different step."""
+        object tier fails past its retry budget, CommitError when the remote holds a different step or
+        another rank's share did not arrive in time. ``commits`` (default: ``ranks`` includes rank 0) says
+        whether this share commits the step once every other rank's marker exists."""
         started = time.monotonic()
         contents = read_step_contents(self.local, step, ranks)
-        commits = ranks is None or 0 in ranks
+        commits = (ranks is None or 0 in ranks) if commits is None else commits
         existing = self._remote_manifest(step)
         if existing is not None:
             if not _same_step(existing, contents.manifest):
@@ -205,16 +214,32 @@ class Promoter:
                                   hint="promote the step again")
 
     def _wait_for_other_ranks(self, contents: StepContents, ranks: list[int] | None) -> None:
-        others = [entry.rank for entry in contents.manifest.ranks if ranks is not None and entry.rank not in ranks]
-        deadline = time.monotonic() + settings().commit_timeout_s
-        for rank in others:
-            marker = step_file(contents.step, promoted_marker_name(rank))
-            while not self.remote.exists(marker):
-                if time.monotonic() > deadline:
-                    raise CommitError(f"rank {rank} did not finish promoting its share in time; the step was not "
-                                      "committed on the object tier", step=contents.step, tier=self.remote.label,
-                                      path=marker, hint="its uploader may have died; promote the step again")
-                time.sleep(0.2)
+        """Wait until every other rank's marker exists: at most ``CKPTD_COMMIT_TIMEOUT_S``, never past
+        :attr:`give_up_at` (DeadlineError naming the ranks), logging the ranks still waited for."""
+        waiting = [entry.rank for entry in contents.manifest.ranks if ranks is not None and entry.rank not in ranks]
+        limit = settings().commit_timeout_s
+        started = logged = time.monotonic()
+        while waiting:
+            waiting = [rank for rank in waiting
+                       if not self.remote.exists(step_file(contents.step, promoted_marker_name(rank)))]
+            if not waiting:
+                return
+            now = time.monotonic()
+            give_up_at = self.give_up_at()
+            if now - started >= limit or (give_up_at is not None and now >= give_up_at):
+                why = f"within {limit:g} s" if now - started >= limit else "before this uploader closed"
+                raise DeadlineError(f"rank(s) {', '.join(map(str, waiting))} did not promote their share {why}; "
+                                    "the step was not committed on the object tier", step=contents.step,
+                                    tier=self.remote.label,
+                                    path=step_file(contents.step, promoted_marker_name(waiting[0])),
+                                    hint="their uploaders may have died or never held the step (CKPTD_COMMIT_"
+                                    "TIMEOUT_S bounds the wait); promote the step again")
+            if now - logged >= _WAIT_LOG_S:
+                logged = now
+                log.info("step %d: waiting for rank(s) %s to promote their share before committing it on %s "
+                         "(%.0f s so far)", contents.step, ", ".join(map(str, waiting)), self.remote.label,
+                         now - started)
+            time.sleep(0.2)
 
     def _report(self, contents: StepContents, uploaded: int, uploaded_bytes: int, already: bool,
                 started: float, packs_uploaded: int = 0) -> PromotionReport:

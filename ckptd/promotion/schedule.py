@@ -7,12 +7,19 @@ announcements form one sequence, numbered from 1. Every other rank reads the seq
 its share of each announced step and releases its pins of the older steps that were never announced.
 When rank 0's uploader closes it announces that no step follows.
 
+Steps an earlier run left pinned (its uploader died before promoting them) are not in the sequence: each
+rank publishes the steps it holds pinned (:meth:`PromotionSchedule.share_pins`), and a rank holding such a
+leftover step learns which ranks still hold their share of it (:meth:`PromotionSchedule.shared_pins`), so
+that the ranks that hold it promote it together, or release it when a share is lost with its node (see
+:mod:`ckptd.promotion.leftovers`).
+
 :class:`PromotionSchedule` is what the uploader needs; the manager implements it over the job's c10d store
 (:mod:`ckptd.manager.promotion_schedule`), so promotion does not depend on the manager.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -46,3 +53,11 @@ class PromotionSchedule(Protocol):
     def next_decision(self, after_index: int, timeout_s: float) -> Decision | None:
         """The decision after ``after_index`` (0: the first), waiting at most ``timeout_s`` seconds for it
         (0: only look); None when it was not announced by then."""
+
+    def share_pins(self, steps: Sequence[int]) -> None:
+        """Every rank (at the uploader's start, and again when the ranks re-form in a new generation): publish
+        the steps this rank holds pinned with its own share. Never waits."""
+
+    def shared_pins(self, timeout_s: float) -> dict[int, list[int]]:
+        """The steps each rank published (rank -> steps), waiting at most ``timeout_s`` seconds for every
+        rank's; a rank that has not published by then is missing from the answer."""

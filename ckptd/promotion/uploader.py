@@ -36,6 +36,13 @@ announces when it closes; the other ranks' ``close`` finishes what was announced
 pin cap applies on every rank, never to a step announced and not yet promoted by this rank. Without a
 schedule each rank decides alone and nothing is superseded (a rank that dropped a step rank 0 still
 promotes would make rank 0 wait for its share).
+
+Steps an earlier run left pinned (:meth:`~BackgroundUploader.resume_pending`) are not announced: with a
+schedule every rank publishes the steps it holds pinned (:meth:`~BackgroundUploader.share_pins`), and a rank
+holding a leftover step waits (at most ``CKPTD_COMMIT_TIMEOUT_S``, never past the deadline of ``close``,
+logging) for every rank's answer, then promotes its share with the other ranks that hold it or releases its
+pin with a warning (:mod:`ckptd.promotion.leftovers`), so that no rank waits for a share a lost node took
+with it. The committing rank's wait for the other shares is bounded the same way.
 :attr:`~BackgroundUploader.lag` says how far the object tier is behind, without any I/O.
 
 The node daemon reuses this class with its own queue of steps.
@@ -51,12 +58,13 @@ from collections import deque
 from ckptd.background import BackgroundWorker, FailureRecord, raise_failures
 from ckptd.config import settings
 from ckptd.errors import CkptdError, DeadlineError, StillRunningError, StorageError, UnpromotedError
-from ckptd.format.layout import MANIFEST_NAME, rank_files, rank_index_name
+from ckptd.format.layout import MANIFEST_NAME, rank_files
 from ckptd.stepio.rank_writer import lower_thread_priority
 from ckptd.stepio.step_reader import load_step_manifest
 from ckptd.policy import Policy
 from ckptd.promotion.gc import collect_garbage
 from ckptd.promotion.lag import PromotionLag, lag_between, promotion_lag
+from ckptd.promotion.leftovers import holders_of, settle_leftover
 from ckptd.promotion.pinning import PinCap, PinnedSteps, pins_over_cap
 from ckptd.promotion.promoter import Promoter, PromotionReport
 from ckptd.promotion.schedule import Decision, PromotionSchedule
@@ -93,6 +101,7 @@ class BackgroundUploader:
         #: Most pinned steps and pin-only bytes kept (default: the ``pin_max_*`` settings).
         self.pin_cap = pin_cap or PinCap.from_settings()
         self.promoter = Promoter(self.pins.tier, remote)
+        self.promoter.give_up_at = self._give_up_at
         self.reports: list[PromotionReport] = []
         #: The latest steps dropped, unpromoted, because a newer step superseded them (oldest first).
         self.superseded: deque[int] = deque(maxlen=_KEPT_STEP_NUMBERS)
@@ -128,6 +137,11 @@ class BackgroundUploader:
         #: A rank following rank 0: the save path found the pins over the cap while the uploader thread read
         #: decisions; the uploader thread applies the cap after its read.
         self._cap_due = False
+        #: Steps an earlier run left pinned and not yet promoted or released (see :meth:`resume_pending`), and
+        #: every rank's published pins once all answered (or why they did not).
+        self._leftovers: set[int] = set()
+        self._pins_shared: dict[int, list[int]] | None = None
+        self._pins_unshared: str | None = None
         self._worker: BackgroundWorker[int] = BackgroundWorker(
             "ckptd-uploader", self._promote, describe=self._describe, failures=self._failed,
             step_of=lambda step: step, on_start=self._start, on_idle=self._collect_if_due)
@@ -175,7 +189,7 @@ class BackgroundUploader:
         with self._lock:
             if supersede:
                 dropped = sorted(queued for queued in self._queued
-                                 if queued < step and self.policy.may_supersede(queued))
+                                 if queued < step and self.policy.may_supersede(queued) and queued not in self._leftovers)
                 if self._current is None and dropped:  # nothing in flight: the oldest is about to start
                     dropped = dropped[1:]
                 self._withdraw(dropped)
@@ -225,15 +239,32 @@ class BackgroundUploader:
 
     def resume_pending(self) -> list[int]:
         """Queue the steps pinned by an earlier run that crashed before promoting them (past the pin cap, the
-        oldest are released)."""
-        own_index = rank_index_name(self.rank)
-        pending = [step for step in self.pins.pinned() if own_index in self.pins.tier.list_files(step)]
+        oldest are released). With a schedule each is settled with the other ranks before it is promoted, and
+        this rank publishes the steps it holds pinned (:meth:`share_pins`): call it on every rank."""
+        pending = self.pins.held_by(self.rank)
+        settles = self.world_size > 1 and self.schedule is not None
+        if settles:
+            with self._lock:
+                self._leftovers.update(pending)
         for step in pending:
             log.info("resuming the promotion of step %d left by an earlier run", step)
             self._enqueue(step)
         if pending:
-            self._apply_pin_cap()  # an earlier run may have kept more under a larger cap
+            self._apply_pin_cap(leftovers_too=True)  # an earlier run may have kept more under a larger cap
+        if settles:
+            self.share_pins()
         return pending
+
+    def share_pins(self) -> None:
+        """With a schedule: publish the steps this rank holds pinned, for the ranks settling the steps an earlier
+        run left pinned (at the start, by :meth:`resume_pending`; call it again on every rank when the ranks
+        re-form in a new generation of the job's store, so that a replacement rank hears from every rank)."""
+        if self.schedule is None or self.world_size == 1:
+            return
+        try:
+            self.schedule.share_pins(self.pins.held_by(self.rank))
+        except CkptdError as error:  # a rank settling a leftover step gives up at its deadline
+            log.warning("rank %d could not publish the steps it holds pinned: %s", self.rank, error)
 
     @property
     def unpromoted(self) -> list[int]:
@@ -361,9 +392,11 @@ class BackgroundUploader:
     def _unpin(self, step: int) -> None:
         self.pins.unpin(step, None if self.world_size == 1 else self._own_files(self.pins.tier, step))
 
-    def _apply_pin_cap(self) -> None:
+    def _apply_pin_cap(self, *, leftovers_too: bool = False) -> None:
         """Release the oldest unpromoted pins past :attr:`pin_cap` (never the newest, nor the one in flight;
-        the steps ``keep_remote`` keeps for good only when the cap cannot be met otherwise)."""
+        the steps ``keep_remote`` keeps for good only when the cap cannot be met otherwise). The steps an
+        earlier run left pinned go only with ``leftovers_too`` (at the start, before this rank publishes the
+        steps it holds): the other ranks count on the share they were told this rank holds."""
         with self._lock:
             pinned = sorted(self._unpromoted)
             current = self._current
@@ -371,7 +404,8 @@ class BackgroundUploader:
             return
         held = {step: self.pins.held_bytes(step) if self.pin_cap.max_bytes else 0 for step in pinned}
         with self._lock:
-            keep = self._announced_pending() | ({current} if current is not None else set())
+            keep = self._announced_pending() | ({current} if current is not None else set()) | \
+                (set() if leftovers_too else self._leftovers)
         lasting = [step for step in pinned if not self.policy.may_supersede(step)]
         over = pins_over_cap(held, self.pin_cap, keep=keep, keep_if_possible=lasting)
         if over and self.follows:
@@ -423,19 +457,27 @@ class BackgroundUploader:
         first, and the other ranks promote it only once rank 0 announced it."""
         if self.world_size > 1 and not self._schedule_known.is_set():
             self._schedule_known.wait(_SCHEDULE_GRACE_S)
-        if self.follows:
+        with self._lock:
+            leftover = step in self._leftovers
+        committer = None
+        if leftover:
+            committer = self._settle_leftover(step)
+            if committer is None:
+                return
+        elif self.follows:
             if not self._await_decision(step):
                 return
         elif not self._start_deciding(step):
             return
         try:
-            if self.world_size > 1 and self.decides:
+            if self.world_size > 1 and self.decides and not leftover:
                 assert self.schedule is not None
                 self.schedule.announce(step)
                 self._last_announced = step
             self.pins.make_durable(step)
             ranks = None if self.world_size == 1 else [self.rank]
-            report = self.promoter.promote(step, ranks=ranks)
+            report = self.promoter.promote(step, ranks=ranks,
+                                           commits=None if committer is None else committer == self.rank)
             self.reports.append(report)
             created = self._commit_times.get(step)
             if created is None:
@@ -448,8 +490,9 @@ class BackgroundUploader:
                 if self._remote_newest is None or step > self._remote_newest[0]:
                     self._remote_newest = (step, created)
                 older = sorted(failed for failed in self._unpromoted
-                               if failed < step and failed not in self._queued and self.policy.may_supersede(failed))
-                if self.decides or self.follows:
+                               if failed < step and failed not in self._queued and self.policy.may_supersede(failed)
+                               and failed not in self._leftovers)
+                if (self.decides or self.follows) and not leftover:
                     self._withdraw(older)
                     self.superseded.extend(older)
                 else:
@@ -462,6 +505,78 @@ class BackgroundUploader:
         finally:
             with self._lock:
                 self._current = None
+                if leftover:
+                    self._leftovers.discard(step)
+
+    def _settle_leftover(self, step: int) -> int | None:
+        """Uploader thread: settle a step an earlier run left pinned with the other ranks (see
+        :mod:`ckptd.promotion.leftovers`). Returns the rank that commits it (and ``step`` is the current one),
+        or None when its pin was released (or dropped meanwhile). Raises when the ranks' answers or the object
+        tier did not come in time: the step stays pinned and is settled again at the next start."""
+        with self._lock:
+            self._queued.discard(step)
+            if step not in self._unpromoted:
+                self._leftovers.discard(step)
+                return None
+            self._current = step
+        try:
+            answers = self._shared_pins()
+            manifest = load_step_manifest(self.pins.tier, step)
+            holders = set(holders_of(step, answers)) | {self.rank}
+            verdict = settle_leftover(step, step_ranks=[entry.rank for entry in manifest.ranks], holders=holders,
+                                      remote=self.remote)
+        except BaseException:
+            with self._lock:
+                self._current = None
+            raise
+        with self._lock:
+            if not verdict.promote:
+                self._current = None
+                self._leftovers.discard(step)
+                self._withdraw([step])
+                self.released.append(step)
+        if not verdict.promote:
+            log.warning("step %d, left pinned by an earlier run, is not promoted to %s: %s. Rank %d releases its "
+                        "pin; the committed local step stays", step, self.remote.label, verdict.reason, self.rank)
+            self._release_pins([step])
+            return None
+        log.info("step %d, left pinned by an earlier run, is promoted by rank(s) %s (%s); rank %d commits it", step,
+                 ", ".join(map(str, sorted(holders))), verdict.reason, verdict.committer)
+        return verdict.committer
+
+    def _shared_pins(self) -> dict[int, list[int]]:
+        """Uploader thread: every rank's published pins (see :meth:`share_pins`), waited for once, at most
+        ``CKPTD_COMMIT_TIMEOUT_S`` and never past the deadline of :meth:`close` (DeadlineError), logging."""
+        if self._pins_shared is not None:
+            return self._pins_shared
+        if self._pins_unshared is not None:
+            raise DeadlineError(self._pins_unshared, tier=self.remote.label, hint=_RESUME_HINT)
+        assert self.schedule is not None
+        started = logged = time.monotonic()
+        limit = settings().commit_timeout_s
+        while True:
+            answers = self.schedule.shared_pins(min(_DECISION_POLL_S, max(0.0, started + limit - time.monotonic())))
+            if len(answers) >= self.world_size:
+                self._pins_shared = answers
+                return answers
+            missing = ", ".join(str(rank) for rank in range(self.world_size) if rank not in answers)
+            now = time.monotonic()
+            give_up_at = self._give_up_at()
+            if now - started >= limit or (give_up_at is not None and now >= give_up_at):
+                why = f"within {limit:g} s" if now - started >= limit else "before this uploader closed"
+                self._pins_unshared = (f"rank(s) {missing} did not say {why} which steps they hold pinned: the "
+                                       f"steps rank {self.rank} holds from an earlier run were not promoted")
+                raise DeadlineError(self._pins_unshared, tier=self.remote.label,
+                                    hint="CKPTD_COMMIT_TIMEOUT_S bounds the wait; " + _RESUME_HINT)
+            if now - logged >= _DECISION_LOG_S:
+                logged = now
+                log.info("rank %d waits for rank(s) %s to say which steps they hold pinned, to settle the steps an "
+                         "earlier run left pinned (%.0f s so far)", self.rank, missing, now - started)
+
+    def _give_up_at(self) -> float | None:
+        """When a cross-rank wait on the uploader thread gives up: shortly before the deadline of :meth:`close`."""
+        deadline = self._close_deadline
+        return None if deadline is None else deadline - 2 * _DECISION_POLL_S
 
     def _start_deciding(self, step: int) -> bool:
         """Uploader thread, one rank or rank 0: whether ``step`` is still to be promoted (it becomes the
