@@ -97,8 +97,9 @@ class CheckpointManager:
     the holders; restore reads it from whichever holder wrote it, through every tier (a rank of another
     node finds it on the object or peer tier). ``"once-per-directory"``: by one holder in each local
     directory, so every directory holds its ranks' whole state. ``"every-rank"``: every rank writes its whole
-    state. The default is ``"once"`` with ``remote`` (every rank's files reach it) or one directory for the
-    job, else ``"once-per-directory"`` (a peer tier holds a buddy's copy of this node's directory only). A step restores into another layout (TP, PP, DP or FSDP sharding changed)
+    state. The default is ``"once"`` with one directory for the job, else ``"once-per-directory"``: a
+    node's directory then restores without the other nodes' files, also a step the object tier does not
+    have (yet, or ever: ``remote_every_steps``), and the object tier stores shared chunks once anyway. A step restores into another layout (TP, PP, DP or FSDP sharding changed)
     through DCP's resharding.
     """
 
@@ -140,9 +141,8 @@ class CheckpointManager:
             if removed:
                 log.info("removed %d temporary file(s) left by an earlier crash", len(removed))
             self.layout = layout
-            if write_replicas is None:  # one copy per directory unless a tier reaches every rank's files
-                write_replicas = "once" if remote is not None or self.sharing.layout in ("single", "job-shared") \
-                    else "once-per-directory"
+            if write_replicas is None:  # every directory restores alone: the object tier may lack the newest steps
+                write_replicas = "once" if self.sharing.layout in ("single", "job-shared") else "once-per-directory"
             recorder = LayoutRecorder(self.rank, layout, world_size=self.world_size, write_replicas=write_replicas,
                                       directory_ranks=self.sharing.ranks_here)
             self._saver = Saver(self.local, self.coordinator, policy=self.policy, codec=self.codec,
@@ -236,6 +236,8 @@ class CheckpointManager:
         if handoff is not None and handoff.promotes and not all(promotes for _, promotes in answers):
             log.warning("a rank that rejoined has no ckptd daemon that promotes: its steps are promoted in-process "
                         "while this rank's daemon promotes %s", self.local.root)
+        if self._remote_sync is not None and self._remote_sync.uploader is not None:
+            self._remote_sync.uploader.share_pins()  # a replacement rank settles its leftover pins with these
 
     def _daemon_lost(self) -> None:
         """Writer thread: the daemon stopped answering; promote in-process from now on."""
