@@ -4,6 +4,7 @@ save, and with two jobs that share a root. Every save writes its own step, whose
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import pickle
@@ -15,11 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
 from ckptd.dcp import CkptdStorageReader, CkptdStorageWriter
 from ckptd.errors import AlreadyCommittedError
 from ckptd.format.layout import MANIFEST_NAME, step_dir
+from ckptd.format.records import Manifest
 from ckptd.tiers.local import LocalTier
 
 
@@ -111,6 +113,12 @@ def test_bytesio_and_quantized_values_need_a_reader_of_format_4(tmp_path: Path) 
     loaded = {"w": torch.zeros(2)}
     dcp.load(loaded, storage_reader=CkptdStorageReader(tmp_path, step=0))  # the older format is still read
     assert loaded["w"].tolist() == [1.0, 1.0]
+    path = tmp_path / step_dir(1) / MANIFEST_NAME  # the same step claiming the older format: refused by name
+    older = dataclasses.replace(Manifest.from_json_bytes(path.read_bytes(), path=str(path), step=1), format_version=3)
+    path.write_bytes(older.to_json_bytes())
+    with pytest.raises(BaseException) as caught:
+        dcp.load({"w": torch.zeros(2), "b": io.BytesIO()}, storage_reader=CkptdStorageReader(tmp_path, step=1))
+    assert "'buffers' or 'quantized' in a step of manifest format 3" in str(caught.value)
 
 
 def test_the_next_stage_goes_on_once_the_staged_copy_went_to_the_checkpoint_process(
@@ -205,3 +213,17 @@ def test_process_mode_saves_free_their_shared_memory_save_after_save(tmp_path: P
         assert torch.equal(loaded["q"].int_repr(), expected.int_repr()) and loaded["q"].q_per_channel_axis() == 1
         assert torch.equal(loaded["q"].q_per_channel_scales(), expected.q_per_channel_scales())
         assert torch.equal(loaded["q"].q_per_channel_zero_points(), expected.q_per_channel_zero_points())
+
+
+def test_every_rank_of_a_load_reads_the_step_the_coordinator_chose(tmp_path: Path) -> None:
+    dcp.save(_state(0), storage_writer=CkptdStorageWriter(tmp_path))
+    coordinator = CkptdStorageReader(tmp_path)
+    coordinator.read_metadata()  # the newest committed step now: 0
+    dcp.save(_state(1), storage_writer=CkptdStorageWriter(tmp_path))  # committed while the ranks look it up
+    rank = CkptdStorageReader(tmp_path)
+    state = {"w": torch.zeros(64), "i": -1}
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, rank.read_metadata(), False)  # this rank found step 1
+    plans = coordinator.prepare_global_plan([rank.prepare_local_plan(planner.create_local_plan())])
+    rank.read_data(planner.finish_plan(plans[0]), planner).wait()
+    assert rank.step == 0 and state["i"] == 0 and torch.equal(state["w"], _state(0)["w"])  # it read step 1
