@@ -19,10 +19,16 @@ Which step a save writes (the checkpoint id, see :func:`split_checkpoint_id`):
 - ``CkptdStorageWriter(root, step=N)``, or ``checkpoint_id="<root>/step-<12 digits>"``: step ``N``.
 - ``CkptdStorageWriter(root)`` or ``checkpoint_id="/ckpt/epoch_3"`` (any directory, as users of DCP's
   ``FileSystemWriter`` pass): that directory is a ckptd root and the save writes its next step (one
-  past the highest step directory there), chosen by the coordinator in :meth:`prepare_global_plan` and
-  sent to every rank in its plan's ``storage_data`` (:class:`SaveTarget`). Saving twice to one directory
-  therefore never rewrites the committed step; :class:`~ckptd.dcp.reader.CkptdStorageReader` given that
+  past the highest step directory there), chosen by the coordinator in :meth:`prepare_global_plan`,
+  claimed by creating its directory (two jobs sharing a root never write one step) and sent to every
+  rank in its plan's ``storage_data`` (:class:`SaveTarget`). Saving twice to one directory therefore
+  never rewrites the committed step; :class:`~ckptd.dcp.reader.CkptdStorageReader` given that
   directory reads its newest committed step.
+
+One writer serves any number of saves, with or without a checkpoint id (DCP calls :meth:`reset` only
+with one; :meth:`set_up_storage_writer` then begins the save), and ``async_save`` calls may overlap:
+each stage waits until the previous save has written its staged copy, and the commit takes the step,
+root and save id from the ranks' results, not from the writer, which the next save already reset.
 
 The writer is picklable (``async_save(..., async_checkpointer_type=AsyncCheckpointerType.PROCESS)``
 sends it to DCP's checkpoint process with every save): its pickled state holds only settings; the tier,
