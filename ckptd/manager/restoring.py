@@ -36,10 +36,11 @@ from typing import Any
 import torch
 
 from ckptd.format.values import manager_skeleton, parse_values
+from ckptd.dcp.reader import CkptdStorageReader
 from ckptd.dcp.resharding import TensorReader, live_reader, resharded_source
 from ckptd.errors import CkptdError, NoIntactCheckpointError, NotFoundError, PickleRefusedError, \
     ResumeMismatchError, StorageError, TierUnreachableError
-from ckptd.format.records import Manifest, RankIndex
+from ckptd.format.records import DTYPE_NAMES, Manifest, RankIndex
 from ckptd.stepio.step_reader import ChunkSource, FallbackEvent, StepReader, load_step_manifest, load_rank_index, \
     settle_all
 from ckptd.manager.relayout import relayout_source
@@ -247,13 +248,18 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
                                                                       world_size=world_size,
                                                                       allow_pickle=allow_pickle, layout=layout))
         unread = {r: vote["error"] for r, vote in enumerate(votes) if "error" in vote}
+        reshard = not unread and any(vote["reshard"] for vote in votes)
+        if reshard:  # a rank that cannot open every saved rank's index would leave the others in dcp.load
+            ready = coordinator.exchange("restore-reshard-ready", _reshard_ready(listings, agreed, rank=rank,
+                                                                               allow_pickle=allow_pickle))
+            unread = {r: why for r, why in enumerate(ready) if why is not None}
         if unread:
             error = {"error": f"rank(s) {sorted(unread)} could not read the step's metadata: " + " | ".join(
                 unread.values()), "mismatch": False, "pickle": False, "message": "", "hint": None, "tier": None}
         else:
             error = _try_load(metadata, agreed, state, result, rank=rank, world_size=world_size,
                               allow_pickle=allow_pickle, restore_rng=restore_rng and keys is None, memory=memory,
-                              keys=keys, reshard=any(vote["reshard"] for vote in votes))
+                              keys=keys, reshard=reshard)
         outcomes = coordinator.exchange("restore-outcome", error)
         failures = {r: why for r, why in enumerate(outcomes) if why is not None}
         if not failures:
@@ -365,8 +371,18 @@ def _source(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
     if reshard:
         holding = metadata.listings.holding(step)
         result.resharded, result.tier = True, holding[0].label
-        return (*resharded_source(holding, step, state, rank=rank, allow_pickle=allow_pickle), no_pending_reads,
-                dict)
+        skeleton, resharded = resharded_source(holding, step, state, rank=rank, allow_pickle=allow_pickle)
+        share = rank if rank < saved_world else 0  # the saved rank whose share resharded_source reads
+        own = next((metadata.rank_index(tier, step, share) for tier in holding
+                    if _has_index(metadata, tier, step, share)), None)
+
+        def strictly(name: str, out: torch.Tensor | None) -> torch.Tensor:
+            record = None if own is None else own.tensors.get(name)
+            if record is not None:
+                _same_dtype(name, record.dtype, out, step=step, tier=result.tier)
+            return resharded(name, out)
+
+        return skeleton, strictly, no_pending_reads, dict
     read_names: list[str] = []
     replicas = saved.entry(rank).replicas
     others = _ReplicaReaders(metadata, step, rank, world_size)
@@ -379,6 +395,7 @@ def _source(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
             if name not in staged and name in replicas:  # another rank wrote it: read through the tiers
                 return others.read(name, replicas[name], out)
             read_names.append(name)
+            _same_dtype(name, DTYPE_NAMES[staged[name].dtype], out, step=step, tier="memory")
             if out is None:
                 return staged[name].clone()
             with torch.no_grad():
@@ -394,6 +411,7 @@ def _source(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
         if name in replicas and name not in reader.index.tensors:
             return others.read(name, replicas[name], out)
         read_names.append(name)
+        _same_dtype(name, reader.record(name).dtype, out, step=step, tier=result.tier)
         return reader.read_tensor(name, out, defer=True)
 
     def settle(*, raise_errors: bool = True) -> None:
@@ -426,6 +444,7 @@ class _ReplicaReaders:
                     tier=tiers, hint="give the manager the object tier (remote=) or a peer tier that holds every "
                     "rank's files, or save with write_replicas='every-rank'") from error
         self.names.setdefault(writer, []).append(name)
+        _same_dtype(name, reader.record(name).dtype, out, step=self.step, tier=reader.sources[0].tier.label)
         return reader.read_tensor(name, out, defer=True)
 
     def settle(self, *, raise_errors: bool = True) -> None:
@@ -437,6 +456,16 @@ class _ReplicaReaders:
         for writer, reader in self.readers.items():
             total.update(_chunks_by_tier(reader, self.names.get(writer, [])))
         return dict(total)
+
+
+def _same_dtype(name: str, saved: str, out: torch.Tensor | None, *, step: int, tier: str | None) -> None:
+    """ResumeMismatchError when the live tensor ``out`` has another dtype than the one saved under ``name``:
+    a restore returns the saved bytes, never a cast of them (the rule of every layout, resharded or not)."""
+    if out is not None and DTYPE_NAMES.get(out.dtype) != saved:
+        raise ResumeMismatchError(
+            f"tensor {name!r} was saved as {saved} but the live state holds {DTYPE_NAMES.get(out.dtype, out.dtype)} "
+            f"{list(out.shape)} there: a restore returns the saved values, it does not cast them", step=step,
+            tier=tier, hint="build the model with the saved dtypes (`ckptd inspect` lists them), cast after restoring")
 
 
 def _manifest(metadata: _Metadata, step: int) -> Manifest:
@@ -468,6 +497,16 @@ def _reshard_vote(metadata: _Metadata, step: int, state: MutableMapping[str, Any
         return {"reshard": changed}
     except CkptdError as error:
         return {"error": f"rank {rank}: {error}"}
+
+
+def _reshard_ready(listings: TierListings, step: int, *, rank: int, allow_pickle: bool) -> str | None:
+    """None when this rank can open the manifest and every saved rank's index of ``step`` (what a resharded
+    restore reads before ``dcp.load``), else why not."""
+    try:
+        CkptdStorageReader(listings.holding(step), step, allow_pickle=allow_pickle).read_metadata()
+    except Exception as error:  # noqa: BLE001 - any failure here would leave the other ranks in dcp.load
+        return f"rank {rank}: {error}"
+    return None
 
 
 def _shards_moved(metadata: _Metadata, saved: Manifest, live: Mapping[str, torch.Tensor], *, rank: int) -> bool:

@@ -10,7 +10,10 @@ The plan needs no communication: the holders of one piece all hold the same piec
 names, same sizes), so each computes the same assignment from them alone. Within a group the pieces go,
 largest first, to the holder with the fewest bytes assigned so far (ties: an order rotated by a digest of
 the group, so that ties do not always land on the group's lowest rank). The busiest holder then writes at
-most the group's mean plus its largest piece.
+most the group's mean plus its largest piece: within 1.25x the mean when no piece exceeds a quarter of the
+mean (pieces are whole tensors, never split). A rank writes the sum over its groups, each balanced alone,
+and the pieces only it holds. Holders that differ in names, dtypes or shapes are refused at commit
+(:meth:`~ckptd.manager.holdings.Holdings.manifest`).
 """
 
 from __future__ import annotations
