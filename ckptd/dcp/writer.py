@@ -235,11 +235,12 @@ class CkptdStorageWriter(StorageWriter):
         """Coordinator only, after every rank wrote: write the commit manifest (last)."""
         shares = sorted((r.storage_data for rank_results in results for r in rank_results
                          if isinstance(r.storage_data, _RankShare)), key=lambda s: s.entry.rank)
-        if not shares or len({(s.root, s.target) for s in shares}) != 1:
+        if len({s.target for s in shares}) != 1:
             raise CommitError(f"rank {self.rank} got the results of {len({s.target for s in shares})} saves to "
                               "commit as one; nothing was committed", step=self.step, path=self.checkpoint_id,
                               hint="save with dcp.save or dcp.async_save")
-        root, target = shares[0].root, shares[0].target
+        own = next((s for s in shares if s.entry.rank == self.rank), shares[0])  # the root this rank wrote to
+        root, target = own.root, own.target
         step, path = target.step, f"{root.rstrip('/')}/{step_dir(target.step)}"
         entries = [s.entry for s in shares]
         ranks = [e.rank for e in entries]
