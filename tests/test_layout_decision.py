@@ -5,6 +5,8 @@ placements are rank 0's view, so only some ranks see that the sharding changed."
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 import ckptd
+from ckptd.errors import NoIntactCheckpointError
+from ckptd.format.layout import RANKS_HERE_NAME, step_dir as step_dir_name
 from ckptd.testing import run_multirank
 
 pytestmark = pytest.mark.multirank
@@ -60,3 +64,42 @@ def test_a_sharding_change_that_one_stage_sees_reshards_on_every_rank(saved_root
     assert [r["resharded"] for r in restored] == [True] * 4, "the ranks decided alike"
     for rank, result in enumerate(restored):
         assert result["bytes"] == _stage_weight(rank // 2).view(torch.uint8).numpy().tobytes(), f"rank {rank}"
+
+
+def _replicated_state(*, empty: bool) -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(7)
+    make = (lambda n: torch.zeros(n)) if empty else (lambda n: torch.randn(n, generator=generator))
+    return {"model": {"a": make(64), "b": make(32), "c": make(16)}}
+
+
+def _save_node_roots(rank: int, world_size: int, roots: list[str]) -> None:
+    layout = ckptd.Layout(mesh={"dp": world_size}, replicated=("dp",))
+    with ckptd.CheckpointManager(roots[rank], layout=layout, write_replicas="once", capture_rng=False) as manager:
+        assert manager.save(STEP, _replicated_state(empty=False), force=True)
+
+
+def _restore_on_another_mesh(rank: int, world_size: int, roots: list[str]) -> str:
+    layout = ckptd.Layout(mesh={"pp": 1, "dp": world_size}, replicated=("dp",))
+    with ckptd.CheckpointManager(roots[rank], layout=layout, capture_rng=False) as manager:
+        try:
+            manager.restore(_replicated_state(empty=True))
+        except NoIntactCheckpointError as error:
+            return str(error)
+    return "restored"
+
+
+def test_a_resharded_restore_that_one_rank_cannot_open_fails_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0's directory holds its own share only; rank 1's holds every rank's. Rank 1 alone could
+    reshard: it must not wait in dcp.load for rank 0, which cannot."""
+    node0, node1 = str(tmp_path / "node0"), str(tmp_path / "node1")
+    run_multirank(_save_node_roots, 2, [node0, node1], timeout_s=90)
+    everything = tmp_path / "everything"
+    shutil.copytree(node1, everything)
+    step_dir = everything / step_dir_name(STEP)
+    for path in (Path(node0) / step_dir_name(STEP)).iterdir():
+        if not (step_dir / path.name).exists():
+            shutil.copy(path, step_dir / path.name)
+    (step_dir / RANKS_HERE_NAME).unlink()
+    results = run_multirank(_restore_on_another_mesh, 2, [node0, str(everything)], timeout_s=60)
+    for rank, result in enumerate(results):
+        assert "rank(s) [0] could not read the step's metadata" in result, f"rank {rank}: {result}"
