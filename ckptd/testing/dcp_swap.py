@@ -51,7 +51,7 @@ class SwappedWriter(CkptdStorageWriter):
 
     def finish(self, metadata: Any, results: Any) -> None:
         super().finish(metadata, results)
-        _note("save", self.checkpoint_id)
+        _note("save", metadata.storage_meta.checkpoint_id)  # the writer's own may be the next save's already
 
 
 class SwappedReader(CkptdStorageReader):
