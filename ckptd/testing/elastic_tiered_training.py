@@ -4,7 +4,8 @@
 Every rank's checkpoint manager gets ``--remote`` as its object tier (promoted in-process: every saved
 step, or the multiples of ``--remote-every``) and ``--peer`` as its peer tier, with ``{node}`` and
 ``{rank}`` in both URLs replaced by the rank's node and rank (so that each rank's local directory can
-have its own replica namespace on the buddy and its own object prefix). The peer token
+have its own replica namespace on the buddy; the object prefix is usually one the job shares, where rank 0
+commits each step once every rank's share is there). The peer token
 comes from ``CKPTD_PEER_TOKEN``, the S3 credentials from the usual ``AWS_*`` variables; ``--endpoint-url``
 names the S3 endpoint. Everything else (training, kills, records) is the plain job's.
 """
