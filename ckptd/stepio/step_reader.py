@@ -327,11 +327,12 @@ def verify_step(tier: StorageTier, step: int, progress: Callable[[int], None] | 
     except CkptdError as error:
         yield VerifyProblem(step, None, error.path or step_file(step, RANKS_HERE_NAME), str(error))
         return
+    indexes: dict[int, RankIndex] = {}
     for entry in manifest.ranks:
         if entry.rank not in held:  # a node-local directory holds its node's ranks only
             continue
         try:
-            index = load_rank_index(tier, manifest, entry.rank)
+            index = indexes[entry.rank] = load_rank_index(tier, manifest, entry.rank)
         except CkptdError as error:
             yield VerifyProblem(step, entry.rank, error.path or entry.index_file, str(error))
             continue
@@ -352,3 +353,15 @@ def verify_step(tier: StorageTier, step: int, progress: Callable[[int], None] | 
                     progress(chunk.raw_length)
                 if should_stop is not None and should_stop():
                     return
+    yield from _unwritten_replicas(manifest, indexes)
+
+
+def _unwritten_replicas(manifest: Manifest, indexes: dict[int, RankIndex]) -> Iterator[VerifyProblem]:
+    """A problem for each piece a rank left to a writer (replicas written once) whose index, read here,
+    does not hold it: that rank could not restore it. A writer not held on this tier is not checked."""
+    for entry in manifest.ranks:
+        for name, writer in sorted(entry.replicas.items()):
+            if writer in indexes and name not in indexes[writer].tensors:
+                yield VerifyProblem(manifest.step, entry.rank, manifest.entry(writer).index_file,
+                                    f"tensor {name!r} of rank {entry.rank} is a replica that rank {writer} wrote, "
+                                    f"but rank {writer}'s index does not hold it: rank {entry.rank} cannot restore it")
