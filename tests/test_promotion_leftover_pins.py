@@ -13,12 +13,15 @@ An earlier run committed steps 1..6 locally; its uploaders died with these pins 
 - step 5: pinned on rank 1 only, rank 0's share promoted by the earlier run -> rank 1 commits it.
 
 A fresh 2-rank manager pair then saves steps 7 and 8, promotes and closes within its deadline; every step
-committed on S3 restores, from S3 alone, to the bytes saved.
+committed on S3 restores, from S3 alone, to the bytes saved. Two smaller tests: a committing share whose
+peer never promotes gives up at its deadline naming the rank, and a mangled GC lease stops a promotion at
+its deadline instead of holding it for ever.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,10 @@ import pytest
 import torch
 
 import ckptd
-from ckptd.format.layout import MANIFEST_NAME, rank_files
+from ckptd.config import override
+from ckptd.errors import DeadlineError
+from ckptd.format.layout import MANIFEST_NAME, rank_files, step_file
+from ckptd.promotion.lease import LEASE_PATH, wait_for_collector
 from ckptd.promotion.pinning import PIN_DIRECTORY, PinnedSteps
 from ckptd.promotion.promoter import Promoter
 from ckptd.stepio.step_reader import verify_step
@@ -109,9 +115,17 @@ def _restore(rank: int, world_size: int, base: str, url: str, options: dict[str,
     return restored
 
 
-def test_leftover_pins_held_by_some_ranks_are_settled_and_close_returns(tmp_path: Path, s3_bucket: str,
-                                                                         s3_options: dict[str, Any]) -> None:
-    earlier = run_multirank(_earlier_run, 2, str(tmp_path), timeout_s=120)
+@pytest.fixture(scope="module")
+def earlier_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[int, dict[str, bytes]]]]:
+    """Two ranks' local roots (``node0``, ``node1``) holding committed steps 1..6, and the bytes saved."""
+    base = tmp_path_factory.mktemp("earlier")
+    return base, run_multirank(_earlier_run, 2, str(base), timeout_s=120)
+
+
+def test_leftover_pins_held_by_some_ranks_are_settled_and_close_returns(
+        earlier_run: tuple[Path, list[dict[int, dict[str, bytes]]]], s3_bucket: str,
+        s3_options: dict[str, Any]) -> None:
+    tmp_path, earlier = earlier_run
     remote = object_tier(s3_bucket, s3_options, prefix="shared")
     url = f"s3://{s3_bucket}/shared"
     roots = [LocalTier(tmp_path / f"node{rank}") for rank in (0, 1)]
@@ -145,3 +159,24 @@ def test_leftover_pins_held_by_some_ranks_are_settled_and_close_returns(tmp_path
         saved = earlier[rank] | results[rank]["saved"]
         for step in steps:
             assert restored[rank][step] == saved[step], f"rank {rank}: S3's step {step} is not the bytes saved"
+
+
+def test_the_committing_share_gives_up_at_its_deadline_naming_the_rank_that_never_promoted(
+        earlier_run: tuple[Path, list[dict[int, dict[str, bytes]]]], s3_bucket: str,
+        s3_options: dict[str, Any]) -> None:
+    remote = object_tier(s3_bucket, s3_options, prefix="alone")
+    promoter = Promoter(LocalTier(earlier_run[0] / "node0"), remote)
+    give_up_at = time.monotonic() + 1.0
+    promoter.give_up_at = lambda: give_up_at
+    with pytest.raises(DeadlineError, match=r"rank\(s\) 1 did not promote their share before this uploader closed"):
+        promoter.promote(3, ranks=[0])
+    assert remote.exists(step_file(3, "rank-00000.promoted")), "rank 0's own share was uploaded"
+    assert remote.committed_steps() == [], "nothing is committed without rank 1's share"
+
+
+def test_a_mangled_gc_lease_stops_a_promotion_at_its_deadline(s3_bucket: str, s3_options: dict[str, Any]) -> None:
+    remote = object_tier(s3_bucket, s3_options, prefix="leased")
+    remote.write_bytes(LEASE_PATH, b"not a lease")
+    with override(gc_lease_s=1.0), pytest.raises(DeadlineError, match="lease stayed fresh"):
+        wait_for_collector(remote)
+    assert remote.read_bytes(LEASE_PATH) == b"not a lease", "the lease is the operator's to delete"

@@ -20,18 +20,21 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
 
 from ckptd.config import settings
-from ckptd.errors import LockedError, NotFoundError
+from ckptd.errors import DeadlineError, LockedError, NotFoundError
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.upload_owners import process_exists, this_host
 
 #: Object holding the lease, at the tier root (outside every step directory).
 LEASE_PATH = "gc.lease"
 _POLL_S = 0.2
+_LOG_S = 10.0
+log = logging.getLogger("ckptd.promotion")
 
 
 def _owner_is_dead(body: dict[str, object]) -> bool:
@@ -61,9 +64,20 @@ def lease_is_fresh(tier: StorageTier) -> bool:
 
 
 def wait_for_collector(tier: StorageTier) -> float:
-    """Block while a fresh GC lease exists; returns the seconds waited."""
-    started = time.monotonic()
+    """Block while a fresh GC lease exists, at most ``gc_lease_s`` (a lease lives no longer; a mangled one
+    stays "fresh": DeadlineError), logging the wait; returns the seconds waited."""
+    started = logged = time.monotonic()
+    limit = settings().gc_lease_s
     while lease_is_fresh(tier):
+        now = time.monotonic()
+        if now - started >= limit:
+            raise DeadlineError(f"a garbage collection's lease stayed fresh for {limit:g} s", path=LEASE_PATH,
+                                tier=tier.label, hint=f"delete {LEASE_PATH} if no collector runs (it may be "
+                                "mangled), then promote again")
+        if now - logged >= _LOG_S:
+            logged = now
+            log.info("waiting for a garbage collection on %s to finish before promoting (%.0f s so far)",
+                     tier.label, now - started)
         time.sleep(_POLL_S)
     return time.monotonic() - started
 
