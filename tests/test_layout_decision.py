@@ -17,7 +17,9 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import ckptd
 from ckptd.errors import NoIntactCheckpointError
 from ckptd.format.layout import RANKS_HERE_NAME, step_dir as step_dir_name
+from ckptd.stepio.step_reader import load_step_manifest
 from ckptd.testing import run_multirank
+from ckptd.tiers.local import LocalTier
 
 pytestmark = pytest.mark.multirank
 
@@ -56,6 +58,12 @@ def saved_root(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = str(tmp_path_factory.mktemp("decision") / "ckpt")
     run_multirank(_save, 4, root, timeout_s=90)
     return root
+
+
+def test_the_layout_records_the_mesh_the_stages_were_cut_from(saved_root: str) -> None:
+    layout = load_step_manifest(LocalTier(saved_root), STEP).layout
+    assert layout.mesh == {"pp": 2, "dp": 2} and layout.source == "dtensor"
+    assert layout.coordinates == ((0, 0), (0, 1), (1, 0), (1, 1)), "every rank its own coordinates"
 
 
 @pytest.mark.parametrize("changed_stage", [0, 1], ids=["stage0-changed", "stage1-changed"])

@@ -118,16 +118,23 @@ def plan_writers(tensors: Mapping[str, torch.Tensor], holders: Mapping[str, tupl
 
 
 def mesh_of_state(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, int], tuple[int, ...]] | None:
-    """The device mesh of the state's DTensors (the one with the most dimensions) as name -> size, and this
-    rank's coordinates in it; None when the state holds no DTensor. Unnamed dimensions are ``dim<i>``."""
+    """The device mesh of the state's DTensors (the one with the most dimensions; for a sub-mesh such as a
+    pipeline stage's ``mesh["dp"]``, the mesh it was cut from, so that every rank has its own coordinates)
+    as name -> size, and this rank's coordinates in it; None when the state holds no DTensor. Unnamed
+    dimensions are ``dim<i>``."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
         return None
     best = None
     for tensor in tensors.values():
-        if isinstance(tensor, DTensor) and (best is None or tensor.device_mesh.ndim > best.ndim):
-            best = tensor.device_mesh
+        if not isinstance(tensor, DTensor):
+            continue
+        mesh = tensor.device_mesh
+        root = getattr(mesh, "_get_root_mesh", None)  # private in torch 2.x: the sub-mesh itself without it
+        mesh = (root() if callable(root) else None) or mesh
+        if best is None or mesh.ndim > best.ndim:
+            best = mesh
     if best is None or best.get_coordinate() is None:
         return None
     names = best.mesh_dim_names or tuple(f"dim{i}" for i in range(best.ndim))
