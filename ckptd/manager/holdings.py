@@ -28,7 +28,7 @@ from ckptd.errors import CommitError, ConfigError
 from ckptd.format.mesh_layout import Layout, ReplicatedPiece, SavedLayout
 from ckptd.format.records import DTYPE_NAMES, LAYOUT_SINCE, Manifest, RankEntry
 from ckptd.format.values import ShardPlacement
-from ckptd.state.replicas import WritePlan, holders_of, mesh_of_state, placement_codes, plan_writers
+from ckptd.state.replicas import WritePlan, holders_of, local_part, mesh_of_state, placement_codes, plan_writers
 from ckptd.state.staging import local_view
 
 WRITE_REPLICAS = ("once", "once-per-directory", "every-rank")
@@ -133,5 +133,5 @@ class LayoutRecorder:
 
 def _signature(tensor: torch.Tensor) -> str:
     """A replicated piece's dtype and local shape, as this rank holds it: ``"float32[4, 6]"``."""
-    local, _ = local_view(tensor.detach())
+    local = local_part(tensor)
     return f"{DTYPE_NAMES.get(local.dtype, str(local.dtype))}{list(local.shape)}"

@@ -90,12 +90,17 @@ def holders_of(tensors: Mapping[str, torch.Tensor], *, rank: int, layout: Layout
     return found
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of a tensor: a DTensor's local shard, any other tensor itself."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
-        DTensor = ()  # type: ignore[assignment]  # noqa: N806
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return tensor
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    local = local_part(tensor)
     return local.numel() * local.element_size()
 
 
