@@ -376,3 +376,24 @@ def test_exclude_leaves_sub_trees_out(saved, tmp_path: Path) -> None:
     code, output = invoke(str(root), "--step", str(STEP), "--consolidate", "--exclude", "optim", "--out",
                           str(tmp_path / "other"))
     assert code == 2 and "'epoch'" in output and "--exclude" in output
+
+
+def test_a_quantized_tensor_of_a_dcp_step_is_refused_not_exported_as_plain_integers(tmp_path: Path) -> None:
+    """dcp.save stores a quantized tensor as its integers plus scale and zero point; safetensors has no
+    quantized dtype, so exporting it as int8 would hand out wrong weights."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptd.dcp import CkptdStorageWriter
+
+    root = tmp_path / "dcp"
+    quantized = torch.quantize_per_tensor(torch.linspace(-1, 1, 16), scale=0.05, zero_point=3, dtype=torch.qint8)
+    weight = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    dcp.save({"model": {"q": quantized, "w": weight}}, storage_writer=CkptdStorageWriter(str(root), step=1))
+    code, output = invoke(str(root), "--step", "1", "--key-prefix", "model.", "--out", str(tmp_path / "a"))
+    assert code == 2 and "model.q" in output, output
+    assert not (tmp_path / "a").exists()
+    code, output = invoke(str(root), "--step", "1", "--key-prefix", "model.", "--exclude", "model.q",
+                          "--out", str(tmp_path / "b"))
+    assert code == 0, output
+    exported = load_file(str(tmp_path / "b" / "model.safetensors"))
+    assert list(exported) == ["w"] and same_bytes(exported["w"], weight)

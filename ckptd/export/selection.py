@@ -88,8 +88,9 @@ def step_contents(indexes: list[RankIndex]) -> StepContents:
         values = parse_values(index.values, path=path, step=index.step)
         if values.skeleton is not None:
             leaves = list(_skeleton_leaves(values.skeleton))
-        else:  # written by dcp.save: tensors by fqn; values in "objects", pickled, or bytes of an io.BytesIO
-            not_tensors = values.pickled | getattr(values, "buffers", frozenset())
+        else:  # written by dcp.save: tensors by fqn; values in "objects", pickled, bytes of an io.BytesIO, or
+            # the integers of a quantized tensor (safetensors has no quantized dtypes): all refused by select
+            not_tensors = values.pickled | values.buffers | set(values.quantized)
             leaves = [(name, name if name not in not_tensors else None) for name in index.tensors]
             leaves += [(fqn, None) for fqn in values.objects]
         here: dict[tuple[str, tuple[int, ...] | None], str | None] = {}
