@@ -36,7 +36,6 @@ announces when it closes; the other ranks' ``close`` finishes what was announced
 pin cap applies on every rank, never to a step announced and not yet promoted by this rank. Without a
 schedule each rank decides alone and nothing is superseded (a rank that dropped a step rank 0 still
 promotes would make rank 0 wait for its share).
-
 Steps an earlier run left pinned (:meth:`~BackgroundUploader.resume_pending`) are not announced: with a
 schedule every rank publishes the steps it holds pinned (:meth:`~BackgroundUploader.share_pins`), and a rank
 holding a leftover step waits (at most ``CKPTD_COMMIT_TIMEOUT_S``, never past the deadline of ``close``,
@@ -188,8 +187,8 @@ class BackgroundUploader:
         dropped: list[int] = []
         with self._lock:
             if supersede:
-                dropped = sorted(queued for queued in self._queued
-                                 if queued < step and self.policy.may_supersede(queued) and queued not in self._leftovers)
+                dropped = sorted(queued for queued in self._queued if queued < step
+                                 and self.policy.may_supersede(queued) and queued not in self._leftovers)
                 if self._current is None and dropped:  # nothing in flight: the oldest is about to start
                     dropped = dropped[1:]
                 self._withdraw(dropped)
