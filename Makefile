@@ -30,10 +30,12 @@ $(INTEGRATIONS_STAMP): $(STAMP)
 demo: setup
 	$(VENV)/bin/ckptd demo
 
-# The default suite, then the framework tests (marker integrations) once their extras are installed.
+# The default suite, then the framework tests (marker integrations) once their extras are installed;
+# with PYTORCH_TESTS=<dir> also PyTorch's own DCP tests against ckptd's plugins (test-pytorch-dcp).
 test: setup
 	$(PY) -m pytest
 	$(MAKE) test-integrations
+	@if [ -n "$(PYTORCH_TESTS)" ]; then $(MAKE) test-pytorch-dcp; fi
 
 test-integrations: setup-integrations
 	$(PY) -m pytest -m integrations
