@@ -28,9 +28,14 @@ and epoch), RNG set after the skip. The optimizer, scheduler and gradient scaler
 directory: the callback loads them from ckptd when the training begins (right after the Trainer created
 them, before any step).
 
-Tested in one process. In a ``torch.distributed`` job each rank's callback makes its own manager once the
-Trainer's arguments joined the process group (the ranks agree on commits through its store), but the
-resume directory is written for one process: distributed Trainer jobs are not covered yet.
+**Distributed jobs** (``torchrun``, DDP): every rank runs the callback. Its manager is made once the
+Trainer's arguments joined the process group (the ranks agree on commits through its store), with a
+:class:`ckptd.Layout` of ``world_size`` data-parallel ranks that marks the model, optimizer and scheduler
+replicated (DDP keeps them identical), so one rank writes them and every rank restores that copy; each
+rank saves its own RNG states and trainer state. Each rank writes its own resume directory
+(``ckptd-resume/rank-R/checkpoint-N``, with its ``rng_state_R.pth``), so ranks neither race on one
+directory nor need a shared ``output_dir``. FSDP and DeepSpeed Trainer runs (sharded model or optimizer)
+are refused with :class:`ckptd.errors.ConfigError`; pass ``layout=`` to state another layout.
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ class CkptdCallback(TrainerCallback):
         self._manager = manager
         self._manager_options = dict(manager_options, remote=remote, storage_options=storage_options,
                                      policy=policy or ckptd.Policy(every_steps=1))
+        self._args: TrainingArguments | None = None  # the Trainer's arguments, from its first event
         self._local = local
         self.trainer_checkpoints = trainer_checkpoints
         #: The Trainer this callback serves, set by :func:`ckptd_resume` (for its callbacks' states and scaler).
@@ -104,12 +110,27 @@ class CkptdCallback(TrainerCallback):
         """The :class:`ckptd.CheckpointManager` every save and restore goes through, made on first use (by then
         the Trainer's arguments have joined the process group of a distributed job)."""
         if self._manager is None:
-            self._manager = ckptd.CheckpointManager(self._local, capture_rng=False, **self._manager_options)
+            options = dict(self._manager_options)
+            world_size = self._args.world_size if self._args is not None else 1
+            if world_size > 1 and options.get("layout") is None:
+                options["layout"] = data_parallel_layout(world_size)
+            self._manager = ckptd.CheckpointManager(self._local, capture_rng=False, **options)
         return self._manager
+
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        self._args = args
+        sharded = [name for name in ("fsdp", "deepspeed") if getattr(args, name, None)]
+        if sharded:
+            raise ConfigError(f"CkptdCallback does not cover Trainer runs with {' and '.join(sharded)} (a sharded "
+                              "model or optimizer): it saves a data-parallel replica per rank",
+                              hint="train with DDP (torchrun without --fsdp/--deepspeed), or checkpoint "
+                                   "FSDP through ckptd's DCP writer")
 
     # --- saving -------------------------------------------------------------------------------
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
+        self._args = args
         self._remember(kwargs)
         self._take_save_request(state, control)
 
@@ -210,19 +231,20 @@ class CkptdCallback(TrainerCallback):
     def resume(self, trainer: Any) -> str | None:
         """Restore the newest intact step for ``trainer`` and write its resume directory; see :func:`ckptd_resume`."""
         self.trainer = trainer
+        self._args = trainer.args
         self._objects["model"] = trainer.model
         values: dict[str, Any] = {"model": trainer.model, "trainer_state": None, "rng": self._random_states}
         step = self.manager.restore(values, keys=list(_RESUME_KEYS))
         if step is None:
             return None
         self._resumed_step = step
-        directory = Path(trainer.args.output_dir) / RESUME_DIRECTORY / f"checkpoint-{step}"
+        directory = resume_directory(trainer.args, step)
         if directory.exists():
             shutil.rmtree(directory)
         directory.mkdir(parents=True)
         (directory / transformers.trainer.TRAINER_STATE_NAME).write_text(values["trainer_state"], encoding="utf-8")
         _write_random_states(self._random_states, directory, trainer.args)
-        trainer.save_model(str(directory))  # the Trainer loads the model only from a weights file
+        _write_model(trainer, directory)  # the Trainer loads the model only from a weights file
         log.info("step %d restored from ckptd tier(s) %s into %s", step,
                  ", ".join(getattr(self.manager.last_restore, "tiers", ()) or ()), directory)
         return str(directory)
@@ -231,6 +253,31 @@ class CkptdCallback(TrainerCallback):
         """Wait for pending writes and uploads, then release the manager. Safe to call twice."""
         if self._manager is not None:
             self._manager.close()
+
+
+def data_parallel_layout(world_size: int) -> ckptd.Layout:
+    """The layout of a DDP Trainer job: ``world_size`` data-parallel ranks holding one model, optimizer and
+    scheduler (one rank writes each; every rank restores that copy)."""
+    replicated = ("dp",)
+    return ckptd.Layout(mesh={"dp": world_size}, zero_stage=0,
+                        replicated={"model": replicated, "optimizer": replicated, "scheduler": replicated})
+
+
+def resume_directory(args: TrainingArguments, step: int) -> Path:
+    """Where this process's resume directory of ``step`` goes: one per rank in a distributed job."""
+    root = Path(args.output_dir) / RESUME_DIRECTORY
+    if args.world_size > 1:
+        root = root / f"rank-{args.process_index}"
+    return root / f"checkpoint-{step}"
+
+
+def _write_model(trainer: Any, directory: Path) -> None:
+    """The model's weights as the Trainer reads them on resume (``model.safetensors``), written by this process
+    (the Trainer's ``save_model`` writes only on the main process, and every rank loads the file)."""
+    from safetensors.torch import save_model  # writes tied weights once, as save_pretrained does
+
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    save_model(model, str(directory / transformers.utils.SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
 
 
 def _write_random_states(states: RandomStates, directory: Path, args: TrainingArguments) -> None:
