@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from ckptd.data import (DatasetManifest, ShardDataset, ShardLoader, index_dataset, load_dataset_manifest,
                             save_dataset_manifest)
     from ckptd.manager.manager import CheckpointManager
+    from ckptd.state.rng import capture_rng_states, restore_rng_states
 
 #: Public names that need torch, and the module each comes from: imported on first use (PEP 562), so
 #: ``import ckptd`` (and every CLI command that reads only metadata) starts without importing torch.
@@ -59,6 +60,8 @@ _LAZY: dict[str, str] = {
     "index_dataset": "ckptd.data",
     "load_dataset_manifest": "ckptd.data",
     "save_dataset_manifest": "ckptd.data",
+    "capture_rng_states": "ckptd.state.rng",
+    "restore_rng_states": "ckptd.state.rng",
 }
 
 
@@ -86,6 +89,8 @@ __all__ = [
     "Policy",
     "RetentionPolicy",
     "__version__",
+    "capture_rng_states",
+    "restore_rng_states",
     # data
     "DatasetManifest",
     "ShardDataset",

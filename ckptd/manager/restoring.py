@@ -592,4 +592,4 @@ def _load(skeleton: Any, read: TensorReader, settle: Callable[..., None], state:
     saved_rng = target.pop(rng.RNG_KEY, None)
     state.update(target)
     if restore_rng and saved_rng is not None:
-        rng.restore(saved_rng)
+        rng.restore_rng_states(saved_rng)

@@ -244,7 +244,7 @@ class Saver:
             raise ConfigError(f"state key {rng.RNG_KEY!r} is reserved for ckptd")
         combined = dict(state)
         if self.capture_rng:
-            combined[rng.RNG_KEY] = rng.capture()
+            combined[rng.RNG_KEY] = rng.capture_rng_states()
         return combined
 
     # --- writer thread --------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import torch
 RNG_KEY = "__ckptd_rng__"
 
 
-def capture() -> dict[str, Any]:
+def capture_rng_states() -> dict[str, Any]:
     """The current states of torch (CPU and CUDA when present), numpy's global RNG and ``random``."""
     states: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -28,8 +28,8 @@ def capture() -> dict[str, Any]:
     return states
 
 
-def restore(states: dict[str, Any]) -> None:
-    """Set every generator captured by :func:`capture`."""
+def restore_rng_states(states: dict[str, Any]) -> None:
+    """Set every generator captured by :func:`capture_rng_states`."""
     torch.set_rng_state(states["torch"])
     np.random.set_state(tuple(states["numpy"]))
     version, internal, gauss = states["python"]

@@ -15,34 +15,15 @@ checkpoint) unless the trainer's ``CheckpointIO`` is a :class:`CkptdCheckpointIO
 from __future__ import annotations
 
 import logging
-import random
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from ckptd import capture_rng_states, restore_rng_states
 from ckptd.plugins.lightning.checkpoint_io import CkptdCheckpointIO
 
 log = logging.getLogger("ckptd.plugins.lightning")
-
-
-def _capture() -> dict[str, Any]:
-    states: dict[str, Any] = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(legacy=True),
-                              "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        states["cuda"] = torch.cuda.get_rng_state_all()
-    return states
-
-
-def _restore(states: dict[str, Any]) -> None:
-    torch.set_rng_state(states["torch"])
-    np.random.set_state(tuple(states["numpy"]))
-    version, internal, gauss = states["python"]
-    random.setstate((version, tuple(internal), gauss))
-    if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(states["cuda"]))
 
 
 def _ckptd_io(trainer: Any) -> CkptdCheckpointIO | None:
@@ -73,7 +54,7 @@ class CkptdRankRNG(Callback):
     def state_dict(self) -> dict[str, Any]:
         if not self._active:
             return {}
-        mine = _capture()
+        mine = capture_rng_states()
         world = _group_size()
         if world == 1:
             return {"world_size": 1, "ranks": [mine]}
@@ -90,7 +71,7 @@ class CkptdRankRNG(Callback):
             log.warning("the checkpoint holds the RNG states of %d ranks and this job has %d: the ranks' "
                         "generators are not restored (rank 0's are, with the checkpoint)", len(ranks), world)
             return
-        _restore(ranks[rank])
+        restore_rng_states(ranks[rank])
 
 
 def lightning_callbacks() -> list[Callback]:
