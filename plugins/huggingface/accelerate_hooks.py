@@ -8,8 +8,8 @@ Use::
     hooks = CkptdAccelerate(accelerator, "/nvme/ckpt/run1", remote="s3://bucket/run1", step=lambda: progress.step)
     ...
     accelerator.save_state("out/step-100")                   # staged for ckptd, written in the background
-    accelerator.load_state("out/step-100")                   # the state restored from ckptd, verified
-    hooks.restore()                                          # no accelerate directory needed (a lost disk)
+    hooks.restore()                                          # the newest step, verified, no pickle, no directory
+    hooks.restore(100)                                       # a given step
 
 **What the hooks do.** The save pre-hook (``register_save_state_pre_hook``) stages everything accelerate
 tracks for one ckptd step: the prepared models, optimizers, schedulers, the gradient scaler, the objects
@@ -18,15 +18,22 @@ registered with ``register_for_checkpointing``, each prepared dataloader's epoch
 weights out of accelerate's own write (its documented way to replace model saving), so ``save_state`` writes
 no weights file; ckptd writes, verifies, commits and promotes them in the background. The step saved is
 noted in ``ckptd-step.json`` in the output directory. Accelerate still writes its other files (optimizer,
-scheduler, sampler, RNG, registered objects): its hooks cannot stop that. The load pre-hook restores the
-step that directory names from the nearest intact tier (every chunk verified) and takes the models out of
-accelerate's read, which then reloads its other files (the same values, written by the same save).
+scheduler, sampler, RNG, registered objects): its hooks cannot stop that (``save_state`` hands them the
+models' weights only; the other lists are the accelerator's own).
 
-:meth:`CkptdAccelerate.save` and :meth:`CkptdAccelerate.restore` do the same without accelerate's files:
-``save`` writes nothing of accelerate's, ``restore`` needs no accelerate directory (the node lost its disk:
-the step comes from the object tier). Within an epoch, the data position is what the training loop counts
-(accelerate tracks none without a stateful dataloader): keep the step in a registered object and skip with
-``accelerator.skip_first_batches``, as accelerate's own examples do.
+**Resuming without pickle.** :meth:`CkptdAccelerate.restore` is the way to resume: it reads only ckptd's
+verified step (``restore(step)`` for the step a directory's ``ckptd-step.json`` names) and needs no accelerate
+directory (the node lost its disk: the step comes from the object tier). ``accelerator.load_state()`` cannot
+be kept from reading accelerate's files after the load pre-hook: it unpickles them (``custom_checkpoint_N.pkl``
+with ``weights_only=False``, whatever the caller asks) and sets the optimizers, schedulers, RNG and registered
+objects from them, over ckptd's verified values. So the load pre-hook refuses with
+:class:`ckptd.errors.PickleRefusedError` (naming the step and the files, before anything is read) unless the
+caller opted in with ``allow_pickle=True``; then it restores the step from ckptd and accelerate reloads its
+files (the same values when they are the ones that save wrote).
+
+:meth:`CkptdAccelerate.save` writes nothing of accelerate's. Within an epoch, the data position is what the
+training loop counts (accelerate tracks none without a stateful dataloader): keep the step in a registered
+object and skip with ``accelerator.skip_first_batches``, as accelerate's own examples do.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import ckptd
-from ckptd.errors import ConfigError, ResumeMismatchError
+from ckptd.errors import ConfigError, PickleRefusedError, ResumeMismatchError
 from ckptd.plugins.huggingface.random_states import RandomStates
 from ckptd.plugins.huggingface.requirements import require
 
@@ -49,6 +56,9 @@ log = logging.getLogger("ckptd.plugins.huggingface")
 
 #: The file in an accelerate output directory that names the ckptd step saved with it.
 STEP_FILE = "ckptd-step.json"
+#: What ``accelerator.load_state`` reads with ``torch.load`` (pickle) after the load pre-hook.
+_PICKLED_FILES = ("optimizer*.bin", "scheduler*.bin", "sampler*.bin", "dl_state_dict*.bin", "scaler.pt",
+                  "random_states_*.pkl", "custom_checkpoint_*.pkl")
 
 
 class _LoaderPosition:
@@ -92,7 +102,9 @@ class CkptdAccelerate:
 
     ``local`` is ckptd's local tier, ``remote`` (``s3://bucket/prefix``) the object tier and
     ``storage_options`` reach it; ``policy`` decides what each tier keeps. Other keyword arguments go to
-    :class:`ckptd.CheckpointManager`; ``manager=`` uses one made elsewhere instead. ``step`` returns the ckptd
+    :class:`ckptd.CheckpointManager`; ``manager=`` uses one made elsewhere instead. The manager's
+    ``allow_pickle`` (``allow_pickle=True`` here) also lets ``accelerator.load_state()`` unpickle accelerate's
+    own files; without it ``load_state`` is refused and :meth:`restore` resumes. ``step`` returns the ckptd
     step of a save (e.g. the training step); by default saves are numbered 1, 2, ... (accelerate's save
     iteration plus one). The hooks are registered at construction; :meth:`remove` unregisters them.
     Construct it after ``accelerator.prepare`` and ``register_for_checkpointing`` (the objects are looked up
@@ -177,6 +189,14 @@ class CkptdAccelerate:
                                       path=str(marker), hint="load it without CkptdAccelerate, or call "
                                       "CkptdAccelerate.restore() to resume from ckptd's newest step")
         step = int(json.loads(marker.read_text(encoding="utf-8"))["step"])
+        if not self.manager.allow_pickle:
+            pickled = sorted(path.name for pattern in _PICKLED_FILES for path in Path(input_dir).glob(pattern))
+            raise PickleRefusedError(
+                f"accelerator.load_state({str(input_dir)!r}) would unpickle accelerate's own files after ckptd "
+                f"restored step {step} ({', '.join(pickled) or 'none there yet'}) and load them over it",
+                path=str(input_dir), step=step,
+                hint=f"call CkptdAccelerate.restore({step}) instead (ckptd's verified step, no pickle), or pass "
+                     "allow_pickle=True to CkptdAccelerate to let accelerate read its files")
         self.restore(step)
         models.clear()  # loaded: accelerate reads no weights file
 

@@ -59,7 +59,8 @@ def _child(config: dict[str, Any]) -> None:
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     hooks = CkptdAccelerate(accelerator, config["local"], remote=config.get("remote"),
-                            storage_options=config.get("storage_options"), step=lambda: progress.step) \
+                            storage_options=config.get("storage_options"), step=lambda: progress.step,
+                            allow_pickle=config.get("resume") == "load_state") \
         if config.get("local") else None
     out = Path(config["output_dir"])
     if config.get("resume") == "load_state":
@@ -143,6 +144,7 @@ def _assert_same_as(reference: dict[str, Any], run: Path, restored_step: int) ->
 
 
 def test_load_state_after_sigkill_resumes_bit_for_bit(tmp_path, uninterrupted):
+    """load_state with allow_pickle=True (accelerate unpickles its own files after ckptd's restore)."""
     local = str(tmp_path / "ckpt")
     killed = _run(tmp_path, "run", local=local, kill_at=10)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]

@@ -8,6 +8,7 @@ raises ImportError there exactly as on a machine without it.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -89,5 +90,61 @@ def test_load_state_of_a_directory_not_saved_through_ckptd_is_refused(tmp_path):
         hooks.remove()
         accelerator.load_state(str(tmp_path / "plain"))  # without the hooks, accelerate's own load works
         assert model.weight.shape == (2, 2)
+    finally:
+        hooks.close()
+
+
+class _Planted:
+    """Unpickled, it creates the directory it names: proof that something ran pickle on a file."""
+
+    def __init__(self, proof: str) -> None:
+        self.proof = proof
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.mkdir, (self.proof,)
+
+
+def test_load_state_through_the_hooks_refuses_to_unpickle_accelerates_files(tmp_path):
+    """accelerate would unpickle custom_checkpoint_0.pkl (weights_only=False) after ckptd's restore and load it
+    over ckptd's verified values: refused before anything is read; restore(step) resumes without it."""
+    import torch
+    from accelerate import Accelerator
+
+    from ckptd.errors import PickleRefusedError
+    from ckptd.plugins.huggingface import CkptdAccelerate
+
+    class Progress:
+        def __init__(self) -> None:
+            self.step = 0
+
+        def state_dict(self) -> dict[str, int]:
+            return {"step": self.step}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.step = int(state["step"])
+
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+    hooks = CkptdAccelerate(accelerator, tmp_path / "ckpt", step=lambda: progress.step)
+    try:
+        progress.step = 3
+        saved = model.weight.detach().clone()
+        accelerator.save_state(str(tmp_path / "out"))
+        hooks.manager.wait()
+        proof = tmp_path / "unpickled"
+        torch.save(_Planted(str(proof)), tmp_path / "out" / "custom_checkpoint_0.pkl")
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        progress.step = 99
+        with pytest.raises(PickleRefusedError, match=r"restore\(3\)") as caught:
+            accelerator.load_state(str(tmp_path / "out"))
+        assert caught.value.step == 3 and "custom_checkpoint_0.pkl" in caught.value.message
+        assert not proof.exists(), "a file of accelerate's was unpickled"
+        assert progress.step == 99, "the refused load changed the state"
+        assert hooks.restore(3) == 3
+        assert progress.step == 3 and torch.equal(model.weight, saved)
+        assert not proof.exists()
     finally:
         hooks.close()
