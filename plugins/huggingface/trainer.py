@@ -15,8 +15,10 @@ stalls for none) and saves once the Trainer has logged and evaluated that step, 
 have saved, with the same model, optimizer, scheduler, RNG and trainer state. The save returns once the
 state is staged in host memory; writing, verification, the commit and promotion to ``remote`` run in the
 background. Saves the Trainer decides only after evaluating (``save_strategy="best"``), and every save
-with ``trainer_checkpoints=True`` (needed by ``load_best_model_at_end``), leave the Trainer's own
-checkpoint in place and are also saved through ckptd from ``on_save``.
+with ``trainer_checkpoints=True`` (set by ``load_best_model_at_end``: the Trainer loads the best model from
+its own checkpoint directory), leave the Trainer's own checkpoint in place and are also saved through ckptd
+from ``on_save``. The local tier keeps the Trainer's ``save_total_limit`` newest steps unless ``policy=``
+says otherwise.
 
 **Resuming.** The Trainer reads a checkpoint only from a directory and skips the batches it already trained
 on only when given one. :func:`ckptd_resume` restores the newest step intact on the nearest tier (local,
@@ -73,10 +75,12 @@ class CkptdCallback(TrainerCallback):
     """Saves the checkpoints a ``transformers.Trainer`` asks for through ckptd (see the module docstring).
 
     ``local`` is ckptd's local tier (a directory); ``remote`` (``s3://bucket/prefix``) adds the object tier
-    and ``storage_options`` reach it; ``policy`` decides what each tier keeps (default: the newest 2 steps
-    locally, every step promoted). Other keyword arguments go to :class:`ckptd.CheckpointManager`. Pass
-    ``manager=`` to use one made elsewhere instead. ``trainer_checkpoints=True`` keeps the Trainer's own
-    ``checkpoint-N`` directories as well (for ``load_best_model_at_end``).
+    and ``storage_options`` reach it; ``policy`` decides what each tier keeps (default: the Trainer's
+    ``save_total_limit`` newest steps locally, else 2; every step promoted). Other keyword arguments go to
+    :class:`ckptd.CheckpointManager`. Pass ``manager=`` to use one made elsewhere instead.
+    ``trainer_checkpoints=True`` keeps the Trainer's own ``checkpoint-N`` directories as well; it is set when
+    the Trainer's arguments ask for ``load_best_model_at_end`` (the Trainer loads the best model only from
+    its own checkpoint of that step).
 
     The manager is made on first use (:func:`ckptd_resume`, or the first save), once the Trainer's arguments
     have set up ``torch.distributed`` in a multi-process job; :meth:`close` waits for pending writes and
@@ -93,7 +97,7 @@ class CkptdCallback(TrainerCallback):
             raise ConfigError("CkptdCallback takes either manager= or local=/remote=, not both")
         self._manager = manager
         self._manager_options = dict(manager_options, remote=remote, storage_options=storage_options,
-                                     policy=policy or ckptd.Policy(every_steps=1))
+                                     policy=policy)
         self._args: TrainingArguments | None = None  # the Trainer's arguments, from its first event
         self._local = local
         self.trainer_checkpoints = trainer_checkpoints
@@ -114,12 +118,23 @@ class CkptdCallback(TrainerCallback):
             world_size = self._args.world_size if self._args is not None else 1
             if world_size > 1 and options.get("layout") is None:
                 options["layout"] = data_parallel_layout(world_size)
+            if options["policy"] is None:
+                options["policy"] = trainer_policy(self._args)
             self._manager = ckptd.CheckpointManager(self._local, capture_rng=False, **options)
         return self._manager
 
     def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
+        self._use(args)
+
+    def _use(self, args: TrainingArguments) -> None:
+        """Take the Trainer's arguments (at its construction, again when training begins: a callback added
+        later sees no ``on_init_end``); refuse what the callback cannot serve."""
         self._args = args
+        if args.load_best_model_at_end and not self.trainer_checkpoints:
+            # the Trainer loads the best model only from its own checkpoint directory of that step
+            log.info("load_best_model_at_end: the Trainer keeps its own checkpoints too (trainer_checkpoints=True)")
+            self.trainer_checkpoints = True
         sharded = [name for name in ("fsdp", "deepspeed") if getattr(args, name, None)]
         if sharded:
             raise ConfigError(f"CkptdCallback does not cover Trainer runs with {' and '.join(sharded)} (a sharded "
@@ -219,6 +234,7 @@ class CkptdCallback(TrainerCallback):
     # --- resuming -----------------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
+        self._use(args)
         self._remember(kwargs)
         if self._resumed_step is None:
             return
@@ -253,6 +269,13 @@ class CkptdCallback(TrainerCallback):
         """Wait for pending writes and uploads, then release the manager. Safe to call twice."""
         if self._manager is not None:
             self._manager.close()
+
+
+def trainer_policy(args: TrainingArguments | None) -> ckptd.Policy:
+    """The default policy: every step the Trainer asks for is saved; the local tier keeps the Trainer's
+    ``save_total_limit`` newest steps (ckptd's default, 2, without one)."""
+    limit = getattr(args, "save_total_limit", None)
+    return ckptd.Policy(every_steps=1, **({"keep_local": int(limit)} if limit else {}))
 
 
 def data_parallel_layout(world_size: int) -> ckptd.Layout:

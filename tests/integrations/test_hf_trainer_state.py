@@ -19,7 +19,7 @@ import pytest
 pytestmark = pytest.mark.integrations
 
 
-def _train(output_dir: Path, callbacks: list[Any]) -> Any:
+def _train(output_dir: Path, callbacks: list[Any], **arguments: Any) -> Any:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -33,10 +33,12 @@ def _train(output_dir: Path, callbacks: list[Any]) -> Any:
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    arguments = {"save_strategy": "steps", "save_steps": 4, **arguments}
     args = TrainingArguments(output_dir=str(output_dir), max_steps=6, per_device_train_batch_size=4,
-                             learning_rate=1e-3, logging_steps=2, save_strategy="steps", save_steps=4, seed=7,
-                             report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
-    trainer = Trainer(model=model, args=args, train_dataset=Samples(), callbacks=callbacks)
+                             learning_rate=1e-3, logging_steps=2, seed=7, report_to=[], use_cpu=True,
+                             dataloader_num_workers=0, disable_tqdm=True, **arguments)
+    evaluation = Samples() if arguments.get("eval_strategy") else None
+    trainer = Trainer(model=model, args=args, train_dataset=Samples(), eval_dataset=evaluation, callbacks=callbacks)
     trainer.train()
     return trainer
 
@@ -97,3 +99,43 @@ def test_trainer_checkpoints_true_keeps_the_trainers_own_as_well(tmp_path, one_t
         assert callback.manager.committed_steps() == [4, 6]
     finally:
         callback.close()
+
+
+def _weights(trainer: Any) -> dict[str, Any]:
+    return {name: tensor.detach().clone() for name, tensor in trainer.model.state_dict().items()}
+
+
+def test_save_total_limit_is_what_the_local_tier_keeps(tmp_path, one_thread):
+    from ckptd.plugins.huggingface import CkptdCallback
+
+    callback = CkptdCallback(tmp_path / "ckpt")
+    try:
+        _train(tmp_path / "out", [callback], save_steps=2, save_total_limit=1)
+        callback.manager.wait()
+        assert callback.manager.committed_steps() == [6]
+    finally:
+        callback.close()
+
+
+def test_load_best_model_at_end_loads_the_best_step_as_without_ckptd(tmp_path, one_thread):
+    """The best step is the first evaluation (``greater_is_better`` on the loss, which falls): the final
+    model must be step 2's, as the plain Trainer leaves it, not the last step's."""
+    import torch
+
+    from ckptd.plugins.huggingface import CkptdCallback
+
+    best = {"save_steps": 2, "eval_strategy": "steps", "eval_steps": 2, "load_best_model_at_end": True,
+            "metric_for_best_model": "loss", "greater_is_better": True}
+    plain = _train(tmp_path / "plain", [], **best)
+    assert plain.state.best_global_step == 2
+    callback = CkptdCallback(tmp_path / "ckpt")
+    try:
+        ours = _train(tmp_path / "ours", [callback], **best)
+        assert ours.state.best_global_step == 2 and ours.state.best_model_checkpoint is not None
+        expected, weights = _weights(plain), _weights(ours)
+        assert not [name for name in expected if not torch.equal(weights[name], expected[name])]
+        callback.manager.wait()
+        assert callback.manager.committed_steps() == [4, 6]  # every save also went through ckptd
+    finally:
+        callback.close()
+
