@@ -28,7 +28,10 @@ the Trainer's own formats (``trainer_state.json``, ``rng_state.pth``, ``model.sa
 then resumes through its own code: same epoch, same skipped batches (the data order is a function of seed
 and epoch), RNG set after the skip. The optimizer, scheduler and gradient scaler never touch that
 directory: the callback loads them from ckptd when the training begins (right after the Trainer created
-them, before any step).
+them, before any step). One limit is the Trainer's own: a collator or dataset that draws from the global
+generators in the main process (``dataloader_num_workers=0``, e.g. a masking collator) resumes bit for bit
+at an epoch boundary, not in the middle of an epoch (the Trainer sets the RNG after it drew the first
+resumed step's batches; its own checkpoints resume the same way).
 
 **Distributed jobs** (``torchrun``, DDP): every rank runs the callback. Its manager is made once the
 Trainer's arguments joined the process group (the ranks agree on commits through its store), with a
