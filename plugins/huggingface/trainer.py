@@ -39,7 +39,7 @@ Trainer's arguments joined the process group (the ranks agree on commits through
 replicated (DDP keeps them identical), so one rank writes them and every rank restores that copy; each
 rank saves its own RNG states and trainer state. Each rank writes its own resume directory
 (``ckptd-resume/rank-R/checkpoint-N``, with its ``rng_state_R.pth``), so ranks neither race on one
-directory nor need a shared ``output_dir``. FSDP and DeepSpeed Trainer runs (sharded model or optimizer)
+directory nor need a shared ``output_dir``. A resume removes the resume directories earlier ones wrote. FSDP and DeepSpeed Trainer runs (sharded model or optimizer)
 are refused with :class:`ckptd.errors.ConfigError`; pass ``layout=`` to state another layout.
 """
 
@@ -258,8 +258,8 @@ class CkptdCallback(TrainerCallback):
             return None
         self._resumed_step = step
         directory = resume_directory(trainer.args, step)
-        if directory.exists():
-            shutil.rmtree(directory)
+        for earlier in directory.parent.glob("checkpoint-*"):  # an earlier resume's (a model's worth each)
+            shutil.rmtree(earlier)
         directory.mkdir(parents=True)
         (directory / transformers.trainer.TRAINER_STATE_NAME).write_text(values["trainer_state"], encoding="utf-8")
         _write_random_states(self._random_states, directory, trainer.args)

@@ -19,9 +19,11 @@ import pytest
 pytestmark = pytest.mark.integrations
 
 
-def _train(output_dir: Path, callbacks: list[Any], **arguments: Any) -> Any:
+def _train(output_dir: Path, callbacks: list[Any], resuming: bool = False, **arguments: Any) -> Any:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from ckptd.plugins.huggingface import ckptd_resume
 
     class Samples(torch.utils.data.Dataset):
         def __len__(self) -> int:
@@ -33,13 +35,14 @@ def _train(output_dir: Path, callbacks: list[Any], **arguments: Any) -> Any:
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
-    arguments = {"save_strategy": "steps", "save_steps": 4, **arguments}
-    args = TrainingArguments(output_dir=str(output_dir), max_steps=6, per_device_train_batch_size=4,
+    arguments = {"save_strategy": "steps", "save_steps": 4, "max_steps": 6, **arguments}
+    args = TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=4,
                              learning_rate=1e-3, logging_steps=2, seed=7, report_to=[], use_cpu=True,
                              dataloader_num_workers=0, disable_tqdm=True, **arguments)
     evaluation = Samples() if arguments.get("eval_strategy") else None
     trainer = Trainer(model=model, args=args, train_dataset=Samples(), eval_dataset=evaluation, callbacks=callbacks)
-    trainer.train()
+    resume = ckptd_resume(trainer) if callbacks and resuming else None
+    trainer.train(resume_from_checkpoint=resume)
     return trainer
 
 
@@ -138,4 +141,16 @@ def test_load_best_model_at_end_loads_the_best_step_as_without_ckptd(tmp_path, o
         assert callback.manager.committed_steps() == [4, 6]  # every save also went through ckptd
     finally:
         callback.close()
+
+
+def test_a_resume_removes_the_resume_directory_an_earlier_resume_wrote(tmp_path, one_thread):
+    from ckptd.plugins.huggingface import CkptdCallback
+
+    for max_steps in (2, 4, 6):  # a fresh run to step 2, resumed to 4, resumed again to 6
+        callback = CkptdCallback(tmp_path / "ckpt")
+        try:
+            _train(tmp_path / "out", [callback], resuming=True, save_steps=2, max_steps=max_steps)
+        finally:
+            callback.close()
+    assert [path.name for path in (tmp_path / "out" / "ckptd-resume").iterdir()] == ["checkpoint-4"]
 
