@@ -66,11 +66,19 @@ def _child(config: dict[str, Any]) -> None:
                     torch.distributed.barrier()  # every rank saw the commit: the whole job dies now
                 os.kill(os.getpid(), signal.SIGKILL)
 
+    class RankStreams(TrainerCallback):
+        """Moves each rank's torch generator by a different amount when training begins, so the ranks draw
+        different dropout masks: a resumed rank must get its own RNG states back, not another rank's (a
+        resumed run sets the restored states after this)."""
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            torch.rand(rank + 1)
+
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
     model.register_forward_pre_hook(record_samples, with_kwargs=True)
     ckptd_callback = None
-    callbacks: list[Any] = []
+    callbacks: list[Any] = [RankStreams()] if config.get("rank_streams") else []
     if config.get("local"):
         ckptd_callback = CkptdCallback(config["local"], remote=config.get("remote"),
                                        storage_options=config.get("storage_options"))

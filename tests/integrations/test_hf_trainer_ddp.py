@@ -1,7 +1,7 @@
 """CkptdCallback in a distributed Trainer job: two gloo ranks on CPU, as ``torchrun --nproc-per-node 2`` starts.
 
 The job trains with DDP and ``gradient_accumulation_steps=2`` (each optimizer step is two forward passes per
-rank), saves through ckptd every 4 steps, and is killed whole (SIGKILL on every rank) in the middle of step
+rank; each rank's generator draws its own dropout masks), saves through ckptd every 4 steps, and is killed whole (SIGKILL on every rank) in the middle of step
 6, once step 4 committed. A new job resumes through ``ckptd_resume`` on every rank. Compared with an
 uninterrupted 2-rank job, bit for bit: each rank's final weights, the sample ids of every batch each rank
 trained on after the restored step (nothing skipped or repeated, accumulation included) and the logged
@@ -25,7 +25,7 @@ STEPS, SAVE_EVERY, ACCUMULATE, WORLD = 8, 4, 2, 2
 
 def _job(tmp_path: Path, name: str, **config: Any) -> list[Any]:
     return run(tmp_path, name, world_size=WORLD, steps=STEPS, save_every=SAVE_EVERY, accumulate=ACCUMULATE,
-               **config)
+               rank_streams=True, **config)
 
 
 def test_a_two_rank_job_killed_after_a_save_resumes_bit_for_bit(tmp_path):
