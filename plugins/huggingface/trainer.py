@@ -39,8 +39,9 @@ Trainer's arguments joined the process group (the ranks agree on commits through
 replicated (DDP keeps them identical), so one rank writes them and every rank restores that copy; each
 rank saves its own RNG states and trainer state. Each rank writes its own resume directory
 (``ckptd-resume/rank-R/checkpoint-N``, with its ``rng_state_R.pth``), so ranks neither race on one
-directory nor need a shared ``output_dir``. A resume removes the resume directories earlier ones wrote. FSDP and DeepSpeed Trainer runs (sharded model or optimizer)
-are refused with :class:`ckptd.errors.ConfigError`; pass ``layout=`` to state another layout.
+directory nor need a shared ``output_dir``; a resume removes the resume directories earlier ones wrote.
+FSDP and DeepSpeed Trainer runs (sharded model or optimizer) are refused with
+:class:`ckptd.errors.ConfigError`; pass ``layout=`` to state another layout.
 """
 
 from __future__ import annotations

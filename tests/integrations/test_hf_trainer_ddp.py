@@ -1,8 +1,8 @@
 """CkptdCallback in a distributed Trainer job: two gloo ranks on CPU, as ``torchrun --nproc-per-node 2`` starts.
 
 The job trains with DDP and ``gradient_accumulation_steps=2`` (each optimizer step is two forward passes per
-rank; each rank's generator draws its own dropout masks), saves through ckptd every 4 steps, and is killed whole (SIGKILL on every rank) in the middle of step
-6, once step 4 committed. A new job resumes through ``ckptd_resume`` on every rank. Compared with an
+rank; each rank's generator draws its own dropout masks), saves through ckptd every 4 steps, and is killed
+whole (SIGKILL on every rank) in the middle of step 6, once step 4 committed. A new job resumes through ``ckptd_resume`` on every rank. Compared with an
 uninterrupted 2-rank job, bit for bit: each rank's final weights, the sample ids of every batch each rank
 trained on after the restored step (nothing skipped or repeated, accumulation included) and the logged
 losses. Each rank wrote its own resume directory, and the step holds the replicated model and optimizer
