@@ -149,7 +149,6 @@ class CkptdCallback(TrainerCallback):
     # --- saving -------------------------------------------------------------------------------
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
-        self._args = args
         self._remember(kwargs)
         self._take_save_request(state, control)
 
