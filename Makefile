@@ -5,8 +5,6 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ckptd-installed
 INTEGRATIONS_STAMP := $(VENV)/.ckptd-integrations-installed
 #: The torch the venv has, as a requirement: installing other packages never swaps it (no CUDA build).
-#: pytest-xdist workers for the default suite (each test file runs whole on one worker).
-TEST_WORKERS ?= 2
 TORCH_PIN = "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 
 .PHONY: setup setup-integrations demo test test-integrations test-all bench clean
@@ -35,7 +33,7 @@ demo: setup
 # The default suite, then the framework tests (marker integrations) once their extras are installed;
 # with PYTORCH_TESTS=<dir> also PyTorch's own DCP tests against ckptd's plugins (test-pytorch-dcp).
 test: setup
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest
 	$(MAKE) test-integrations
 	@if [ -n "$(PYTORCH_TESTS)" ]; then $(MAKE) test-pytorch-dcp; fi
 
