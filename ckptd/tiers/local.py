@@ -41,11 +41,33 @@ def local_root(url: str) -> Path:
     return Path(path)
 
 
+def _step_of(path: Path | str) -> int | None:
+    """The step a path of the local tier belongs to (a step directory or a file in one), if any."""
+    where = Path(path)
+    step = parse_step_dir(where.name)
+    return step if step is not None else parse_step_dir(where.parent.name)
+
+
+_KEPT = "older committed steps were kept"
+
+
 def _storage_error(exc: OSError, path: Path | str, what: str) -> StorageError:
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return DiskFullError(f"disk full while {what}", path=str(path), tier="local",
-                             hint="free space or lower keep_local; older committed steps were kept")
-    return StorageError(f"{what} failed: {exc.strerror or exc}", path=str(path), tier="local")
+    """The ckptd error for a failed file-system call, naming the file, its step and the tier."""
+    where = {"path": str(path), "step": _step_of(path), "tier": "local"}
+    if exc.errno == errno.ENOSPC:
+        return DiskFullError(f"disk full while {what}", **where, hint=f"free space or lower keep_local; {_KEPT}")
+    if exc.errno == errno.EDQUOT:
+        return DiskFullError(f"disk full (quota exceeded) while {what}", **where,
+                             hint=f"raise the quota, free space or lower keep_local; {_KEPT}")
+    hint = None
+    if exc.errno == errno.EROFS:
+        hint = f"the file system is read-only (remounted after errors?): fix it or move the local tier; {_KEPT}"
+    elif exc.errno == errno.EIO and what.startswith(("fsync", "committing (fsync")):
+        # After a failed fsync the kernel may have dropped the dirty pages and a second fsync "succeeds":
+        # the bytes are unknown, so the file is never fsynced again and trusted.
+        hint = ("the disk reported a write-back error, so the file's bytes may be lost: the step was not "
+                f"committed and is not retried (check the disk, e.g. dmesg); save a new step; {_KEPT}")
+    return StorageError(f"{what} failed: {exc.strerror or exc}", **where, hint=hint)
 
 
 def fsync_directory(directory: Path) -> None:
@@ -132,21 +154,28 @@ class AtomicFile:
         With ``if_absent=True`` an existing final file is kept and :class:`AlreadyCommittedError` raised:
         the temporary is hard-linked to the final name, which the kernel refuses atomically when the name
         exists, and then unlinked."""
+        phase, placed = "fsync of the file", False
         try:
             if self.aligned:  # the last range may have been written unpadded, through the page cache
                 os.ftruncate(self._fd, self.size)  # type: ignore[arg-type]
             os.fsync(self._fd)  # type: ignore[arg-type]
             os.close(self._fd)  # type: ignore[arg-type]
             self._fd = None
+            phase = "renaming into place"
             if if_absent:
                 self._link_into_place()
             else:
                 os.replace(self.temporary, self.final)
+            placed = True
             if sync_directory:
+                phase = "fsync of the directory"
                 fsync_directory(self.final.parent)
         except OSError as exc:
             self.abort()
-            raise _storage_error(exc, self.final, "committing") from exc
+            if placed:  # the rename may not survive a power loss: the commit did not happen
+                self.final.unlink(missing_ok=True)
+            where = self.final.parent if phase == "fsync of the directory" else self.final
+            raise _storage_error(exc, where, f"committing ({phase})") from exc
 
     def _link_into_place(self) -> None:
         try:
@@ -310,7 +339,10 @@ class LocalTier(StorageTier):
             parents.add(target.parent)
         for parent in parents:
             if parent.is_dir():
-                fsync_directory(parent)
+                try:
+                    fsync_directory(parent)
+                except OSError as exc:
+                    raise _storage_error(exc, parent, "fsync of the directory after deleting") from exc
 
     def remove_step_dir(self, step: int) -> None:
         directory = self.root / step_dir(step)
