@@ -3,10 +3,7 @@ partial, keeps the older steps restorable, and the manager saves normally once t
 
 from __future__ import annotations
 
-import errno
-import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -17,42 +14,11 @@ from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory, mounted_tmpfs  # noqa: F401
 from ckptd.testing.workloads import synthetic_state, synthetic_template
+from ckptd.testing.write_faults import DiskWithBudget
 from ckptd.tiers import direct_io, local
 
 SMALL, LARGE = 2 * 1024 * 1024, 12 * 1024 * 1024
 KEEP_ONE = Policy(keep_local=1)
-
-
-class DiskWithBudget:
-    """Stands in for the ``os`` module inside :mod:`ckptd.tiers.local`: every call is the real one, but
-    writes stop with ENOSPC once ``budget`` bytes are written (the last write is partial, as on a real
-    full disk). ``written`` counts the bytes that reached the disk."""
-
-    def __init__(self, budget: int | None) -> None:
-        self.budget, self.written = budget, 0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(os, name)
-
-    def _allowed(self, wanted: int) -> int:
-        if self.budget is None:
-            return wanted
-        allowed = min(wanted, self.budget - self.written)
-        if allowed <= 0 and wanted > 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return allowed
-
-    def write(self, fd: int, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        done = os.write(fd, view[:self._allowed(len(view))])
-        self.written += done
-        return done
-
-    def pwrite(self, fd: int, data: Any, offset: int) -> int:
-        view = memoryview(data).cast("B")
-        done = os.pwrite(fd, view[:self._allowed(len(view))], offset)
-        self.written += done
-        return done
 
 
 def use_disk(monkeypatch: pytest.MonkeyPatch, disk: DiskWithBudget) -> None:
