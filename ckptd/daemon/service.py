@@ -583,6 +583,7 @@ class Daemon:
             for kind in ("object", "peer"):
                 self._refresh_listing(runtime, kind)
             self.upkeep.apply_retention(runtime, self._protected(runtime))
+            self.upkeep.abort_abandoned_uploads(runtime)
             self._apply_pin_cap(runtime)
         self.upkeep.apply_replica_retention()
         self._publish_depth()

@@ -1,10 +1,15 @@
-"""The daemon's upkeep of what it stores: retention per tier and scrub passes, on its maintenance thread.
+"""The daemon's upkeep of what it stores: retention per tier, scrub passes and the multipart uploads a dead
+writer left open, on its maintenance thread.
 
 Both call H4's functions (:func:`ckptd.daemon.retention.apply_retention`,
 :meth:`ckptd.daemon.scrub.Scrubber.scrub_tier`). Retention never deletes a step with unfinished tasks or
 a pin; scrub checks this node's copies (the local root, mended from the object tier and the buddy; the
 object tier, mended from the others) and the replicas buddies sent here, never a buddy's copy over the
-network (the buddy scrubs that itself). Failures are counted in the metrics and handed to ``record_error``.
+network (the buddy scrubs that itself). Uploads left open on an object tier by a writer that died (this
+daemon's previous process, SIGKILLed mid-upload, or a trainer's uploader) are aborted at the first pass
+after the daemon starts and every ``gc_abandoned_s`` after that; an upload whose owner still runs is left
+alone (:meth:`~ckptd.tiers.object.ObjectTier.abort_incomplete_uploads`). Failures are counted in the
+metrics and handed to ``record_error``.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import time
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
+from ckptd.config import settings
 from ckptd.daemon.config import DaemonConfig
 from ckptd.daemon.roots import RootRuntime
 from ckptd.errors import CkptdError
@@ -38,6 +44,7 @@ class Upkeep:
         self.config, self.metrics, self.record_error = config, metrics, record_error
         self._sleep = sleep
         self._scrubber: Any = None
+        self._uploads_checked_at: dict[str, float] = {}
 
     def replica_tiers(self) -> list[LocalTier]:
         """The replicas buddies sent here, one tier per ``<replica_dir>/<node id>/<root name>``."""
@@ -52,6 +59,28 @@ class Upkeep:
         wanted = [(runtime.local, runtime.config.keep_local), (runtime.remote, runtime.config.keep_remote)]
         self._retain([(runtime.name, tier, keep, protected) for tier, keep in wanted
                       if tier is not None and keep is not None])
+
+    def abort_abandoned_uploads(self, runtime: RootRuntime) -> int:
+        """Abort the multipart uploads no live writer owns on the root's object tier, at the first call for
+        the root and every ``gc_abandoned_s`` after that; returns how many were aborted."""
+        tier = runtime.remote
+        if tier is None or not tier.capabilities.multipart_uploads:
+            return 0
+        now = time.monotonic()
+        last = self._uploads_checked_at.get(runtime.name)
+        threshold = settings().gc_abandoned_s
+        if last is not None and now - last < threshold:
+            return 0
+        try:
+            aborted = tier.abort_incomplete_uploads(threshold)
+        except CkptdError as error:
+            self.record_error("uploads", runtime.name, None, str(error))
+            log.warning("aborting the abandoned uploads of %s failed: %s", tier.label, error)
+            return 0
+        self._uploads_checked_at[runtime.name] = now
+        if aborted:
+            log.info("aborted %d multipart upload(s) a dead writer left on %s", aborted, tier.label)
+        return aborted
 
     def apply_replica_retention(self) -> None:
         """``keep_peer`` on every replica buddies sent here."""

@@ -1,0 +1,68 @@
+"""A daemon that starts after a crash aborts the multipart uploads the dead writer left on its object tier.
+
+A daemon SIGKILLed in the middle of a multipart upload leaves the upload open on S3 (its parts are stored and
+billed, never visible) with the owner record of its dead process (:mod:`ckptd.tiers.upload_owners`). The next
+daemon on that root aborts it, and deletes the dead record, at its first maintenance pass; an upload whose
+owner still runs is left alone. The uploads here are real ones on moto's server, made with boto3."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd.testing.daemon_process import DaemonProcess, write_config
+from ckptd.tiers.upload_owners import UploadOwner, new_record_path
+from test_promotion_support import s3_client
+
+pytestmark = pytest.mark.s3
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def _open_upload(client: Any, bucket: str, key: str, owner: UploadOwner) -> str:
+    """Start a multipart upload of ``run1/<key>`` with one part and its owner record; returns its id."""
+    record = f"run1/{new_record_path(key)}"
+    client.put_object(Bucket=bucket, Key=record, Body=owner.to_json_bytes())
+    upload = client.create_multipart_upload(Bucket=bucket, Key=f"run1/{key}")["UploadId"]
+    client.upload_part(Bucket=bucket, Key=f"run1/{key}", UploadId=upload, PartNumber=1, Body=b"x" * 1024)
+    return upload
+
+
+def _open_uploads(client: Any, bucket: str) -> dict[str, str]:
+    return {item["UploadId"]: item["Key"] for item in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])}
+
+
+def test_the_uploads_of_a_dead_writer_are_aborted_and_a_live_ones_kept(tmp_path: Path, s3_server, s3_bucket,
+                                                                        s3_options) -> None:
+    client = s3_client(s3_server)
+    dead = replace(UploadOwner.mine("chunks/aa/dead.raw"), pid=_dead_pid())
+    alive = UploadOwner.mine("chunks/bb/alive.raw")  # this test process: it runs
+    orphan = _open_upload(client, s3_bucket, "chunks/aa/dead.raw", dead)
+    kept = _open_upload(client, s3_bucket, "chunks/bb/alive.raw", alive)
+    root, state = tmp_path / "root", tmp_path / "state"
+    root.mkdir()
+    config = write_config(tmp_path / "daemon.toml", [{"name": "run1", "local": str(root),
+                                                      "remote": f"s3://{s3_bucket}/run1", "storage_options": s3_options}],
+                          state_dir=str(state), node_id="node-a", listen="127.0.0.1:0", poll_interval_s=0.1,
+                          scrub_interval_s=0)
+    with DaemonProcess(config, state) as daemon:
+        daemon.wait_ready()
+        daemon.wait_for(lambda: orphan not in _open_uploads(client, s3_bucket), 15,
+                        "the dead writer's upload to be aborted")
+        time.sleep(0.5)  # a later pass must not take the live one either
+        assert daemon.terminate() == 0
+    assert _open_uploads(client, s3_bucket) == {kept: "run1/chunks/bb/alive.raw"}
+    records = [item["Key"] for item in client.list_objects_v2(Bucket=s3_bucket, Prefix="run1/uploads/")
+               .get("Contents", [])]
+    assert len(records) == 1 and f"-{alive.pid}-" in records[0], records
+    assert "aborted an abandoned multipart upload of chunks/aa/dead.raw" in daemon.log()
