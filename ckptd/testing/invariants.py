@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import xxhash
 
-from ckptd.testing.matrix import INVARIANTS, Outcome
+from ckptd.testing.matrix import INVARIANTS, Outcome, crash_injector
 
 Location = Any  # str | os.PathLike[str] | an object with .url and .storage_options
 
@@ -214,18 +214,6 @@ def restore_in_child(channel: Any, local: str, remote: str | None, storage_optio
         return RestoreFinding(None, None, (), f"{type(error).__name__}: {error}")
 
 
-_INJECTOR: Any = None
-
-
-def _injector() -> Any:
-    global _INJECTOR
-    if _INJECTOR is None:
-        from ckptd.testing.crash import CrashInjector
-
-        _INJECTOR = CrashInjector(timeout_s=120.0)
-    return _INJECTOR
-
-
 def check_newest_restores(workload: Workload, local: Location | None = None, *, remote: Location | None = None,
                           storage_options: dict[str, Any] | None = None, expected_step: int | None = None,
                           allowed_steps: Iterable[int] | None = None, fresh_process: bool = False,
@@ -258,7 +246,7 @@ def check_newest_restores(workload: Workload, local: Location | None = None, *, 
                 return Check("L1", False, f"no committed step in {local_url}")
             finding = _restore_read_only(local_url, None, workload, newest, 0)
         elif fresh_process:
-            child = _injector().run(restore_in_child, local_url, remote_url, options, workload, None)
+            child = crash_injector().run(restore_in_child, local_url, remote_url, options, workload, None)
             if child.error or child.value is None:
                 return Check("L1", False, f"the fresh process failed: exit {child.exitcode} {child.error or ''}")
             finding = child.value

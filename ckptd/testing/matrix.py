@@ -22,15 +22,17 @@ that the run can be replayed.
 
 from __future__ import annotations
 
+import importlib
+import os
 import random
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,32 +177,71 @@ class RunRecord:
     outcome: Outcome
     wall_s: float
     error: str = ""
+    #: The run's scratch directory when it was kept (``keep`` or a failed run with ``keep_failed``).
+    workdir: str = ""
 
 
-@contextmanager
-def _scratch(keep: bool) -> Iterator[Path]:
-    directory = Path(tempfile.mkdtemp(prefix="ckptd-matrix-"))
-    try:
-        yield directory
-    finally:
-        if not keep:
-            shutil.rmtree(directory, ignore_errors=True)
-
-
-def run_row(entry: Row, seed: int, *, keep_failed: bool = False) -> RunRecord:
-    """Run ``entry``'s scenario once with ``seed`` in a fresh scratch directory."""
+def run_row(entry: Row, seed: int, *, keep_failed: bool = False, keep: bool = False) -> RunRecord:
+    """Run ``entry``'s scenario once with ``seed`` in a fresh scratch directory, removed afterwards unless
+    ``keep`` (or ``keep_failed`` and the run did not hold); a kept directory is named in the record."""
     if entry.scenario is None:
         raise ValueError(f"row {entry.number} cannot run here: {entry.reason}")
     name = entry.scenario.__name__
     started = time.monotonic()
-    with _scratch(keep_failed) as workdir:
-        try:
-            outcome = entry.scenario(RunContext(entry.number, seed, workdir))
-            error = ""
-        except Exception:  # noqa: BLE001 - a scenario that raises did not hold; its seed replays it
-            error = traceback.format_exc()
-            outcome = Outcome(held=False, checked=("L1",), detail="scenario raised")
-    return RunRecord(entry.number, name, seed, outcome, time.monotonic() - started, error)
+    workdir = Path(tempfile.mkdtemp(prefix=f"ckptd-matrix-{entry.number}-{seed}-"))
+    try:
+        outcome = entry.scenario(RunContext(entry.number, seed, workdir))
+        error = ""
+    except Exception as raised:  # noqa: BLE001 - a scenario that raises did not hold; its seed replays it
+        error = traceback.format_exc()
+        outcome = Outcome(held=False, checked=("L1",), detail=f"scenario raised {type(raised).__name__}: {raised}")
+    kept = keep or (keep_failed and not outcome.held)
+    if not kept:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return RunRecord(entry.number, name, seed, outcome, time.monotonic() - started, error,
+                     str(workdir) if kept else "")
+
+
+#: Rows of the fault matrix (``FAULT-MATRIX``): every one needs a scenario or a not-runnable entry.
+MATRIX_ROWS = range(1, 39)
+
+
+def seed_for(number: int, index: int) -> int:
+    """The seed of run ``index`` (0, 1, ...) of row ``number``: the short mode's runs are the long mode's first."""
+    return number * 100_000 + index
+
+
+def scenarios() -> list[Row]:
+    """Every registered entry (runnable or not), by row number then registration order."""
+    return [entry for number in sorted(ROWS) for entry in ROWS[number]]
+
+
+def find_scenario(number: int, name: str | None = None) -> list[Row]:
+    """The runnable entries of row ``number`` (only the scenario called ``name`` when given)."""
+    found = [entry for entry in ROWS.get(number, []) if entry.scenario is not None
+             and (name is None or entry.scenario.__name__ == name)]
+    if not found:
+        known = ", ".join(e.scenario.__name__ for e in ROWS.get(number, []) if e.scenario is not None) or "none"
+        raise KeyError(f"row {number} has no runnable scenario{f' {name!r}' if name else ''} (scenarios: {known})")
+    return found
+
+
+def missing_rows(expected: Iterable[int] = MATRIX_ROWS) -> list[int]:
+    """The rows of ``expected`` with neither a scenario nor a not-runnable entry."""
+    return [number for number in expected if not ROWS.get(number)]
+
+
+def discover(directory: str | os.PathLike[str]) -> list[str]:
+    """Import every ``rows_*.py`` of ``directory`` (once), which registers their rows; returns the module
+    names. The directory is put on ``sys.path`` and the modules imported under their plain names, so child
+    processes (forkserver, spawn: they inherit ``sys.path``) can import a scenario's module-level targets."""
+    base = str(Path(directory).resolve())
+    if base not in sys.path:
+        sys.path.insert(0, base)
+    names = sorted(path.stem for path in Path(base).glob("rows_*.py"))
+    for name in names:
+        importlib.import_module(name)
+    return names
 
 
 @dataclass(frozen=True)
@@ -233,6 +274,20 @@ def summarise(entry: Row, records: list[RunRecord]) -> RowSummary:
         bytes_lost=sum(r.outcome.bytes_lost for r in records),
         failed_seeds=tuple(r.seed for r in records if not r.outcome.held),
     )
+
+
+_INJECTOR: Any = None
+
+
+def crash_injector() -> Any:
+    """The :class:`~ckptd.testing.crash.CrashInjector` the runs of this process share (its forkserver
+    started once)."""
+    global _INJECTOR
+    if _INJECTOR is None:
+        from ckptd.testing.crash import CrashInjector
+
+        _INJECTOR = CrashInjector(timeout_s=120.0)
+    return _INJECTOR
 
 
 def stop_shared_endpoints() -> None:
