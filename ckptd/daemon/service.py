@@ -42,6 +42,7 @@ from ckptd.daemon.buddy import BuddyDiscovery, Resolver
 from ckptd.daemon.config import DaemonConfig, RootConfig
 from ckptd.daemon.journal import Journal, Task
 from ckptd.daemon.roots import DAEMON_PIN_DIRECTORY, RootRuntime, exclusive_lock
+from ckptd.daemon.tier_health import TierHealth, probe_local
 from ckptd.daemon.upkeep import Upkeep
 from ckptd.daemon.watcher import CommitWatcher
 from ckptd.errors import CkptdError, CommitError, IntegrityError, NotFoundError, StorageError
@@ -148,7 +149,6 @@ class Daemon:
         self._resume_pins()
         self._connect_remotes()
         self._start_servers()
-        self._write_state_files()
         self.watcher = CommitWatcher({name: runtime.local.root for name, runtime in self._roots.items()},
                                      self._on_commit, mode=config.watch, poll_interval_s=config.poll_interval_s)
         self.watcher.start()
@@ -156,6 +156,8 @@ class Daemon:
             self._spawn(f"ckptd-daemon-{kind}", self._work, kind)
         self._spawn("ckptd-daemon-maintain", self._maintain)
         self._ready = True
+        # Last: trainers and tests take daemon.json (and each root's file) to mean "watching and ready".
+        self._write_state_files()
         log.info("daemon %s started (pid %d): %s", config.node_id, os.getpid(), config.describe())
 
     def _lock_state_dir(self) -> None:
@@ -579,6 +581,7 @@ class Daemon:
                 self.metrics.error("maintenance")
 
     def _maintain_once(self) -> None:
+        self.check_local_tiers()
         for runtime in list(self._roots.values()):
             for kind in ("object", "peer"):
                 self._refresh_listing(runtime, kind)
@@ -593,6 +596,20 @@ class Daemon:
             if time.time() - last >= interval:
                 self.journal.set_state("last_scrub", time.time())
                 self.upkeep.scrub(list(self._roots.values()), self._stopping.is_set)
+
+    def check_local_tiers(self) -> dict[str, TierHealth]:
+        """Probe every root's local tier (see :mod:`ckptd.daemon.tier_health`); the verdicts go into the
+        status document and the ``ckptd_tier_degraded`` gauge. The maintenance thread calls it each pass."""
+        verdicts = {}
+        for name, runtime in list(self._roots.items()):
+            health = probe_local(runtime.local)
+            if health.degraded and (runtime.health is None or not runtime.health.degraded):
+                log.warning("the local tier of root %s is degraded: %s", name, health.reason)
+            elif not health.degraded and runtime.health is not None and runtime.health.degraded:
+                log.info("the local tier of root %s is healthy again", name)
+            runtime.health = verdicts[name] = health
+            self.metrics.tier_degraded(name, "local", health.degraded)
+        return verdicts
 
     def _tier(self, runtime: RootRuntime, kind: str) -> StorageTier | None:
         return runtime.remote if kind == "object" else runtime.peer
@@ -680,7 +697,8 @@ class Daemon:
                 local_steps = runtime.local.committed_steps()
             except CkptdError:
                 local_steps = []
-            tiers: dict[str, Any] = {"local": {"url": str(runtime.local.root), "steps": local_steps}}
+            tiers: dict[str, Any] = {"local": {"url": str(runtime.local.root), "steps": local_steps,
+                                               "health": runtime.health.to_json() if runtime.health else None}}
             for kind, url in (("object", runtime.config.remote), ("peer", runtime.peer_url)):
                 if url is None:
                     continue
