@@ -58,6 +58,8 @@ class DaemonMetrics:
                                        ["root"], buckets=_LONG_BUCKETS, registry=r)
         self._peer_served = Counter("ckptd_peer_served_bytes", "Bytes of committed chunks served to peers",
                                     registry=r)
+        self._tier_degraded = Gauge("ckptd_tier_degraded", "1 while a probe write to the tier fails (read-only, "
+                                    "full, I/O errors), else 0", ["root", "tier"], registry=r)
         self._errors = Counter("ckptd_errors", "Errors by the part of the daemon they happened in", ["where"],
                                registry=r)
 
@@ -114,6 +116,10 @@ class DaemonMetrics:
     def peer_served(self, bytes_: int) -> None:
         """``bytes_`` of committed chunks were served to a peer."""
         self._peer_served.inc(max(bytes_, 0))
+
+    def tier_degraded(self, root: str, tier: str, degraded: bool) -> None:
+        """The last probe of ``root``'s ``tier`` failed (``degraded``) or worked."""
+        self._tier_degraded.labels(root=root, tier=tier).set(1 if degraded else 0)
 
     def error(self, where: str) -> None:
         """An error in ``where`` (``promote``, ``replicate``, ``scrub``, ``control``, ``http``, ...)."""

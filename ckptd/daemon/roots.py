@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.daemon.config import RootConfig
+from ckptd.daemon.tier_health import TierHealth
 from ckptd.errors import LockedError
 from ckptd.promotion.lag import PromotionLag
 from ckptd.promotion.pinning import PinnedSteps
@@ -38,6 +39,8 @@ class RootRuntime:
     listings: dict[str, tuple[list[int], PromotionLag | None]] = field(default_factory=dict)
     #: The latest save-stall and step-time report of the root's trainer.
     trainer_report: dict[str, Any] | None = None
+    #: The local tier's health as last probed (:func:`ckptd.daemon.tier_health.probe_local`), None before.
+    health: TierHealth | None = None
 
     @property
     def name(self) -> str:

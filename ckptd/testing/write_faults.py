@@ -28,6 +28,7 @@ root-only complement::
 
 from __future__ import annotations
 
+import collections
 import errno
 import fnmatch
 import os
@@ -98,6 +99,7 @@ class WriteFaults:
 #: The calls of the file layer a rule can fail, by operation.
 _OPERATIONS = {"open": ("open",), "write": ("write", "pwrite"), "fsync": ("fsync", "fdatasync"),
                "rename": ("replace", "rename", "link")}
+_OPERATION_OF = {call: operation for operation, calls in _OPERATIONS.items() for call in calls}
 
 
 @dataclass(frozen=True)
@@ -143,8 +145,9 @@ class FaultyDisk:
       drops dirty pages after a writeback error: the "fsyncgate" lesson), so that trusting a retried
       fsync would restore wrong bytes.
 
-    ``written`` counts the bytes that reached the disk; ``injected`` lists (operation, path, errno) of
-    every failure raised on purpose. Install it with :meth:`install` (or ``with``); it patches module
+    ``written`` counts the bytes that reached the disk; ``calls`` counts the calls of each operation on the
+    tier's files (a dry run tells a rule's ``skip`` how far a save goes); ``injected`` lists (call, path,
+    errno) of every failure raised on purpose. Install it with :meth:`install` (or ``with``); it patches module
     attributes, so it acts on every tier of the process (install it in the process, or rank, whose
     disk should fail). Thread-safe: the write pool's threads go through it at once.
     """
@@ -152,6 +155,7 @@ class FaultyDisk:
     def __init__(self, budget: int | None = None, rules: Iterable[ErrnoRule] = ()) -> None:
         self.budget, self.rules = budget, tuple(rules)
         self.written = 0
+        self.calls: collections.Counter[str] = collections.Counter()
         self.injected: list[tuple[str, str, int]] = []
         self._seen = [0] * len(self.rules)
         self._paths: dict[int, Path] = {}
@@ -188,6 +192,7 @@ class FaultyDisk:
             return
         step, name = _whereabouts(path)
         with self._lock:
+            self.calls[_OPERATION_OF[call]] += 1
             for number, rule in enumerate(self.rules):
                 if call not in _OPERATIONS[rule.operation] or (rule.step is not None and rule.step != step):
                     continue
@@ -200,13 +205,14 @@ class FaultyDisk:
                 self.injected.append((call, str(path), rule.error))
                 raise OSError(rule.error, f"{os.strerror(rule.error)} (injected)", str(path))
 
-    def _allowed(self, wanted: int) -> int:
+    def _allowed(self, fd: int, wanted: int) -> int:
         with self._lock:
             if self.budget is None:
                 return wanted
             allowed = min(wanted, self.budget - self.written)
-        if allowed <= 0 and wanted > 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            if allowed <= 0 and wanted > 0:
+                self.injected.append(("write", str(self._paths.get(fd, "?")), errno.ENOSPC))
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return allowed
 
     def _count(self, done: int) -> int:
@@ -234,12 +240,12 @@ class FaultyDisk:
     def write(self, fd: int, data: Any) -> int:
         self._check("write", self._path_of(fd))
         view = memoryview(data).cast("B")
-        return self._count(os.write(fd, view[:self._allowed(len(view))]))
+        return self._count(os.write(fd, view[:self._allowed(fd, len(view))]))
 
     def pwrite(self, fd: int, data: Any, offset: int) -> int:
         self._check("pwrite", self._path_of(fd))
         view = memoryview(data).cast("B")
-        return self._count(os.pwrite(fd, view[:self._allowed(len(view))], offset))
+        return self._count(os.pwrite(fd, view[:self._allowed(fd, len(view))], offset))
 
     def _sync(self, call: str, fd: int) -> None:
         path = self._path_of(fd)

@@ -1,0 +1,219 @@
+"""Fault-matrix rows 5, 6, 7 and 18: I/O errors under a save.
+
+Every scenario commits step 1 on a local root (``keep_local=1``, so that retention would delete it as
+soon as anything newer commits), makes the disk fail while step 2 is saved, and then checks that the
+save failed with a typed error naming the file, step 2 and the tier (L4), that nothing of step 2 is
+advertised or left behind (L3), that step 1 is still committed and intact (L2) and restores bit-exact
+(L1), and that the next save (step 3) commits and restores. ``recovery_s`` runs from the fault to step 3
+restored bit-exact.
+
+How the disk fails (all real system calls of the local tier, failed by
+:class:`ckptd.testing.write_faults.FaultyDisk` with an errno, no root needed; the ``tmpfs`` variants
+mount a real small tmpfs, as root only, and record ``not_runnable`` where mounting is refused):
+
+- row 5: ``fsync`` (or the directory's fsync) returns EIO on a data file, the index, the manifest or the
+  step directory, drawn from the seed; the failed fsync zeroes the file's unsynced bytes (Linux drops
+  dirty pages), so a retry-then-trust would restore wrong bytes;
+- row 6: the disk runs out of space after a byte budget drawn from the seed (the last write partial), and
+  on a real 64 MiB tmpfs filled up to a drawn free space;
+- row 7: the file system turns read-only (EROFS) or the quota runs out (EDQUOT) at a drawn call of the
+  save (an open, write, rename or fsync) and stays so; an in-process daemon watching the root must report
+  its local tier as degraded (status document and ``ckptd_tier_degraded``) and healthy again once the
+  disk recovers. As root, a real tmpfs remounted read-only between two saves (a remount with files open
+  for writing is refused with EBUSY, so the mid-save case is the errno one);
+- row 18: two gloo ranks, an EIO on rank 1's data-file write: every rank learns of it, nothing is
+  committed, the next save commits on both.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+from ckptd.config import override
+from ckptd.errors import CkptdError, DiskFullError, StorageError
+from ckptd.format.layout import step_dir
+from ckptd.manager.manager import CheckpointManager
+from ckptd.policy import Policy
+from ckptd.testing import invariants as inv
+from ckptd.testing.fixtures import mounted_tmpfs
+from ckptd.testing.matrix import Outcome, RunContext, not_runnable, row
+from ckptd.testing.workloads import synthetic_state
+from ckptd.testing.write_faults import DiskWithBudget, ErrnoRule, FaultyDisk
+
+STATE_BYTES = 192 * 1024
+CHUNK_BYTES = 16 * 1024
+WORKLOAD = inv.SyntheticWorkload(STATE_BYTES)
+GOOD, FAILED, NEXT = 1, 2, 3
+
+
+# --- the shape every single-rank scenario shares ------------------------------------------------------
+
+@contextmanager
+def _settings(ctx: RunContext) -> Iterator[str]:
+    """Small chunks, 1-3 writer threads (so 1-3 parallel data files) and a codec, drawn from the seed."""
+    codec = ctx.rng.choice(["raw", "zstd"])
+    with override(chunk_bytes=CHUNK_BYTES, io_threads=ctx.rng.randint(1, 3)):
+        yield codec
+
+
+def _manager(root: Path, codec: str) -> CheckpointManager:
+    return CheckpointManager(root, policy=Policy(keep_local=1), capture_rng=False, codec=codec, daemon="off")
+
+
+def _save(root: Path, codec: str, step: int) -> None:
+    with _manager(root, codec) as manager:
+        manager.save(step, synthetic_state(step, STATE_BYTES), force=True)
+        manager.wait()
+
+
+def dry_run_calls(ctx: RunContext, codec: str) -> FaultyDisk:
+    """Save a step into a scratch root through a fault-free :class:`FaultyDisk`: how many bytes and calls of
+    each operation a save makes (what a rule's ``skip`` and a budget are drawn from)."""
+    counter = FaultyDisk()
+    scratch = ctx.path("dry-run")
+    with counter:
+        _save(scratch, codec, FAILED)
+    return counter
+
+
+def check_typed(error: CkptdError | None, disk: FaultyDisk | None, kind: type[CkptdError],
+                words: tuple[str, ...]) -> inv.Check:
+    """L4: the save failed with ``kind`` naming step 2, the local tier and a file of step 2, saying ``words``."""
+    if disk is not None and not disk.injected:
+        return inv.Check("L4", False, "the fault was never injected: the save no longer reaches the failed call")
+    if error is None:
+        return inv.Check("L4", False, f"the save of step {FAILED} succeeded on a failing disk")
+    text = str(error)
+    wrong = []
+    if not isinstance(error, kind):
+        wrong.append(f"{type(error).__name__} is no {kind.__name__}")
+    if error.step != FAILED or error.tier != "local":
+        wrong.append(f"names step {error.step} and tier {error.tier}")
+    if step_dir(FAILED) not in text:
+        wrong.append("names no file of the step")
+    wrong += [f"does not say {word!r}" for word in words if word not in text]
+    if wrong:
+        return inv.Check("L4", False, f"the save's error {'; '.join(wrong)}: {text}")
+    return inv.Check("L4", True, f"{type(error).__name__}: {text[:160]}")
+
+
+def check_step_gone(root: Path) -> inv.Check:
+    """L3: the failed step left no file behind (its temporaries and renamed files are removed)."""
+    left = sorted(path.name for path in (root / step_dir(FAILED)).glob("*"))
+    if left:
+        return inv.Check("L3", False, f"the failed step {FAILED} left {left[:5]} in {root}")
+    return inv.Check("L3", True, f"nothing of step {FAILED} left")
+
+
+def failed_save_outcome(ctx: RunContext, root: Path, codec: str, kind: type[CkptdError], words: tuple[str, ...],
+                        *, disk: FaultyDisk | None = None, during: Callable[[], list[inv.Check]] | None = None,
+                        repair: Callable[[], None] | None = None, detail: str = "") -> Outcome:
+    """With step 1 committed in ``root``: save step 2 while the disk fails (``disk`` installed, or the file
+    system failing by itself when None), check L1-L4, ``repair`` the disk, and check that step 3 saves and
+    restores. ``during``: more checks made while the disk still fails (a daemon's report)."""
+    before = inv.record_committed(root)
+    ctx.stopwatch.fault()
+    error: CkptdError | None = None
+    extra: list[inv.Check] = []
+    manager = _manager(root, codec)
+    try:
+        with disk if disk is not None else nullcontext():
+            try:
+                manager.save(FAILED, synthetic_state(FAILED, STATE_BYTES), force=True)
+                manager.wait()
+            except CkptdError as failure:
+                error = failure
+            if during is not None:
+                extra = during()
+    finally:
+        manager.close()
+    checks = [check_typed(error, disk, kind, words), *extra,
+              inv.check_nothing_partial(root, allowed=[GOOD]), inv.check_no_temporaries(root), check_step_gone(root),
+              inv.check_nothing_lost(before, root), inv.check_newest_restores(WORKLOAD, root, expected_step=GOOD)]
+    if repair is not None:
+        repair()
+    _save(root, codec, NEXT)
+    recovered = inv.check_newest_restores(WORKLOAD, root, expected_step=NEXT)
+    checks.append(recovered)
+    recovery = ctx.stopwatch.since_fault() if recovered.ok else None
+    injected = disk.injected[:1] if disk is not None else "by the file system"
+    return inv.outcome(checks, recovery_s=recovery, detail=f"{detail}; codec {codec}; injected {injected}")
+
+
+# --- row 5: fsync returns EIO ---------------------------------------------------------------------------
+
+#: (file of step 2 whose fsync fails, directory fsyncs let through first): a data file, the index, the
+#: manifest, or the step directory when the index is committed (0) or when the manifest is (1).
+FSYNC_TARGETS = (("rank-00000*data", 0), ("rank-00000.index.json", 0), ("manifest.json", 0), (".", 0), (".", 1))
+
+
+@row(5, "fsync returns EIO", short_runs=2)
+def fsync_eio_mid_save(ctx: RunContext) -> Outcome:
+    root = ctx.path("local")
+    with _settings(ctx) as codec:
+        _save(root, codec, GOOD)
+        name, skip = ctx.rng.choice(FSYNC_TARGETS)
+        disk = FaultyDisk(rules=[ErrnoRule("fsync", errno.EIO, step=FAILED, name=name, skip=skip)])
+        return failed_save_outcome(ctx, root, codec, StorageError, ("fsync", "Input/output error"), disk=disk,
+                                   detail=f"fsync of {name} (skip {skip})")
+
+
+# --- row 6: ENOSPC --------------------------------------------------------------------------------------
+
+@row(6, "ENOSPC mid-save (errno variant: a byte budget)", short_runs=2)
+def disk_full_mid_save(ctx: RunContext) -> Outcome:
+    root = ctx.path("local")
+    with _settings(ctx) as codec:
+        _save(root, codec, GOOD)
+        total = dry_run_calls(ctx, codec).written
+        budget = ctx.rng.randint(0, total - 64)  # the manifest, written last, is a few hundred bytes
+        return failed_save_outcome(ctx, root, codec, DiskFullError, ("disk full",), disk=DiskWithBudget(budget),
+                                   detail=f"space for {budget} of {total} bytes")
+
+
+def _can_mount_tmpfs() -> bool:
+    if os.geteuid() != 0:
+        return False
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="ckptd-mount-probe-") as probe:
+        with mounted_tmpfs(Path(probe) / "mnt", "1m") as mounted:
+            return mounted
+
+
+MOUNTS = _can_mount_tmpfs()
+TMPFS_SIZE = "64m"
+
+
+def _free_bytes(path: Path) -> int:
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize
+
+
+if MOUNTS:
+    @row(6, "ENOSPC mid-save (real 64 MiB tmpfs, root only)", short_runs=1)
+    def disk_full_on_a_real_tmpfs(ctx: RunContext) -> Outcome:
+        mount_point = ctx.workdir / "tmpfs"
+        with mounted_tmpfs(mount_point, TMPFS_SIZE) as mounted:
+            if not mounted:
+                return Outcome(held=False, checked=("L1",), detail="mounting the tmpfs failed this time")
+            root = mount_point / "local"
+            with _settings(ctx) as codec:
+                _save(root, codec, GOOD)
+                need = sum(path.stat().st_size for path in (root / step_dir(GOOD)).iterdir())
+                leave = ctx.rng.randint(0, max(0, need - 4096))
+                filler = mount_point / "filler"
+                with open(filler, "wb") as handle:  # fill the tmpfs up to ``leave`` free bytes
+                    handle.write(bytes(max(0, _free_bytes(mount_point) - leave)))
+                left = _free_bytes(mount_point)
+                return failed_save_outcome(ctx, root, codec, DiskFullError, ("disk full",), repair=filler.unlink,
+                                           detail=f"tmpfs with {left} bytes free")
+else:
+    not_runnable(6, "ENOSPC mid-save (real 64 MiB tmpfs)", reason="mounting a tmpfs needs root (and a sandbox that "
+                 "allows mount); this run was refused", covered_by="row 6 errno variant disk_full_mid_save (a byte "
+                 "budget on the real write calls) and tests/test_faults_enospc.py")
