@@ -1,0 +1,290 @@
+"""Fault-matrix rows 27, 29 and 38: the node daemon killed mid-upload, restarted mid-upload, and attacked.
+
+Every run starts a real ``ckptd daemon`` process (:class:`~ckptd.testing.daemon_process.DaemonProcess`) on a
+copy of a local root in which steps 1 and 2 were committed (a 12 MiB tensor each, one chunk: a multipart
+upload of 3 parts of 5 MiB; the template is written once per process), promoting to a fresh bucket of moto's
+server on 127.0.0.1 (versioned, so that every PUT of a manifest stays countable).
+
+- 27: the daemon is SIGKILLed once the multipart upload of step k's chunk holds N parts (k, N drawn from the
+  seed; parts counted with moto's own ``ListParts``). At the kill nothing is visible at the key being
+  uploaded and step k has no manifest on S3 (the manifest goes last); after a restart the upload is resumed
+  (completed) or aborted (none left open, no dead owner record), each step is promoted once and restores
+  bit-exact from S3 alone.
+- 29: SIGTERM during the k-th copy (the copies slowed by :mod:`ckptd.testing.slow_daemon`), with a drain
+  deadline drawn from the seed; the harness SIGKILLs the daemon if it still runs after a wait also drawn
+  from the seed (as an init system does); restart: each step has one journal row, done, and exactly one
+  version of its manifest on S3 (no double commit); nothing lost.
+- 38: a hostile client: a different UID on the control socket (root: a forked child that drops to UID
+  65534; otherwise the daemon's allow-list excludes this UID and the real ``SO_PEERCRED`` of this process is
+  refused), no or a wrong token on the peer endpoints (401), paths outside the roots and the files of an
+  uncommitted step (refused, their bytes never sent), and every TCP listener of the daemon process (none on
+  a wildcard address).
+"""
+
+from __future__ import annotations
+
+import atexit
+import http.client
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
+from ckptd.testing import invariants as inv
+from ckptd.testing.daemon_process import DaemonProcess, wait_until, write_config
+from ckptd.testing.matrix import Outcome, RunContext, S3Location, row
+
+MIB = 1024 * 1024
+#: 16 MiB: a 12 MiB tensor (one chunk, 3 multipart parts) and a 4 MiB one (one PUT).
+WORKLOAD = inv.SyntheticWorkload(16 * MIB)
+STEPS = (1, 2)
+PART_BYTES = 5 * MIB
+#: Parts of one chunk's multipart upload (12 MiB in parts of 5 MiB).
+PARTS = 3
+#: The daemon's object tier sends one part at a time, so that a kill lands after a known number of parts.
+UPLOAD_ENV = {"CKPTD_S3_PART_BYTES": str(PART_BYTES), "CKPTD_S3_CONCURRENCY": "1"}
+
+_template: dict[str, Path] = {}
+
+
+# --- the committed root, the daemon, S3 ----------------------------------------------------------
+
+def _committed_root(ctx: RunContext) -> Path:
+    """A copy (in this run's scratch directory) of a root holding :data:`STEPS` committed by a real
+    CheckpointManager; the template is written once per process."""
+    if "root" not in _template:
+        from ckptd.manager.manager import CheckpointManager
+        from ckptd.policy import Policy
+
+        base = Path(tempfile.mkdtemp(prefix="ckptd-matrix-daemon-template-"))
+        atexit.register(shutil.rmtree, base, ignore_errors=True)
+        with CheckpointManager(base / "root", capture_rng=False, policy=Policy(keep_local=None),
+                               daemon="off") as manager:
+            for step in STEPS:
+                manager.save(step, WORKLOAD.state(step))
+                manager.wait()
+        _template["root"] = base / "root"
+    root = ctx.workdir / "root"
+    shutil.copytree(_template["root"], root)
+    return root
+
+
+def _client(s3: S3Location) -> Any:
+    import boto3
+
+    return boto3.client("s3", endpoint_url=s3.endpoint_url, aws_access_key_id="testing",
+                        aws_secret_access_key="testing", region_name="us-east-1")
+
+
+def _versioned_bucket(ctx: RunContext) -> tuple[S3Location, Any]:
+    s3 = ctx.s3("run1")
+    client = _client(s3)
+    client.put_bucket_versioning(Bucket=s3.bucket, VersioningConfiguration={"Status": "Enabled"})
+    return s3, client
+
+
+def _config(ctx: RunContext, root: Path, s3: S3Location | None, **options: Any) -> tuple[Path, Path]:
+    state = ctx.workdir / "state"
+    table: dict[str, Any] = {"name": "run1", "local": str(root)}
+    if s3 is not None:
+        table.update(remote=s3.url, storage_options=s3.storage_options)
+    settings = dict(node_id="node-a", listen="127.0.0.1:0", poll_interval_s=0.1, retry_backoff_s=0.1,
+                    scrub_interval_s=0)
+    settings.update(options)
+    return write_config(ctx.workdir / "daemon.toml", [table], state_dir=str(state), **settings), state
+
+
+def _open_uploads(client: Any, bucket: str) -> dict[str, str]:
+    """Upload id -> key of every multipart upload of the bucket neither completed nor aborted."""
+    return {item["UploadId"]: item["Key"] for item in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])}
+
+
+def _keys(client: Any, bucket: str, prefix: str = "") -> list[str]:
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return [item["Key"] for page in pages for item in page.get("Contents", [])]
+
+
+def _manifests(client: Any, s3: S3Location) -> dict[int, str]:
+    """Step -> ETag of every manifest object on S3 (the commit marker: what makes a step visible)."""
+    found = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=s3.bucket, Prefix="run1/"):
+        for item in page.get("Contents", []):
+            for step in STEPS:
+                if item["Key"] == f"run1/{step_file(step, MANIFEST_NAME)}":
+                    found[step] = item["ETag"]
+    return found
+
+
+def _check_manifests_kept(before: dict[int, str], client: Any, s3: S3Location) -> inv.Check:
+    """L2 on S3: every manifest there at the fault is still there, the same object."""
+    after = _manifests(client, s3)
+    changed = {step: (tag, after.get(step)) for step, tag in before.items() if after.get(step) != tag}
+    return inv.Check("L2", not changed, f"manifests on S3 gone or rewritten since the fault: {changed}")
+
+
+def _manifest_versions(client: Any, s3: S3Location, step: int) -> int:
+    key = f"run1/{step_file(step, MANIFEST_NAME)}"
+    listing = client.list_object_versions(Bucket=s3.bucket, Prefix=key)
+    return sum(1 for version in listing.get("Versions", []) if version["Key"] == key)
+
+
+def _promote_rows(daemon: DaemonProcess) -> dict[int, list[dict[str, Any]]]:
+    rows: dict[int, list[dict[str, Any]]] = {}
+    for task in daemon.tasks():
+        if task["kind"] == "promote":
+            rows.setdefault(task["step"], []).append(task)
+    return rows
+
+
+def _all_promoted(daemon: DaemonProcess) -> bool:
+    rows = _promote_rows(daemon)
+    return sorted(rows) == list(STEPS) and all(task["state"] == "done" for tasks in rows.values() for task in tasks)
+
+
+def _check_promoted_once(daemon: DaemonProcess, client: Any, s3: S3Location) -> list[inv.Check]:
+    """L2/L3: one journal row per step, done; one version of each step's manifest on S3 (one commit)."""
+    checks = []
+    rows = _promote_rows(daemon)
+    doubled = {step: [(task["id"], task["state"]) for task in tasks] for step, tasks in rows.items()
+               if len(tasks) != 1 or tasks[0]["state"] != "done"}
+    checks.append(inv.Check("L2", sorted(rows) == list(STEPS) and not doubled,
+                            f"journal promote rows per step: {doubled or sorted(rows)}"))
+    versions = {step: _manifest_versions(client, s3, step) for step in STEPS}
+    checks.append(inv.Check("L3", all(count == 1 for count in versions.values()),
+                            f"manifest PUTs that landed per step (must be 1 each): {versions}"))
+    return checks
+
+
+def _check_uploads_closed(client: Any, s3: S3Location) -> inv.Check:
+    """L3: no multipart upload left open and no owner record of a dead writer left behind."""
+    left = _open_uploads(client, s3.bucket)
+    records = _keys(client, s3.bucket, "run1/uploads/")
+    return inv.Check("L3", not left and not records,
+                     f"after the restart: open uploads {sorted(left.values())}, owner records {records}")
+
+
+def _restart_until_promoted(ctx: RunContext, config: Path, state: Path, s3: S3Location, client: Any
+                            ) -> tuple[DaemonProcess, float]:
+    """Start the daemon again; wait until every step is promoted and no upload is left open; stop it (exit 0).
+    Returns the stopped daemon and the seconds from the fault to every step restorable from S3."""
+    with DaemonProcess(config, state, env=UPLOAD_ENV) as daemon:
+        daemon.wait_ready()
+        daemon.wait_for(lambda: _all_promoted(daemon), 60, "every step promoted after the restart")
+        recovery_s = ctx.stopwatch.since_fault()
+        daemon.wait_for(lambda: not _open_uploads(client, s3.bucket), 30, "the interrupted upload closed")
+        code = daemon.terminate()
+        if code != 0:
+            raise AssertionError(f"the restarted daemon exited with {code}: {daemon.log()}")
+    return daemon, recovery_s
+
+
+def _after_restart(ctx: RunContext, daemon: DaemonProcess, client: Any, s3: S3Location, root: Path,
+                   before_local: inv.CommittedRecord, before_remote: dict[int, str]) -> list[inv.Check]:
+    """What must hold once the restarted daemon promoted everything: each step promoted once, no upload
+    left open, nothing lost on either tier, every step on S3 verifies, the newest restores bit-exact from S3
+    alone (a node whose local tier is gone)."""
+    checks = _check_promoted_once(daemon, client, s3)
+    checks.append(_check_uploads_closed(client, s3))
+    checks.append(inv.check_nothing_lost(before_local, root))
+    checks.append(_check_manifests_kept(before_remote, client, s3))
+    checks.append(inv.check_nothing_partial(s3, allowed=STEPS))
+    checks.append(inv.check_newest_restores(WORKLOAD, remote=s3, expected_step=STEPS[-1], scratch=ctx.workdir))
+    return checks
+
+
+# --- row 27 ----------------------------------------------------------------------------------------
+
+def _wait_for_parts(daemon: DaemonProcess, client: Any, bucket: str, upload_number: int, parts: int,
+                    timeout_s: float = 60.0) -> tuple[str, int]:
+    """Poll moto until the ``upload_number``-th multipart upload the daemon opened holds ``parts`` parts;
+    returns (its key, the parts it held). When it completes between two polls, (its key, -1)."""
+    seen: list[str] = []  # upload ids, in the order they appeared
+    keys: dict[str, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if daemon.process.poll() is not None:
+            raise AssertionError(f"the daemon exited with {daemon.process.returncode}: {daemon.log()}")
+        open_now = _open_uploads(client, bucket)
+        for upload, key in open_now.items():
+            if upload not in seen:
+                seen.append(upload)
+                keys[upload] = key
+        if len(seen) >= upload_number:
+            target = seen[upload_number - 1]
+            if target not in open_now:
+                return keys[target], -1
+            held = len(client.list_parts(Bucket=bucket, Key=keys[target], UploadId=target).get("Parts", []))
+            if held >= parts:
+                return keys[target], held
+        time.sleep(0.005)
+    raise AssertionError(f"upload {upload_number} never reached {parts} parts (saw {len(seen)} uploads)")
+
+
+@row(27, "daemon SIGKILLed after N parts of a multipart upload", short_runs=1, long_runs=30)
+def daemon_killed_after_parts(ctx: RunContext) -> Outcome:
+    victim = ctx.rng.choice(STEPS)  # whose chunk upload is cut (uploads run in step order)
+    parts = ctx.rng.randint(1, PARTS - 1)
+    root = _committed_root(ctx)
+    before_local = inv.record_committed(root)
+    s3, client = _versioned_bucket(ctx)
+    config, state = _config(ctx, root, s3)
+    with DaemonProcess(config, state, env=UPLOAD_ENV) as daemon:
+        daemon.wait_ready()
+        key, held = _wait_for_parts(daemon, client, s3.bucket, victim, parts)
+        daemon.kill()
+    ctx.stopwatch.fault()
+    note = (f"killed with {held} of {PARTS} parts of step {victim}'s chunk uploaded" if held >= 0 else
+            f"the upload of step {victim}'s chunk completed before the kill (N={parts} missed)")
+    checks = []
+    open_keys = set(_open_uploads(client, s3.bucket).values())
+    visible = set(_keys(client, s3.bucket))
+    checks.append(inv.Check("L3", not open_keys & visible,
+                            f"keys visible while their upload is open: {sorted(open_keys & visible)}"))
+    if held >= 0:
+        checks.append(inv.Check("L3", key in open_keys and key not in visible,
+                                f"{key}: open {key in open_keys}, visible {key in visible} at the kill"))
+    before_remote = _manifests(client, s3)
+    early = sorted(step for step in before_remote if step >= victim)
+    checks.append(inv.Check("L3", not early, f"step(s) {early} committed on S3 while step {victim}'s chunk was "
+                                             "still uploading (the manifest must go last)"))
+    daemon, recovery_s = _restart_until_promoted(ctx, config, state, s3, client)
+    checks += _after_restart(ctx, daemon, client, s3, root, before_local, before_remote)
+    return inv.outcome(checks, recovery_s=recovery_s, detail=note)
+
+
+# --- row 29 ----------------------------------------------------------------------------------------
+
+@row(29, "daemon SIGTERMed mid-upload, SIGKILLed past its drain deadline, restarted", short_runs=1, long_runs=30)
+def daemon_terminated_mid_upload(ctx: RunContext) -> Outcome:
+    writes = ctx.rng.randint(1, 6)  # SIGTERM during the daemon's k-th copy to S3 (each step: 3 or 4 copies)
+    drain_s = ctx.rng.choice([0.05, 0.3, 5.0])
+    patience_s = ctx.rng.uniform(0.0, 1.0)  # how long the "init system" waits past the drain deadline
+    root = _committed_root(ctx)
+    before_local = inv.record_committed(root)
+    s3, client = _versioned_bucket(ctx)
+    config, state = _config(ctx, root, s3, drain_timeout_s=drain_s)
+    with DaemonProcess(config, state, env=UPLOAD_ENV, slow_writes_s=0.1) as daemon:
+        daemon.wait_ready()
+        daemon.wait_event(lambda line: line.startswith("write object "), count=writes)
+        daemon.process.terminate()
+        ctx.stopwatch.fault()
+        try:
+            code = daemon.process.wait(drain_s + patience_s)
+            ending = f"exited {code} by itself"
+        except subprocess.TimeoutExpired:  # it outlived the deadline
+            daemon.kill()
+            ending = "SIGKILLed past its drain deadline"
+            code = 0
+    note = f"SIGTERM during copy {writes}, drain {drain_s:g}s, waited {patience_s:.2f}s more: {ending}"
+    checks = [inv.Check("L2", code == 0, f"the drained daemon exited with {code}")]
+    before_remote = _manifests(client, s3)
+    daemon, recovery_s = _restart_until_promoted(ctx, config, state, s3, client)
+    checks += _after_restart(ctx, daemon, client, s3, root, before_local, before_remote)
+    return inv.outcome(checks, recovery_s=recovery_s, detail=note)
