@@ -288,3 +288,176 @@ def daemon_terminated_mid_upload(ctx: RunContext) -> Outcome:
     daemon, recovery_s = _restart_until_promoted(ctx, config, state, s3, client)
     checks += _after_restart(ctx, daemon, client, s3, root, before_local, before_remote)
     return inv.outcome(checks, recovery_s=recovery_s, detail=note)
+
+
+# --- row 38 ----------------------------------------------------------------------------------------
+
+TOKEN = "matrix-peer-token-0123456789abcdef"
+#: A UID no trainer runs as (``nobody``), for the forked client when this process is root.
+OTHER_UID = 65534
+UNCOMMITTED = 3
+_LOOPBACK = {"127.0.0.1", "::1"}
+
+
+def _escapes(secret: str) -> list[str]:
+    """Peer paths that try to leave the served root (it is ``<workdir>/root``; ``secret`` is
+    ``<workdir>/outside/<name>``), or reach files that are not committed chunks."""
+    return [f"/v1/peer/roots/run1/../outside/{secret}",
+            f"/v1/peer/roots/run1/{step_dir(1)}/../../outside/{secret}",
+            f"/v1/peer/roots/run1/%2e%2e/outside/{secret}",
+            f"/v1/peer/roots/run1/{step_dir(1)}/..%2F..%2Foutside%2F{secret}",
+            f"/v1/peer/roots/run1/{step_dir(1)}/%252e%252e%252f{secret}",
+            f"/v1/peer/roots/run1/{step_dir(1)}/..%5c..%5coutside%5c{secret}",
+            f"/v1/peer/roots/run1/{step_dir(1)}/{secret}%00.data",
+            f"/v1/peer/roots/run1/%2f{secret}",
+            "/v1/peer//etc/passwd",
+            f"/v1/peer/roots/run1/{step_dir(1)}/.ckptd-secret",
+            f"/v1/peer/roots/run1/{step_dir(UNCOMMITTED)}/rank-00000.data",
+            f"/v1/peer/roots/run1/{step_dir(UNCOMMITTED)}/{MANIFEST_NAME}"]
+
+
+def _request(address: str, method: str, path: str, token: str | None) -> tuple[int, bytes]:
+    host, _, port = address.rpartition(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        connection.putrequest(method, path, skip_accept_encoding=True)
+        if token is not None:
+            connection.putheader("Authorization", f"Bearer {token}")
+        connection.endheaders()
+        response = connection.getresponse()
+        return response.status, response.read()
+    finally:
+        connection.close()
+
+
+def _ask_over_socket(path: Path, request: dict[str, Any], *, as_uid: int | None) -> bytes:
+    """Send one control request on the socket ``path`` and return the answer line; with ``as_uid`` from a
+    forked child that drops to that UID first (root only)."""
+    def ask() -> bytes:
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        client.settimeout(10)
+        try:
+            client.connect(str(path))
+            try:
+                client.sendall(json.dumps(request).encode() + b"\n")
+            except BrokenPipeError:  # refused already: the refusal is still there to read
+                pass
+            answer = b""
+            while not answer.endswith(b"\n"):
+                received = client.recv(4096)
+                if not received:
+                    break
+                answer += received
+            return answer or b"<closed>"
+        finally:
+            client.close()
+
+    if as_uid is None:
+        return ask()
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child: drop to as_uid, ask, report through the pipe
+        try:
+            os.close(reader)
+            os.setgroups([])
+            os.setgid(as_uid)
+            os.setuid(as_uid)
+            os.write(writer, ask())
+        except BaseException as error:  # noqa: BLE001 - reported to the parent
+            os.write(writer, f"<child failed: {error!r}>".encode())
+        finally:
+            os._exit(0)
+    os.close(writer)
+    chunks = []
+    while chunk := os.read(reader, 65536):
+        chunks.append(chunk)
+    os.close(reader)
+    os.waitpid(child, 0)
+    return b"".join(chunks)
+
+
+def _listeners(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket listening in process ``pid`` and its children."""
+    import psutil
+
+    process = psutil.Process(pid)
+    found = []
+    for member in [process, *process.children(recursive=True)]:
+        for connection in member.net_connections(kind="inet"):
+            if connection.status == psutil.CONN_LISTEN:
+                found.append((connection.laddr.ip, connection.laddr.port))
+    return found
+
+
+def _check_uid(daemon: DaemonProcess, socket_path: Path, root: Path) -> list[inv.Check]:
+    """L4: a client of a UID the allow-list lacks is refused before its message is read."""
+    report = {"op": "report", "root": str(root.resolve()), "step": 7, "save_stall_s": 0.123, "step_s": 4.5}
+    uid = OTHER_UID if os.geteuid() == 0 else os.geteuid()
+    how = "forked child as UID 65534" if os.geteuid() == 0 else f"this process (UID {uid}), not in the allow-list"
+    answer = _ask_over_socket(socket_path, report, as_uid=OTHER_UID if os.geteuid() == 0 else None)
+    try:
+        refusal = json.loads(answer)
+    except ValueError:
+        refusal = {}
+    refused = refusal.get("ok") is False and f"UID {uid}" in str(refusal.get("error"))
+    landed = daemon.get_json("/status")["roots"]["run1"].get("trainer_report")
+    return [inv.Check("L4", refused, f"{how}: answered {answer[:200]!r}"),
+            inv.Check("L4", f"refused a control connection from UID {uid}" in daemon.log(), "refusal not logged"),
+            inv.Check("L4", landed is None, f"the refused client's report was processed: {landed}")]
+
+
+def _check_peer_api(address: str, root: Path, secret: Path) -> list[inv.Check]:
+    """L4: 401 without the right token; 4xx and none of the bytes for paths outside the root or in an
+    uncommitted step; the right token gets the committed file (the endpoint works at all)."""
+    committed = f"/v1/peer/roots/run1/{step_dir(1)}/rank-00000.index.json"
+    expected = (root / step_dir(1) / "rank-00000.index.json").read_bytes()
+    checks = []
+    status, body = _request(address, "GET", committed, TOKEN)
+    checks.append(inv.Check("L4", (status, body) == (200, expected), f"the right token got {status}"))
+    for token in (None, "", "wrong-token", TOKEN[:-1], TOKEN.upper()):
+        for method, path in (("GET", committed), ("HEAD", committed), ("GET", "/v1/peer/roots/run1/steps")):
+            status, body = _request(address, method, path, token)
+            checks.append(inv.Check("L4", status == 401 and expected not in body,
+                                    f"{method} {path} with token {token!r}: {status}"))
+    private = [secret.read_bytes(), (root / step_dir(UNCOMMITTED) / "rank-00000.data").read_bytes()]
+    for path in _escapes(secret.name):
+        for method in ("GET", "HEAD"):
+            status, body = _request(address, method, path, TOKEN)
+            leaked = [piece[:16] for piece in private if piece in body]
+            checks.append(inv.Check("L4", 400 <= status < 500 and not leaked,
+                                    f"{method} {path}: {status}, leaked {leaked}"))
+    return checks
+
+
+@row(38, "hostile client of the daemon API", short_runs=1, long_runs=100)
+def hostile_daemon_client(ctx: RunContext) -> Outcome:
+    root = _committed_root(ctx)
+    uncommitted = root / step_dir(UNCOMMITTED)
+    uncommitted.mkdir()
+    (uncommitted / "rank-00000.data").write_bytes(b"UNCOMMITTED-BYTES-" + ctx.rng.randbytes(16).hex().encode())
+    outside = ctx.path("outside")
+    secret = outside / f"secret-{ctx.rng.randrange(10**6)}.txt"
+    secret.write_bytes(b"SECRET-BYTES-" + ctx.rng.randbytes(16).hex().encode())
+    canary = inv.plant_canary(outside)
+    untouched = inv.snapshot_tree(outside)
+    socket_dir = Path(tempfile.mkdtemp(prefix="ckptd-m38-"))  # short, and enterable by every UID
+    socket_dir.chmod(0o755)
+    # not root: no second UID to connect as, so the allow-list leaves this process's own UID out
+    allowed = {} if os.geteuid() == 0 else {"control_allowed_uids": [os.geteuid() + 1]}
+    try:
+        config, state = _config(ctx, root, None, socket=str(socket_dir / "d.sock"), peer_token=TOKEN, **allowed)
+        with DaemonProcess(config, state) as daemon:
+            address = daemon.wait_ready()["http"]
+            checks = _check_uid(daemon, socket_dir / "d.sock", root)
+            checks += _check_peer_api(address, root, secret)
+            listening = _listeners(daemon.process.pid)
+            wildcard = [entry for entry in listening if entry[0] not in _LOOPBACK]
+            checks.append(inv.Check("L4", bool(listening) and not wildcard,
+                                    f"TCP listeners of the daemon: {listening} (non-loopback: {wildcard})"))
+            code = daemon.terminate()
+    finally:
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    checks.append(inv.Check("L4", code == 0, f"the daemon exited with {code}"))
+    checks += [inv.check_untouched(untouched), inv.check_canary(canary)]
+    mode = "UID check as UID 65534 (root)" if os.geteuid() == 0 else "UID check by allow-list (not root)"
+    return inv.outcome(checks, detail=f"{mode}; {len(listening)} listener(s): {listening}")
