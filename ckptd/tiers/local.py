@@ -1,7 +1,8 @@
 """The local tier: a directory on node-local disk (a path or a ``file://`` URL).
 
 Files are committed the file-system way: write to a temporary name in the same directory, fsync the
-file, rename it over the final name, fsync the directory. A crash at any moment leaves either the old
+file, rename it over the final name, fsync the directory (and, after creating a step directory, the
+directory holding it: see :func:`make_directory`). A crash at any moment leaves either the old
 state or the new one plus a temporary file, which :meth:`LocalTier.remove_temporaries` deletes on the
 next start. A per-rank lock file (``flock``) keeps two writers of the same rank out of one directory; forked
 children (DataLoader workers) close their copies, so the lock ends with the process that took it.
@@ -76,6 +77,27 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_directory(directory: Path) -> None:
+    """Create ``directory`` and its missing parents durably: after each ``mkdir`` the directory holding the
+    new one is fsynced, since fsyncing files inside a new directory, or the directory itself, does not
+    make its own name durable (a power loss could take a committed step's whole directory away). A
+    directory another process created first is left to that process, which fsyncs its parent before it
+    writes into it (and so before any step in it can be committed)."""
+    missing = []
+    current = directory
+    while not current.is_dir():
+        missing.append(current)
+        current = current.parent
+    for path in reversed(missing):
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            if not path.is_dir():
+                raise
+            continue
+        fsync_directory(path.parent)
 
 
 class AtomicFile:
@@ -312,7 +334,7 @@ class LocalTier(StorageTier):
         where possible when ``direct``; see :class:`AtomicFile`)."""
         target = self._path(path)
         try:
-            target.parent.mkdir(parents=True, exist_ok=True)
+            make_directory(target.parent)
         except OSError as exc:
             raise _storage_error(exc, target.parent, "creating a step directory") from exc
         return AtomicFile(target, direct=direct)

@@ -1,0 +1,334 @@
+"""Crash consistency by replay: record a real save, materialise the states a power loss could leave,
+and check that a fresh start recovers from each (matrix row 4).
+
+:func:`record_save` runs a real save of a :class:`SaveShape` (``CheckpointManager`` on a local directory,
+one or several ranks as threads sharing an in-process c10d ``HashStore``) with the file-system recorder
+installed (:mod:`ckptd.testing.fs_recorder`), and checks that replaying the whole trace rebuilds the
+directory the save left, byte for byte. :mod:`ckptd.testing.crash_states` turns the trace into crash
+states; :func:`check_state` writes one into a scratch directory and opens it the way a restarted job
+would: a fresh ``CheckpointManager`` per rank (whose start removes temporaries), a restore, and a
+listing with every committed step verified. A state holds when
+
+- L1: the restore loads the newest committed step, bit-exact against the state that was saved;
+- L2: every step whose commit was acknowledged before the crash point is present (a step the
+  retention policy may delete once a newer one is acknowledged excepted);
+- L3: every step listed as committed verifies chunk by chunk, nothing listed is a step that was never
+  committed, and no temporary file is left after the start.
+
+A commit counts as acknowledged at the fsync of the step directory that follows the manifest's link
+into place: that is when ckptd reports the step committed (:class:`~ckptd.tiers.atomicity.DirectoryCommit`).
+:func:`replay` checks every distinct state (all of them per crash point up to a cap, then samples).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ckptd.config import override
+from ckptd.format.layout import MANIFEST_NAME, TEMP_MARKER, step_dir
+from ckptd.manager.manager import CheckpointManager
+from ckptd.policy import Policy
+from ckptd.testing.compare import state_differences
+from ckptd.testing.crash_states import CrashModel, CrashState, replay_everything, tree_differences, tree_of
+from ckptd.testing.fs_recorder import Trace, record
+from ckptd.tiers.local import LocalTier
+
+
+@dataclass(frozen=True)
+class SaveShape:
+    """One kind of save to replay: ranks sharing the directory, steps saved before the recorded one,
+    retention, settings (``ckptd.config.override`` values) and the state's tensors (name -> element
+    count of float32; the values depend on step and rank)."""
+
+    name: str
+    step: int = 1
+    previous_steps: tuple[int, ...] = ()
+    world_size: int = 1
+    keep_local: int = 2
+    tensors: tuple[tuple[str, int], ...] = (("weight", 3000), ("bias", 40), ("moment", 1500))
+    settings: tuple[tuple[str, Any], ...] = ()
+
+    def state(self, step: int, rank: int) -> dict[str, Any]:
+        """The state rank ``rank`` saves at ``step`` (every tensor distinct from step to step)."""
+        generator = torch.Generator().manual_seed(step * 1009 + rank * 31 + 7)
+        tensors = {name: torch.randn(count, generator=generator) for name, count in self.tensors}
+        return {"model": tensors, "meta": {"step": step, "rank": rank}}
+
+    def template(self) -> dict[str, Any]:
+        """A live state of the same structure, zeroed, to restore into."""
+        return {"model": {name: torch.zeros(count) for name, count in self.tensors}, "meta": None}
+
+
+FIRST_STEP = SaveShape("first_step")
+LATER_STEP_RETENTION = SaveShape("later_step_retention", step=2, previous_steps=(1,), keep_local=1)
+PACKED_AND_DIRECT = SaveShape(
+    "packed_and_direct", step=3, previous_steps=(2,),
+    tensors=(("embedding", 40960), ("bias", 300), ("norm", 700), ("scale", 9)),
+    settings=(("pack_below_bytes", 16384), ("direct_io", True), ("direct_io_min_bytes", 16384),
+              ("chunk_bytes", 65536), ("io_threads", 2)))
+TWO_RANKS = SaveShape("two_ranks", step=2, previous_steps=(1,), world_size=2, keep_local=1)
+SHAPES = {shape.name: shape for shape in (FIRST_STEP, LATER_STEP_RETENTION, PACKED_AND_DIRECT, TWO_RANKS)}
+
+
+def in_ranks(world_size: int, work: Callable[[int, Any], Any]) -> list[Any]:
+    """Run ``work(rank, store)`` for every rank, each on its own thread with one shared ``HashStore``
+    (``store`` is None for one rank, run on the calling thread); re-raises the first rank's error."""
+    if world_size == 1:
+        return [work(0, None)]
+    store = torch.distributed.HashStore()
+    results: list[Any] = [None] * world_size
+    errors: list[BaseException | None] = [None] * world_size
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = work(rank, store)
+        except BaseException as error:  # noqa: BLE001 - re-raised on the caller's thread
+            errors[rank] = error
+
+    threads = [threading.Thread(target=run, args=(rank,), name=f"crash-replay-rank{rank}")
+               for rank in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for error in errors:
+        if error is not None:
+            raise error
+    return results
+
+
+def _manager(shape: SaveShape, root: Path, rank: int, store: Any) -> CheckpointManager:
+    ranks: dict[str, Any] = {} if shape.world_size == 1 else {"rank": rank, "world_size": shape.world_size,
+                                                              "store": store}
+    return CheckpointManager(root, policy=Policy(keep_local=shape.keep_local), capture_rng=False, daemon="off",
+                             **ranks)
+
+
+@dataclass
+class Recording:
+    """A recorded save: its shape, directory, trace and the op index of its acknowledged commit."""
+
+    shape: SaveShape
+    root: Path
+    trace: Trace
+    acknowledged_at: int | None
+
+    @property
+    def model(self) -> CrashModel:
+        return CrashModel(self.trace)
+
+    def committed_before(self) -> list[int]:
+        """The steps committed when the recorded save began (after retention)."""
+        return list(self.shape.previous_steps[-self.shape.keep_local:])
+
+    def required(self, crash_point: int) -> set[int]:
+        """Steps that must survive a crash at ``crash_point`` (L2)."""
+        before = self.committed_before()
+        if self.acknowledged_at is not None and self.acknowledged_at < crash_point:
+            return set(sorted(before + [self.shape.step])[-self.shape.keep_local:])
+        return set(before)
+
+
+def acknowledged_commit(trace: Trace, step: int) -> int | None:
+    """The index of the op at which ckptd considers ``step`` committed: the first fsync of its directory
+    after its manifest was linked (or renamed) into place."""
+    directory = step_dir(step)
+    manifest = f"{directory}/{MANIFEST_NAME}"
+    placed = None
+    for op in trace.ops:
+        if placed is None and op.kind in ("link", "rename") and op.target == manifest:
+            placed = op.index
+        elif placed is not None and op.kind == "dirsync" and op.path == directory:
+            return op.index
+    return None
+
+
+def record_save(shape: SaveShape, root: Path) -> Recording:
+    """Save ``shape.previous_steps`` unrecorded, then record the save of ``shape.step``; raises
+    AssertionError when the trace does not replay to the directory the save left."""
+    root.mkdir(parents=True, exist_ok=True)
+    with override(**dict(shape.settings)):
+        def work(rank: int, store: Any) -> None:
+            manager = _manager(shape, root, rank, store)
+            try:
+                for step in shape.previous_steps:
+                    manager.save(step, shape.state(step, rank), force=True)
+                    manager.wait()
+                barrier(rank)
+                manager.save(shape.step, shape.state(shape.step, rank), force=True)
+                manager.wait()
+                barrier(rank)
+            finally:
+                manager.close()
+
+        recording: dict[str, Any] = {}
+        barrier = _RecordingBarrier(shape.world_size, root, recording)
+        in_ranks(shape.world_size, work)
+    trace = recording["trace"]
+    differences = tree_differences(replay_everything(trace), recording["tree"])
+    if differences:
+        raise AssertionError("the recorded trace does not replay to the directory the save left: "
+                             + "; ".join(differences[:5]))
+    return Recording(shape, root, trace, acknowledged_commit(trace, shape.step))
+
+
+class _RecordingBarrier:
+    """Starts the recording when every rank has saved its previous steps, and stops it (keeping the
+    tree the save left) when every rank's recorded save is done."""
+
+    def __init__(self, parties: int, root: Path, out: dict[str, Any]) -> None:
+        self._barrier = threading.Barrier(parties, action=self._toggle)
+        self._root, self._out = root, out
+        self._context: Any = None
+
+    def _toggle(self) -> None:
+        if self._context is None:
+            self._context = record(self._root)
+            self._out["trace"] = self._context.__enter__()
+        else:
+            self._out["tree"] = tree_of(self._root)
+            self._context.__exit__(None, None, None)
+
+    def __call__(self, rank: int) -> None:
+        self._barrier.wait(timeout=60)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a fresh start made of one crash state."""
+
+    held: bool
+    problems: tuple[str, ...]
+    committed: tuple[int, ...]
+    restored: int | None
+    recovery_s: float
+    bytes_lost: int
+
+
+def _step_bytes(shape: SaveShape, step: int) -> int:
+    return sum(count * 4 for _, count in shape.tensors) * shape.world_size
+
+
+def check_state(recording: Recording, state: CrashState, directory: Path, *,
+                on_written: Callable[[], None] | None = None) -> Verdict:
+    """Write ``state`` into ``directory`` (absent or empty) and check L1-L3 on it (see the module
+    docstring). ``on_written`` is called once the state is on disk (the moment of the power loss)."""
+    shape = recording.shape
+    recording.model.materialise(state).write_to(directory)
+    if on_written is not None:
+        on_written()
+    started = time.monotonic()
+    problems: list[str] = []
+    with override(**dict(shape.settings)):
+        def work(rank: int, store: Any) -> tuple[int | None, dict[str, Any]]:
+            manager = _manager(shape, directory, rank, store)
+            try:
+                template = shape.template()
+                return manager.restore(template), template
+            finally:
+                manager.close()
+
+        try:
+            restored = in_ranks(shape.world_size, work)
+        except Exception as error:  # noqa: BLE001 - a failed recovery is the finding, reported with its state
+            restored = []
+            problems.append(f"recovery raised {type(error).__name__}: {error}")
+    recovery_s = time.monotonic() - started
+    tier = LocalTier(directory, create=False)
+    committed = tuple(tier.committed_steps())
+    known = set(shape.previous_steps) | {shape.step}
+    problems += [f"L3: step {step} is listed as committed but was never committed" for step in committed
+                 if step not in known]
+    from ckptd.cli.ls_cmd import describe_step
+
+    for step in committed:
+        copy = describe_step(tier, step, verify=True)
+        if copy.state != "verified":
+            problems.append(f"L3: step {step} is listed as committed but is {copy.state}: {copy.detail}")
+    leftovers = [f"{step_dir(s)}/{name}" for s in tier.list_step_numbers()
+                 for name in os.listdir(directory / step_dir(s)) if TEMP_MARKER in name]
+    if leftovers:
+        problems.append(f"L3: temporaries left after a fresh start: {leftovers}")
+    required = recording.required(state.crash_point)
+    missing = sorted(required - set(committed))
+    lost = sum(_step_bytes(shape, step) for step in missing)
+    if missing:
+        problems.append(f"L2: acknowledged step(s) {missing} lost (committed now: {list(committed)})")
+    newest = max(committed) if committed else None
+    for rank, outcome in enumerate(restored):
+        step, live = outcome
+        if step != newest:
+            problems.append(f"L1: rank {rank} restored step {step}, the newest committed is {newest}")
+        elif step is not None:
+            differences = state_differences(live, shape.state(step, rank))
+            if differences:
+                problems.append(f"L1: rank {rank}'s restore of step {step} differs: {differences[:3]}")
+    tier.close()
+    return Verdict(not problems, tuple(problems), committed, newest, recovery_s, lost)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A crash state recovery failed on: the state, its description (ops kept and dropped) and why."""
+
+    state: CrashState
+    description: str
+    problems: tuple[str, ...]
+
+
+@dataclass
+class ReplayReport:
+    """What :func:`replay` did: operations in the trace, crash points, states the model counts, states
+    drawn (enumerated in full where a crash point has at most ``cap`` of them, else sampled), distinct
+    trees checked, and the failures."""
+
+    shape: str
+    ops: int
+    crash_points: int
+    states_in_model: int
+    enumerated: int = 0
+    sampled: int = 0
+    checked: int = 0
+    failures: list[Failure] = field(default_factory=list)
+    worst_recovery_s: float = 0.0
+
+
+def replay(recording: Recording, scratch: Path, rng: random.Random, *, cap: int = 16,
+           stop_after_failures: int = 5) -> ReplayReport:
+    """Check every distinct crash state of the recording: per crash point all states when there are at
+    most ``cap``, else ``cap`` of them (see :meth:`CrashModel.states`); stops after
+    ``stop_after_failures`` failures."""
+    model = recording.model
+    report = ReplayReport(recording.shape.name, len(recording.trace.ops), len(model.crash_points), model.total())
+    seen: set[tuple[str, frozenset[int]]] = set()
+    for point in model.crash_points:
+        exhaustive = model.count(point) <= cap
+        for state in model.states(point, rng, cap):
+            if exhaustive:
+                report.enumerated += 1
+            else:
+                report.sampled += 1
+            key = (model.materialise(state).digest(), frozenset(recording.required(point)))
+            if key in seen:
+                continue
+            seen.add(key)
+            directory = scratch / f"state-{report.checked}"
+            verdict = check_state(recording, state, directory)
+            shutil.rmtree(directory, ignore_errors=True)
+            report.checked += 1
+            report.worst_recovery_s = max(report.worst_recovery_s, verdict.recovery_s)
+            if not verdict.held:
+                report.failures.append(Failure(state, state.describe(recording.trace), verdict.problems))
+                if len(report.failures) >= stop_after_failures:
+                    return report
+    return report
