@@ -204,6 +204,20 @@ def _restore_read_only(location: Location, storage_options: dict[str, Any] | Non
     return RestoreFinding(step, tier.label, tuple(state_differences(state, workload.state(step, rank))))
 
 
+def check_step_restores(workload: Workload, location: Location, step: int, *, rank: int = 0,
+                        storage_options: dict[str, Any] | None = None) -> Check:
+    """L1 for one given step, read-only (no manager, no lock; every chunk verified as it is read): what
+    ``ckptd restore --step`` does, usable on a root a live writer holds."""
+    try:
+        finding = _restore_read_only(location, storage_options, workload, step, rank)
+    except Exception as error:  # noqa: BLE001 - a failed read is a finding
+        return _failure("L1", error, f"reading step {step} rank {rank}")
+    if finding.differences:
+        return Check("L1", False, f"step {step} rank {rank} from {finding.tier} is not bit-exact: "
+                                  f"{'; '.join(finding.differences[:5])}")
+    return Check("L1", True, f"step {step} rank {rank} read bit-exact from {finding.tier}")
+
+
 def restore_in_child(channel: Any, local: str, remote: str | None, storage_options: dict[str, Any] | None,
                      workload: Workload, step: int | None) -> RestoreFinding:
     """Crash-injector target: :func:`_restore_with_manager` in a fresh process (forked from the forkserver,

@@ -141,3 +141,250 @@ def local_tier_wiped(ctx: RunContext) -> Outcome:
                                  f"restored from the wrong tier: {restored.detail}")
     return inv.outcome([restored, came_from_object, inv.check_nothing_partial(remote),
                         inv.check_nothing_lost(before, remote)], recovery_s=recovery)
+
+
+@row(16, "resume polled while a save is in flight")
+def restore_polled_during_saves(ctx: RunContext) -> Outcome:
+    """A child saves steps back to back while this process lists the root and reads every newly listed
+    step (read-only, as ``ckptd restore --step`` does: the writer holds the root's lock): a listed step is
+    always whole and bit-exact, the listing never goes backwards, and every step seen stays committed."""
+    import threading
+    import time
+
+    root = ctx.path("local")
+    count = ctx.rng.randint(4, 8)
+    finished = threading.Event()
+    children: list[ChildResult] = []
+
+    def write() -> None:
+        try:
+            children.append(crash_injector().run(save_steps, str(root), 1, count, SMALL.nbytes, keep_local=None,
+                                                 settings=SMALL_CHUNKS))
+        finally:
+            finished.set()
+
+    writer = threading.Thread(target=write, name="row16-writer", daemon=True)
+    writer.start()
+    checks: list[inv.Check] = []
+    seen: list[int] = []
+    polls = in_flight_polls = 0
+    while not finished.is_set():
+        polls += 1
+        steps = inv.advertised_steps(root) if root.is_dir() else []
+        if steps and seen and steps[-1] < seen[-1]:
+            checks.append(inv.Check("L3", False, f"the newest listed step went back from {seen[-1]} to {steps[-1]}"))
+        in_flight_polls += any(step not in steps for step in _step_dirs(root))
+        for step in steps:
+            if step not in seen:
+                seen.append(step)
+                checks.append(inv.check_step_restores(SMALL, root, step))
+        time.sleep(0.002)
+    writer.join()
+    child = children[0] if children else None
+    if child is None or child.error is not None or child.exitcode != 0:
+        return inv.outcome([inv.Check("L3", False, f"the writer failed: {child.error if child else 'no result'}")])
+    checks += [inv.check_nothing_partial(root, allowed=range(1, count + 1)),
+               inv.Check("L2", set(seen) <= set(inv.advertised_steps(root)),
+                         f"steps seen {seen} are not all committed at the end: {inv.advertised_steps(root)}")]
+    if not seen:
+        checks.append(inv.Check("L3", False, f"{polls} polls saw no committed step while the writer ran"))
+    failed = [c for c in checks if not c.ok]
+    return inv.outcome(failed or checks[-3:],
+                       detail=f"{polls} polls while {count} saves ran, {len(seen)} steps read as they appeared, "
+                              f"{in_flight_polls} polls met a step being written")
+
+
+def _step_dirs(root: Path) -> list[int]:
+    from ckptd.format.layout import parse_step_dir
+
+    try:
+        return sorted(step for step in (parse_step_dir(p.name) for p in root.iterdir()) if step is not None)
+    except OSError:
+        return []
+
+
+# --- row 22: two "nodes" (gloo ranks), each with its own local root, and one object tier ----------------
+
+NODE_STATE = inv.SyntheticWorkload(256 * 1024, rank_stride=10)
+
+
+def _save_on_node(rank: int, world_size: int, roots: list[str], remote: str, options: dict, steps: list[int]) -> list[int]:
+    with CheckpointManager(roots[rank], remote=remote, storage_options=options, capture_rng=False, daemon="off",
+                           policy=Policy(keep_local=None, keep_remote=None)) as manager:
+        for step in steps:
+            manager.save(step, NODE_STATE.state(step, rank), force=True)
+            manager.wait()
+        manager.wait_uploads()
+        return manager.committed_steps()
+
+
+def _restore_on_node(rank: int, world_size: int, roots: list[str], remote: str, options: dict) -> dict:
+    from ckptd.testing.compare import state_differences
+
+    live = NODE_STATE.template(rank)
+    with CheckpointManager(roots[rank], remote=remote, storage_options=options, capture_rng=False, daemon="off",
+                           policy=Policy(keep_local=None, keep_remote=None)) as manager:
+        step = manager.restore(live)
+        result = manager.last_restore
+    return {"step": step, "tiers": list(result.tiers) if result else [],
+            "differences": state_differences(live, NODE_STATE.state(step, rank)) if step is not None else ["none"]}
+
+
+@row(22, "tiers disagree on which checkpoint is latest (stale local copy, newer S3 copy)", long_runs=30)
+def stale_node_and_newer_object_tier(ctx: RunContext) -> Outcome:
+    """Two ranks, one local root each, save steps 1-3 and promote them all. Then the local copy of one or
+    both nodes goes stale (its newest steps removed, as a node restored from an older disk image): the
+    ranks restore in fresh processes, agree on step 3 (verified on the object tier for every rank), and
+    each gets its own rank's bytes of step 3: no rank on an older step, no mixed steps."""
+    import shutil
+
+    from ckptd.format.layout import step_dir
+    from ckptd.testing.multirank import run_multirank
+
+    roots = [str(ctx.path(f"node{rank}")) for rank in range(2)]
+    remote = ctx.s3("nodes")
+    committed = run_multirank(_save_on_node, 2, roots, remote.url, remote.storage_options, [1, 2, 3], timeout_s=120)
+    if committed != [[1, 2, 3], [1, 2, 3]]:
+        return inv.outcome([inv.Check("L2", False, f"the ranks committed {committed}, expected steps 1-3 on both")])
+    before = inv.record_committed(remote)
+    stale = ctx.rng.choice([[0], [1], [0, 1]])
+    dropped = {rank: ctx.rng.choice([[3], [2, 3]]) for rank in stale}
+    for rank, steps in dropped.items():
+        for step in steps:
+            shutil.rmtree(Path(roots[rank]) / step_dir(step))
+    ctx.stopwatch.fault()
+    results = run_multirank(_restore_on_node, 2, roots, remote.url, remote.storage_options, timeout_s=120)
+    recovery = ctx.stopwatch.since_fault()
+    steps = [result["step"] for result in results]
+    checks = [inv.Check("L1", steps == [3, 3], f"the ranks restored steps {steps}, expected [3, 3]")]
+    for rank, result in enumerate(results):
+        checks.append(inv.Check("L1", not result["differences"],
+                                f"rank {rank} restored step {result['step']} not bit-exact: {result['differences'][:3]}"))
+        if rank in dropped:
+            checks.append(inv.Check("L1", any(t.startswith("object") for t in result["tiers"]),
+                                    f"stale rank {rank} read from {result['tiers']}, not from the object tier"))
+    checks += [inv.check_nothing_partial(remote), inv.check_nothing_lost(before, remote)]
+    return inv.outcome(checks, recovery_s=recovery,
+                       detail=f"stale nodes {sorted(dropped)} lost local steps {dropped}" if all(c.ok for c in checks) else "")
+
+
+# --- row 13: what a dead writer leaves: stale temporaries, abandoned step directories, orphan uploads ---------
+
+@row(13, "stale temporaries and orphan multipart uploads from a dead writer")
+def gc_after_a_dead_writer(ctx: RunContext) -> Outcome:
+    """Local tier: a writer killed while retention deleted step 1 (after committing step 2) left step 1
+    half-deleted (no manifest, data files); the next writer, killed mid-save of step 3, left step 3's
+    temporaries (newer than every commit: a save in progress, for all GC knows). Step 1's directory is
+    aged past ``gc_abandoned_s`` or not (drawn from the seed). A collector that runs before any restart
+    removes step 1 only when expired, never step 3, never committed step 2, which restores bit-exact;
+    the next start then removes step 3's temporaries. Object tier: orphan multipart uploads of a dead
+    writer on this host, of a host whose owner record expired, of a live host with a fresh record, and
+    one with no record (old or new by the seed): GC aborts exactly the abandoned ones and deletes no
+    committed object."""
+    import os
+    import time
+
+    from ckptd.format.layout import step_dir
+    from ckptd.promotion.gc import collect_garbage
+    from ckptd.tiers.local import LocalTier
+
+    root = ctx.path("local")
+    _commit_first_step(root, SMALL)
+    first = crash_injector().run(save_steps, str(root), 2, 1, SMALL.nbytes, settings=SMALL_CHUNKS, keep_local=1,
+                                 kill_at=KillAt("retention"))
+    second = crash_injector().run(save_steps, str(root), 3, 1, SMALL.nbytes, settings=SMALL_CHUNKS, keep_local=1,
+                                  kill_at=KillAt("data-write", ctx.rng.randint(1, DATA_WRITES)))
+    for child in (first, second):
+        not_killed = _killed(child)
+        if not_killed is not None:
+            return inv.outcome([not_killed])
+    if _step_dirs(root) != [1, 2, 3] or inv.advertised_steps(root) != [2] or not inv.leftover_temporaries(root):
+        return inv.outcome([inv.Check("L3", False, f"the dead writers left steps {_step_dirs(root)}, committed "
+                                                   f"{inv.advertised_steps(root)}: not the state this row sets up")])
+    threshold = 3600.0
+    expired = ctx.rng.random() < 0.5
+    age = threshold * (2.0 if expired else 0.5)
+    old = time.time() - age
+    for path in [*(root / step_dir(1)).iterdir(), root / step_dir(1)]:
+        os.utime(path, (old, old))
+    before = inv.record_committed(root)
+    ctx.stopwatch.fault()
+    local = LocalTier(root)
+    try:
+        report = collect_garbage(local, retention=None, abandoned_after_s=threshold)
+    finally:
+        local.close()
+    listed = _step_dirs(root)
+    checks = [
+        inv.Check("L2", (1 not in listed) == expired,
+                  f"half-deleted step 1 ({age:.0f} s old, threshold {threshold:.0f} s) "
+                  f"{'kept' if 1 in listed else 'removed'}; GC report {report}"),
+        inv.Check("L2", 3 in listed, f"GC removed step 3, the newest save (in progress as far as GC knows): {report}"),
+        inv.check_nothing_lost(before, root), inv.check_nothing_partial(root, allowed={2}),
+        inv.check_newest_restores(SMALL, root, expected_step=2, fresh_process=True), inv.check_no_temporaries(root),
+    ]
+    recovery = ctx.stopwatch.since_fault()
+    checks += _orphan_uploads(ctx)
+    return inv.outcome(checks, recovery_s=recovery)
+
+
+def _orphan_uploads(ctx: RunContext) -> list[inv.Check]:
+    import dataclasses
+    import time
+
+    import boto3
+
+    from ckptd.promotion.gc import collect_garbage
+    from ckptd.tiers.object import ObjectTier
+    from ckptd.tiers.upload_owners import UploadOwner, key_directory
+
+    remote = ctx.s3("orphans")
+    with CheckpointManager(ctx.path("promoter"), remote=remote.url, storage_options=remote.storage_options,
+                           capture_rng=False, daemon="off", policy=Policy(keep_local=None, keep_remote=None)) as manager:
+        for step in (1, 2):
+            manager.save(step, SMALL.state(step), force=True)
+            manager.wait()
+        manager.wait_uploads()
+    before = inv.record_committed(remote)
+    boto = boto3.client("s3", endpoint_url=remote.endpoint_url, aws_access_key_id="testing",
+                        aws_secret_access_key="testing", region_name="us-east-1")
+    prefix = remote.url.split("/", 3)[3]
+    dead = _dead_pid()
+    no_record_old = ctx.rng.random() < 0.5
+    uploads = {  # relative key -> (owner record or None, whether GC must abort it)
+        "chunks/aa/dead-writer-here.raw": (None, "dead", True),
+        "chunks/bb/expired-other-host.raw": (None, "expired", True),
+        "chunks/cc/live-other-host.raw": (None, "live", False),
+        "chunks/dd/no-record.raw": (None, "none", no_record_old),
+    }
+    tier = ObjectTier(remote.url, storage_options=remote.storage_options)
+    try:
+        for key, (_, kind, _) in uploads.items():
+            if kind != "none":
+                mine = UploadOwner.mine(key)
+                owner = {"dead": dataclasses.replace(mine, pid=dead),
+                         "expired": dataclasses.replace(mine, host="another-host", refreshed=time.time() - 3 * mine.lease_s),
+                         "live": dataclasses.replace(mine, host="another-host", pid=dead)}[kind]
+                tier.write_bytes(f"{key_directory(key)}/{kind}-{dead}.json", owner.to_json_bytes())
+            boto.create_multipart_upload(Bucket=remote.bucket, Key=f"{prefix}/{key}")
+        started = min(u["Initiated"].timestamp() for u in boto.list_multipart_uploads(Bucket=remote.bucket)["Uploads"])
+        age = max(0.0, time.time() - started)
+        threshold = max(0.0, age - 1.0) if no_record_old else age + 3600.0
+        report = collect_garbage(tier, abandoned_after_s=threshold)
+    finally:
+        tier.close()
+    left = {u["Key"][len(prefix) + 1:] for u in boto.list_multipart_uploads(Bucket=remote.bucket).get("Uploads", [])}
+    expected_left = {key for key, (_, _, aborted) in uploads.items() if not aborted}
+    return [inv.Check("L2", left == expected_left,
+                      f"uploads left after GC {sorted(left)}, expected {sorted(expected_left)} (report {report})"),
+            inv.check_nothing_lost(before, remote), inv.check_nothing_partial(remote)]
+
+
+def _dead_pid() -> int:
+    """The pid of a process of this host that has exited (a dead writer)."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
