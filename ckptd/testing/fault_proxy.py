@@ -10,7 +10,10 @@ Each request is forwarded unchanged to the upstream endpoint, except that a chos
 - ``"stall"``: nothing is answered for ``stall_s`` seconds (set it past the client's read timeout),
   then the connection is closed;
 - ``"truncate"``: the endpoint's response is sent with its full ``Content-Length`` but only half of
-  its body (an empty body is announced as one byte), then the connection is reset; on HEAD, a reset.
+  its body (an empty body is announced as one byte), then the connection is reset; on HEAD, a reset;
+- ``"cut"`` (only when asked for in ``kinds``): the connection is reset after ``cut_after_bytes`` bytes of
+  the request body were received, so an upload (a part) dies mid-body and never reaches the endpoint;
+  a request whose body is not longer than that is forwarded untouched.
 
 Usage::
 
@@ -35,6 +38,8 @@ from typing import Any
 
 #: Every fault kind the proxy can inject.
 FAULT_KINDS: tuple[str, ...] = ("500", "503", "reset", "stall", "truncate")
+#: Fault kinds injected only when ``kinds`` names them.
+EXTRA_KINDS: tuple[str, ...] = ("cut",)
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "proxy-connection", "proxy-authorization",
                "te", "trailer", "upgrade", "content-length"}
 _ERROR_BODIES = {
@@ -48,16 +53,18 @@ class FaultProxy:
     """A threaded HTTP proxy on 127.0.0.1 that injects faults into a fraction of the requests."""
 
     def __init__(self, upstream: str, *, fraction: float = 0.0, kinds: tuple[str, ...] = FAULT_KINDS,
-                 stall_s: float = 2.0, seed: int = 0, upstream_timeout_s: float = 120.0) -> None:
+                 stall_s: float = 2.0, seed: int = 0, upstream_timeout_s: float = 120.0,
+                 cut_after_bytes: int = 1024) -> None:
         parsed = urllib.parse.urlsplit(upstream)
         if parsed.scheme != "http" or parsed.hostname not in _LOOPBACK or parsed.port is None:
             raise ValueError(f"upstream must be http://127.0.0.1:PORT, got {upstream!r}")
-        unknown = set(kinds) - set(FAULT_KINDS)
+        unknown = set(kinds) - set(FAULT_KINDS) - set(EXTRA_KINDS)
         if unknown or not kinds:
-            raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {FAULT_KINDS}")
+            raise ValueError(f"unknown fault kinds {sorted(unknown)}; choose from {FAULT_KINDS + EXTRA_KINDS}")
         self.upstream_host, self.upstream_port = parsed.hostname, parsed.port
         self.kinds, self.stall_s, self.upstream_timeout_s = tuple(kinds), stall_s, upstream_timeout_s
         self.fraction = fraction
+        self.cut_after_bytes = cut_after_bytes
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         #: How many requests were seen, and how many got each fault.
@@ -99,13 +106,16 @@ class FaultProxy:
         return options
 
     # --- decisions --------------------------------------------------------------------------------
-    def choose_fault(self) -> str | None:
-        """The fault for the next request, or None to forward it untouched."""
+    def choose_fault(self, body_bytes: int = 0) -> str | None:
+        """The fault for the next request (whose body is ``body_bytes`` long), or None to forward it
+        untouched."""
         with self._lock:
             self.counts["requests"] += 1
             if self._random.random() >= self.fraction:
                 return None
             kind = self._random.choice(self.kinds)
+            if kind == "cut" and body_bytes <= self.cut_after_bytes:
+                return None
             self.counts[kind] += 1
             return kind
 
@@ -141,8 +151,12 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(length) if length else b""
 
     def _handle(self) -> None:
+        fault = self.proxy.choose_fault(int(self.headers.get("Content-Length") or 0))
+        if fault == "cut":
+            self.rfile.read(self.proxy.cut_after_bytes)
+            self._reset()
+            return
         body = self._read_body()
-        fault = self.proxy.choose_fault()
         if fault in _ERROR_BODIES:
             self._send_error(*_ERROR_BODIES[fault])
             return
