@@ -22,7 +22,6 @@ into place: that is when ckptd reports the step committed (:class:`~ckptd.tiers.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import threading
@@ -35,13 +34,13 @@ from typing import Any
 import torch
 
 from ckptd.config import override
-from ckptd.format.layout import MANIFEST_NAME, TEMP_MARKER, step_dir
+from ckptd.format.layout import MANIFEST_NAME, step_dir
 from ckptd.manager.manager import CheckpointManager
 from ckptd.policy import Policy
+from ckptd.testing import invariants
 from ckptd.testing.compare import state_differences
 from ckptd.testing.crash_states import CrashModel, CrashState, replay_everything, tree_differences, tree_of
 from ckptd.testing.fs_recorder import Trace, record
-from ckptd.tiers.local import LocalTier
 
 
 @dataclass(frozen=True)
@@ -244,21 +243,11 @@ def check_state(recording: Recording, state: CrashState, directory: Path, *,
             restored = []
             problems.append(f"recovery raised {type(error).__name__}: {error}")
     recovery_s = time.monotonic() - started
-    tier = LocalTier(directory, create=False)
-    committed = tuple(tier.committed_steps())
-    known = set(shape.previous_steps) | {shape.step}
-    problems += [f"L3: step {step} is listed as committed but was never committed" for step in committed
-                 if step not in known]
-    from ckptd.cli.ls_cmd import describe_step
-
-    for step in committed:
-        copy = describe_step(tier, step, verify=True)
-        if copy.state != "verified":
-            problems.append(f"L3: step {step} is listed as committed but is {copy.state}: {copy.detail}")
-    leftovers = [f"{step_dir(s)}/{name}" for s in tier.list_step_numbers()
-                 for name in os.listdir(directory / step_dir(s)) if TEMP_MARKER in name]
-    if leftovers:
-        problems.append(f"L3: temporaries left after a fresh start: {leftovers}")
+    committed = tuple(invariants.advertised_steps(str(directory)))
+    for check in (invariants.check_nothing_partial(str(directory), allowed=set(shape.previous_steps) | {shape.step}),
+                  invariants.check_no_temporaries(directory)):
+        if not check.ok:
+            problems.append(f"{check.invariant}: {check.detail}")
     required = recording.required(state.crash_point)
     missing = sorted(required - set(committed))
     lost = sum(_step_bytes(shape, step) for step in missing)
@@ -273,7 +262,6 @@ def check_state(recording: Recording, state: CrashState, directory: Path, *,
             differences = state_differences(live, shape.state(step, rank))
             if differences:
                 problems.append(f"L1: rank {rank}'s restore of step {step} differs: {differences[:3]}")
-    tier.close()
     return Verdict(not problems, tuple(problems), committed, newest, recovery_s, lost)
 
 
