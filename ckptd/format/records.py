@@ -330,7 +330,7 @@ class Manifest:
             problems.fail("'ranks' is not a list")
         entries = tuple(_parse_entry(item, problems, manifest_step, body["format_version"])
                         for item in entries_json)
-        if sorted(e.rank for e in entries) != list(range(world_size)) or world_size < 1:
+        if world_size < 1 or world_size != len(entries) or sorted(e.rank for e in entries) != list(range(world_size)):
             problems.fail(f"ranks listed do not match world size {world_size}")
         extra = body.get("extra", {})
         if not isinstance(extra, dict):
@@ -386,6 +386,9 @@ def _load_json(raw: bytes, *, path: str, step: int | None, tier: str | None, kin
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise FormatError(f"{kind} is not valid JSON ({exc})", path=path, step=step, tier=tier,
                           hint="the file is corrupt; use an older step or another tier") from exc
+    except RecursionError as exc:  # ckptd writes flat records: only a forged file nests this deep
+        raise FormatError(f"{kind} nests its values too deeply to be a ckptd {kind}", path=path, step=step,
+                          tier=tier, hint="the file is corrupt or forged; use an older step or another tier") from exc
     if not isinstance(body, dict) or body.get("format") != FORMAT_NAME or body.get("kind") != kind:
         raise FormatError(f"file is not a ckptd {kind}", path=path, step=step, tier=tier)
     version = body.get("format_version")
