@@ -328,6 +328,66 @@ def record_committed(location: Location, storage_options: dict[str, Any] | None 
     return CommittedRecord(url, entries)
 
 
+@dataclass
+class _TierView:
+    """One pass over a tier: the advertised steps, each one's manifest digest and verification problems
+    (computed once, whichever checks ask)."""
+
+    url: str
+    steps: list[int]
+    digests: dict[int, str]
+    problems: dict[int, list[str]]
+
+
+def _view(url: str, options: dict[str, Any] | None, only: Iterable[int] | None = None) -> _TierView:
+    steps = advertised_steps(url, options)
+    if not steps:
+        return _TierView(url, [], {}, {})
+    wanted = set(steps) if only is None else set(steps) & set(only)
+    tier = open_location(url, options)
+    try:
+        digests = {step: _manifest_digest(tier, step) for step in sorted(wanted)}
+        problems = {step: _problems(tier, step) for step in sorted(wanted)}
+    finally:
+        tier.close()
+    return _TierView(url, steps, digests, problems)
+
+
+def _lost(before: CommittedRecord, view: _TierView, keep_last: int | None) -> Check:
+    lost: list[str] = []
+    bytes_lost = 0
+    for entry in before.steps:
+        newer = sum(1 for step in view.steps if step > entry.step)
+        if entry.step not in view.steps:
+            if keep_last is not None and newer >= keep_last:
+                continue
+            why = f"step {entry.step} is gone ({newer} newer committed, keep_last={keep_last})"
+        elif view.digests[entry.step] != entry.manifest_digest:
+            why = f"step {entry.step}: its manifest was rewritten"
+        elif view.problems[entry.step]:
+            why = f"step {entry.step} no longer verifies: {view.problems[entry.step][0]}"
+        else:
+            continue
+        lost.append(why)
+        bytes_lost += entry.total_bytes
+    if lost:
+        return Check("L2", False, f"{view.url}: " + "; ".join(lost), bytes_lost)
+    return Check("L2", True, f"{len(before.steps)} recorded step(s) intact or retired by retention")
+
+
+def _partial(view: _TierView, allowed: Iterable[int] | None) -> Check:
+    if allowed is not None:
+        extra = sorted(set(view.steps) - set(allowed))
+        if extra:
+            return Check("L3", False, f"{view.url} advertises step(s) {extra}, which were never committed "
+                                      f"(allowed: {sorted(set(allowed))})")
+    problems = [problem for step in view.steps for problem in view.problems.get(step, [])]
+    if problems:
+        return Check("L3", False, f"{view.url}: advertised step(s) do not verify: " + "; ".join(problems[:5]))
+    return Check("L3", True, f"{view.url}: step(s) {view.steps} verify" if view.steps else
+                 f"{view.url} advertises no step")
+
+
 def check_nothing_lost(before: CommittedRecord, location: Location | None = None, *,
                        storage_options: dict[str, Any] | None = None, keep_last: int | None = None) -> Check:
     """L2: every step of ``before`` is still committed on the tier, with the same manifest bytes, and verifies.
@@ -339,35 +399,9 @@ def check_nothing_lost(before: CommittedRecord, location: Location | None = None
     """
     url, options = _url_and_options(location if location is not None else before.location, storage_options)
     try:
-        now = advertised_steps(url, options)
-        tier = None if _local_missing(url) else open_location(url, options)
-        lost: list[str] = []
-        bytes_lost = 0
-        try:
-            for entry in before.steps:
-                newer = sum(1 for step in now if step > entry.step)
-                if entry.step not in now:
-                    if keep_last is not None and newer >= keep_last:
-                        continue
-                    lost.append(f"step {entry.step} is gone ({newer} newer committed, keep_last={keep_last})")
-                    bytes_lost += entry.total_bytes
-                    continue
-                if _manifest_digest(tier, entry.step) != entry.manifest_digest:
-                    lost.append(f"step {entry.step}: its manifest was rewritten")
-                    bytes_lost += entry.total_bytes
-                    continue
-                problems = _problems(tier, entry.step)
-                if problems:
-                    lost.append(f"step {entry.step} no longer verifies: {problems[0]}")
-                    bytes_lost += entry.total_bytes
-        finally:
-            if tier is not None:
-                tier.close()
+        return _lost(before, _view(url, options, only=before.numbers), keep_last)
     except Exception as error:  # noqa: BLE001 - reported as a finding
         return _failure("L2", error, f"checking {url}")
-    if lost:
-        return Check("L2", False, f"{url}: " + "; ".join(lost), bytes_lost)
-    return Check("L2", True, f"{len(before.steps)} recorded step(s) intact or retired by retention")
 
 
 # --- L3 ------------------------------------------------------------------------------------------
@@ -379,24 +413,22 @@ def check_nothing_partial(location: Location, storage_options: dict[str, Any] | 
     (e.g. a step whose save was killed before its commit must not be)."""
     url, options = _url_and_options(location, storage_options)
     try:
-        steps = advertised_steps(url, options)
-        if allowed is not None:
-            extra = sorted(set(steps) - set(allowed))
-            if extra:
-                return Check("L3", False, f"{url} advertises step(s) {extra}, which were never committed "
-                                          f"(allowed: {sorted(set(allowed))})")
-        if not steps:
-            return Check("L3", True, f"{url} advertises no step")
-        tier = open_location(url, options)
-        try:
-            problems = [problem for step in steps for problem in _problems(tier, step)]
-        finally:
-            tier.close()
+        return _partial(_view(url, options), allowed)
     except Exception as error:  # noqa: BLE001 - reported as a finding
         return _failure("L3", error, f"verifying {url}")
-    if problems:
-        return Check("L3", False, f"{url}: advertised step(s) do not verify: " + "; ".join(problems[:5]))
-    return Check("L3", True, f"{url}: step(s) {steps} verify")
+
+
+def check_committed(before: CommittedRecord, location: Location | None = None, *,
+                    storage_options: dict[str, Any] | None = None, keep_last: int | None = None,
+                    allowed: Iterable[int] | None = None) -> list[Check]:
+    """:func:`check_nothing_lost` (L2) and :func:`check_nothing_partial` (L3) from one pass over the tier
+    (each step listed, read and verified once: an object tier's round trips make that worth it)."""
+    url, options = _url_and_options(location if location is not None else before.location, storage_options)
+    try:
+        view = _view(url, options)
+    except Exception as error:  # noqa: BLE001 - reported as a finding
+        return [_failure("L2", error, f"checking {url}"), _failure("L3", error, f"verifying {url}")]
+    return [_lost(before, view, keep_last), _partial(view, allowed)]
 
 
 def leftover_temporaries(root: str | os.PathLike[str]) -> list[str]:
