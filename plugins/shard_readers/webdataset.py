@@ -4,6 +4,11 @@ Sample ``i`` is a dict ``{"__key__": key, ext: bytes, ...}``, the shape ``webdat
 decoding (``ext`` is everything after the first dot of the member's base name, as WebDataset does).
 The layout stores each member's data offset and size, so reading a sample slices the shard bytes
 without parsing tar headers again.
+
+Nothing is ever extracted. Only regular files become samples (links, devices, FIFOs and directories
+are skipped), and a shard with a member whose name leaves the archive (absolute, or with a ``..``
+part: what PEP 706's ``data`` filter refuses) is refused, since its key would do the same in a consumer
+that writes samples out by key.
 """
 
 from __future__ import annotations
@@ -14,6 +19,12 @@ from typing import Any
 
 from ckptd.data.reader_api import OpenShard, ShardLayout, ShardReader, pack_offsets, unpack_offsets
 from ckptd.errors import FormatError
+
+
+def _check_name(member: str, shard: str) -> None:
+    if member.startswith("/") or ".." in member.split("/"):
+        raise FormatError(f"tar shard {shard} has a member named {member!r}, which leaves the archive",
+                          path=shard, hint="rewrite the shard with relative member names inside it")
 
 
 def _split_name(member: str) -> tuple[str, str]:
@@ -63,6 +74,7 @@ class WebDatasetReader(ShardReader):
         try:
             with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as archive:
                 for member in archive:
+                    _check_name(member.name, name)
                     if not member.isfile():
                         continue
                     key, extension = _split_name(member.name)
