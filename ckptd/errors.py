@@ -229,6 +229,13 @@ class CrashLoopError(WorkerError):
     exit_code = 14
 
 
+class JobStoppedError(WorkerError):
+    """An elastic job stopped on request (SIGTERM or SIGINT to one of its ``ckptd launch`` supervisors):
+    every rank left at its next step and exited; committed steps are kept, and a new launch resumes."""
+
+    exit_code = 15
+
+
 class UnpromotedError(StorageError):
     """Committed local steps could not be promoted to the object tier before ``close`` returned; they stay
     pinned on the local tier (:attr:`steps`) and promotion resumes at the next start."""

@@ -54,13 +54,20 @@ def _endpoint(value: str | None, nnodes: int) -> tuple[str, int]:
 @click.option("--spares", type=int, default=0, show_default=True, envvar="CKPTD_SPARES",
               help="Warm spares per node: processes that import torch and run the script's setup_fn (see "
                    "ckptd.elastic.run), then wait to take a failed rank's place. [env: CKPTD_SPARES]")
+@click.option("--node-timeout", type=float, default=30.0, show_default=True, envvar="CKPTD_NODE_TIMEOUT",
+              help="Seconds without a heartbeat from a node's supervisor after which the other nodes take it for "
+                   "lost and wait for a new supervisor with its --node-rank. [env: CKPTD_NODE_TIMEOUT]")
 @click.option("-m", "--module", "as_module", is_flag=True, help="Run SCRIPT as a module (python -m SCRIPT).")
 @click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, max_restarts: int,
            max_restarts_per_rank: int | None, hang_timeout: float, crash_loop: int, restart_backoff: float,
-           spares: int, as_module: bool, script: str, script_args: tuple[str, ...]) -> None:
-    """Start a training script on every rank of this node and restart only the rank that fails."""
+           spares: int, node_timeout: float, as_module: bool, script: str, script_args: tuple[str, ...]) -> None:
+    """Start a training script on every rank of this node and restart only the rank that fails.
+
+    A supervisor started with the --node-rank of a lost node (and the job's --rdzv-endpoint) joins the
+    running job in its place. SIGTERM or SIGINT to any supervisor stops the whole job gracefully (exit 15);
+    see ckptd.elastic.supervisor for every exit code."""
     from ckptd.elastic.supervisor import LaunchSpec, Supervisor  # imports torch: only when the command runs
 
     logging.basicConfig(level=logging.INFO, format="ckptd launch: %(message)s", stream=sys.stderr)
@@ -69,5 +76,6 @@ def launch(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str 
     spec = LaunchSpec(command=command, nproc_per_node=nproc_per_node, nnodes=nnodes, node_rank=node_rank,
                       rdzv_host=host, rdzv_port=port, max_restarts=max_restarts,
                       max_restarts_per_rank=max_restarts_per_rank, hang_timeout_s=hang_timeout,
-                      crash_loop=crash_loop, restart_backoff_s=restart_backoff, spares=spares)
+                      crash_loop=crash_loop, restart_backoff_s=restart_backoff, spares=spares,
+                      node_timeout_s=node_timeout)
     Supervisor(spec).run()

@@ -44,6 +44,10 @@ class GenerationStore:
     def ended(self) -> bool:
         return self._ended.is_set()
 
+    def raise_if_ended(self) -> None:
+        """Raise GenerationEndedError, naming why, once the generation has ended."""
+        self._check_open()
+
     def _check_open(self) -> None:
         if self._ended.is_set():
             raise GenerationEndedError(f"store generation {self.generation} has ended: {self._why}",

@@ -33,6 +33,9 @@ NODES = "elastic/nodes"
 #: Failures in a row with no step completed in between (reset by a failure after a completed step).
 CRASH_LOOP = "elastic/crash-loop"
 
+#: Exit code of every supervisor and rank of a job stopped on request (SIGTERM or SIGINT to a supervisor).
+EXIT_STOPPED = 15
+
 
 def beat(rank: int) -> str:
     """A rank's heartbeat: ``"<generation>:<progress>:<sequence>:<step>"``, rewritten at every beat. Progress
@@ -46,6 +49,24 @@ def beat(rank: int) -> str:
 def node_done(node_rank: int) -> str:
     """Set by a supervisor once all its ranks finished."""
     return f"elastic/node-done/{node_rank}"
+
+
+def node_beat(node_rank: int) -> str:
+    """A supervisor's heartbeat: ``"<incarnation>:<sequence>"``, rewritten every few polls (``"0:0"``: no
+    supervisor of that node joined yet). The other supervisors take a node whose heartbeat stops for
+    ``--node-timeout`` seconds before it finished for lost."""
+    return f"elastic/node-beat/{node_rank}"
+
+
+def node_incarnation(node_rank: int) -> str:
+    """Supervisors that joined the job with this node rank (a store counter): a second one replaces a lost
+    node, and a supervisor that sees a higher count than its own was replaced and stops."""
+    return f"elastic/node-incarnation/{node_rank}"
+
+
+def rank_restarts(rank: int) -> str:
+    """Restarts the rank spent (a store counter), kept across replacements of its node's supervisor."""
+    return f"elastic/rank-restarts/{rank}"
 
 
 def spare_ready(node_rank: int, spare: int) -> str:

@@ -27,6 +27,21 @@ Its loop, every ``poll_s``:
 - with ``spares`` (``--spares N``) N warm spares wait on the node (:mod:`ckptd.elastic.spares`): a failed
   rank is handed to one (its process becomes the rank's) instead of a new process, and a new spare
   starts in the background.
+- nodes: every supervisor beats ``elastic/node-beat/<node>`` every ``_NODE_BEAT_S`` and reads the others'.
+  A node whose supervisor stays silent for ``node_timeout_s`` before it finished is lost: the generation
+  goes up (its survivors leave the failed generation) and the job waits up to ``join_timeout_s`` for a new
+  supervisor started with the lost ``--node-rank``; then it stops (WorkerError). A supervisor that joins a
+  running job (its node rank joined before: the store's ``elastic/node-incarnation/<node>`` counts them)
+  is such a replacement: it charges each of its ranks a restart, raises the generation and starts its
+  ranks in it; the survivors keep their processes. A supervisor that sees a newer one of its node rank
+  stops its ranks and exits.
+- SIGTERM or SIGINT to any supervisor stops the whole job gracefully: it sets ``elastic/stop``, every rank
+  leaves at its next step (:func:`ckptd.elastic.run` exits with code 15), every supervisor waits
+  ``_TERM_GRACE_S`` for its ranks before SIGTERM and SIGKILL, and every supervisor exits with
+  JobStoppedError (exit 15). Committed steps are kept.
+
+Exit codes of ``ckptd launch``: 0 (every rank finished), 12 (a restart budget spent, a lost node not
+replaced in time, or a supervisor replaced by a newer one), 14 (crash loop), 15 (stopped on request).
 """
 
 from __future__ import annotations
@@ -38,6 +53,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -45,15 +61,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ckptd.errors import ConfigError, CrashLoopError, WorkerError
+from ckptd.errors import ConfigError, CrashLoopError, JobStoppedError, WorkerError
 from ckptd.elastic import keys
 from ckptd.elastic.spares import SparePool
 from ckptd.elastic.waiting import wait_for
 
 log = logging.getLogger("ckptd.elastic")
 
-#: Seconds a stopping supervisor gives its ranks between SIGTERM and SIGKILL.
+#: Seconds a stopping supervisor gives its ranks to leave on their own, and again between SIGTERM and SIGKILL.
 _TERM_GRACE_S = 5.0
+#: Seconds between two supervisor heartbeats (and two looks at the other nodes' heartbeats).
+_NODE_BEAT_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -76,8 +94,10 @@ class LaunchSpec:
     restart_backoff_s: float = 0.0
     #: Warm spares kept on this node (processes that ran the script's setup and wait for a failed rank).
     spares: int = 0
-    #: Seconds the supervisors wait for each other (at start and at the end).
+    #: Seconds the supervisors wait for each other (at start, for a lost node's replacement, and at the end).
     join_timeout_s: float = 300.0
+    #: Seconds without a supervisor heartbeat after which the other nodes take that node for lost.
+    node_timeout_s: float = 30.0
     poll_s: float = 0.01
 
     def __post_init__(self) -> None:
@@ -89,6 +109,8 @@ class LaunchSpec:
                0 if self.max_restarts_per_rank is None else self.max_restarts_per_rank, self.spares) < 0:
             raise ConfigError("--max-restarts, --max-restarts-per-rank, --spares, --hang-timeout, --crash-loop and "
                               "--restart-backoff must not be negative")
+        if self.node_timeout_s <= 0:
+            raise ConfigError(f"--node-timeout {self.node_timeout_s:g} must be above 0")
         if not self.command:
             raise ConfigError("no training script given", hint="ckptd launch [options] script.py [args]")
 
@@ -98,6 +120,9 @@ class LaunchSpec:
 
     def global_rank(self, local_rank: int) -> int:
         return self.node_rank * self.nproc_per_node + local_rank
+
+    def ranks_of(self, node_rank: int) -> list[int]:
+        return [node_rank * self.nproc_per_node + local for local in range(self.nproc_per_node)]
 
 
 @dataclass
@@ -143,6 +168,15 @@ class Supervisor:
         self._spares: SparePool | None = None  # made once the store is connected
         #: The newest step each rank reported completing, in any generation (-1: none).
         self._last_step = {rank: -1 for rank in range(spec.world_size)}
+        #: This supervisor's number among those that joined with its node rank (1: the first; more: a replacement).
+        self.incarnation = 0
+        self._node_sequence = 0
+        self._next_node_beat = 0.0
+        #: The other nodes' heartbeats: the value, and when it last changed (local clock).
+        self._nodes: dict[int, tuple[bytes, float]] = {}
+        #: Nodes taken for lost, and since when (local clock), until a new supervisor of theirs beats.
+        self._lost: dict[int, float] = {}
+        self._signalled: int | None = None  # SIGTERM or SIGINT received
 
     # --- start ----------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -154,14 +188,45 @@ class Supervisor:
             self.store.set(keys.GENERATION, "0")
             for rank in range(spec.world_size):
                 self.store.set(keys.beat(rank), keys.NO_BEAT)
+            for node in range(spec.nnodes):
+                self.store.set(keys.node_beat(node), "0:0")
             self.store.set(keys.OPEN, "1")
         wait_for(lambda: self.store.check([keys.OPEN]), what="the node-rank-0 supervisor to open the job store",
-                 timeout_s=spec.join_timeout_s, poll_s=0.1)
+                 timeout_s=spec.join_timeout_s, poll_s=0.1, on_poll=self._check_signalled)
+        self.incarnation = int(self.store.add(keys.node_incarnation(spec.node_rank), 1))
+        self._beat_node()
+        if self.incarnation > 1:
+            self._replace_lost_node()
+            return
         self.store.add(keys.NODES, 1)
         wait_for(lambda: int(self.store.add(keys.NODES, 0)) >= spec.nnodes,
                  what=f"{spec.nnodes} supervisors to join at {spec.rdzv_host}:{spec.rdzv_port}",
-                 timeout_s=spec.join_timeout_s, poll_s=0.1,
+                 timeout_s=spec.join_timeout_s, poll_s=0.1, on_poll=self._check_signalled,
                  hint="start `ckptd launch` with the same --rdzv-endpoint on every node")
+
+    def _replace_lost_node(self) -> None:
+        """This supervisor joins a running job in place of a lost one of its node rank: its ranks count a
+        restart each, and they start in a new generation, which the survivors join in their processes."""
+        spec = self.spec
+        current = int(self.store.get(keys.GENERATION))
+        # compare_set: when a survivor's supervisor raised it for this loss at the same moment, keep theirs
+        self._enter_generation(int(self.store.compare_set(keys.GENERATION, str(current), str(current + 1))))
+        spent = int(self.store.add(keys.RESTARTS, len(self.ranks)))
+        for rank in self.ranks:
+            rank.restarts = int(self.store.add(keys.rank_restarts(rank.rank), 1))
+        numbers = [rank.rank for rank in self.ranks]
+        log.warning("node %d joins the running job in place of a lost supervisor (the node's supervisor %d): "
+                    "starting ranks %s in generation %d (restarts %d of %d)", spec.node_rank, self.incarnation,
+                    numbers, self.generation, spent, spec.max_restarts)
+        cause = f"lost with its node {spec.node_rank}"
+        if spent > spec.max_restarts:
+            self._stop_job(self.ranks[0], cause, WorkerError, f"node {spec.node_rank} (ranks {numbers}) was lost "
+                           f"and replaced, and the job's --max-restarts {spec.max_restarts} are spent")
+        per_rank = spec.max_restarts_per_rank
+        over = [rank for rank in self.ranks if per_rank is not None and rank.restarts > per_rank]
+        if over:
+            self._stop_job(over[0], cause, WorkerError, f"node {spec.node_rank} was lost and replaced, and rank "
+                           f"{over[0].rank}'s --max-restarts-per-rank {per_rank} are spent")
 
     def _job_variables(self) -> dict[str, str]:
         """The environment variables every process of this node gets, spares included."""
@@ -205,7 +270,37 @@ class Supervisor:
     # --- watch ----------------------------------------------------------------------------------
     def run(self) -> None:
         """Start the node's ranks and watch them until the job finishes; raises WorkerError when it stops."""
-        self._connect()
+        handlers = self._catch_stop_signals()
+        try:
+            self._connect()
+            self._supervise()
+        finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+
+    def _catch_stop_signals(self) -> dict[int, Any]:
+        """SIGTERM and SIGINT stop the job gracefully (see the module docstring), from the main thread."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+
+        def caught(signum: int, frame: Any) -> None:
+            self._signalled = signum
+
+        return {signum: signal.signal(signum, caught) for signum in (signal.SIGTERM, signal.SIGINT)}
+
+    def _check_signalled(self) -> None:
+        """After SIGTERM or SIGINT: ask every supervisor to stop the job, then stop (JobStoppedError)."""
+        if self._signalled is None:
+            return
+        name = signal.Signals(self._signalled).name
+        if self.store is not None and not self.store.check([keys.STOP]):
+            message = f"node {self.spec.node_rank}'s supervisor got {name}"
+            self.store.set(keys.STOP, json.dumps({"rank": -1, "cause": name, "message": message, "stopped": True}))
+            log.warning("%s: stopping the job; every rank leaves at its next step", message)
+        self._check_stop()
+        raise JobStoppedError(f"the job stopped: node {self.spec.node_rank}'s supervisor got {name}")
+
+    def _supervise(self) -> None:
         self._spares = SparePool(self.store, self.spec.node_rank, self.spec.spares, self._spawn)
         for rank in self.ranks:
             self._start(rank)
@@ -213,7 +308,9 @@ class Supervisor:
             self._spares.fill()
             while True:
                 self._follow_generation()
+                self._check_signalled()
                 self._check_stop()
+                self._watch_nodes()
                 self._read_beats()
                 failed = [(rank, cause) for rank in self.ranks if (cause := self._check_exit(rank)) is not None]
                 if failed:
@@ -256,8 +353,61 @@ class Supervisor:
     def _check_stop(self) -> None:
         if self.store.check([keys.STOP]):
             reason = json.loads(self.store.get(keys.STOP))
+            if reason.get("stopped"):
+                raise JobStoppedError(f"the job stopped: {reason['message']}; every rank left at its next step, "
+                                      "committed steps are kept", hint="launch the job again to resume")
             kind = CrashLoopError if reason.get("crash_loop") else WorkerError
             raise kind(f"the job stopped: {reason['message']}", {int(reason["rank"]): reason["cause"]})
+
+    # --- nodes ----------------------------------------------------------------------------------
+    def _beat_node(self) -> None:
+        self._node_sequence += 1
+        self.store.set(keys.node_beat(self.spec.node_rank), f"{self.incarnation}:{self._node_sequence}")
+
+    def _watch_nodes(self) -> None:
+        """Beat this supervisor's heartbeat; find lost nodes and their replacements (module docstring)."""
+        now = time.monotonic()
+        if now < self._next_node_beat:
+            return
+        self._next_node_beat = now + _NODE_BEAT_S
+        spec = self.spec
+        self._beat_node()
+        others = [node for node in range(spec.nnodes) if node != spec.node_rank]
+        values = self.store.multi_get([keys.node_incarnation(spec.node_rank),
+                                       *(keys.node_beat(node) for node in others)])
+        newest = int(values[0])
+        if newest != self.incarnation:
+            raise WorkerError(f"node {spec.node_rank}: a newer supervisor with --node-rank {spec.node_rank} joined "
+                              f"the job (the node's supervisor {newest}, this is {self.incarnation}): this one "
+                              "stops its ranks", hint="run one `ckptd launch` per node rank")
+        for node, value in zip(others, values[1:]):
+            seen = self._nodes.get(node)
+            if seen is None or seen[0] != value:
+                self._nodes[node] = (value, now)
+                if node in self._lost:
+                    log.warning("node %d's supervisor beats again (supervisor %s of the node)", node,
+                                value.decode().split(":")[0])
+                    del self._lost[node]
+                continue
+            if node in self._lost:
+                if now - self._lost[node] > spec.join_timeout_s:
+                    self._stop_job(_Rank(spec.ranks_of(node)[0], 0), f"lost with its node {node}", WorkerError,
+                                   f"node {node} (ranks {spec.ranks_of(node)}) was lost and no new supervisor "
+                                   f"with --node-rank {node} joined within {spec.join_timeout_s:g} s")
+                continue
+            silent = now - seen[1]
+            if value.startswith(b"0:") or silent <= spec.node_timeout_s or self.store.check([keys.node_done(node)]):
+                continue
+            self._lost[node] = now
+            failed_in = self.generation
+            self._enter_generation(int(self.store.compare_set(keys.GENERATION, str(failed_in), str(failed_in + 1))))
+            log.warning("node %d's supervisor sent no heartbeat for %.1f s: node %d and its ranks %s are lost; "
+                        "the survivors leave generation %d for generation %d and wait up to %g s for a new "
+                        "supervisor started with --node-rank %d", node, silent, node, spec.ranks_of(node),
+                        failed_in, self.generation, spec.join_timeout_s, node)
+
+    def _lost_ranks(self) -> set[int]:
+        return {rank for node in self._lost for rank in self.spec.ranks_of(node)}
 
     def _check_exit(self, rank: _Rank) -> str | None:
         """The cause when the rank's process failed (None while it runs, once it finished, or waits to start)."""
@@ -270,6 +420,8 @@ class Supervisor:
             rank.finished = True
             log.info("rank %d finished", rank.rank)
             return None
+        if code == keys.EXIT_STOPPED and self.store.check([keys.STOP]):
+            return None  # it left a stopping job: _check_stop stops this supervisor next
         if rank.hung_for is not None:
             return f"hung (no heartbeat for {rank.hung_for:.1f} s), killed with SIGKILL"
         if code < 0:
@@ -318,6 +470,7 @@ class Supervisor:
                         f" in {delay:g} s" if delay else "", budget)
         for (rank, _), (_, _, delay) in zip(failed, described):
             rank.restarts += 1
+            self.store.add(keys.rank_restarts(rank.rank), 1)
             if delay:
                 rank.process, rank.start_at = None, time.monotonic() + delay
             else:
@@ -354,7 +507,10 @@ class Supervisor:
             return
         now = time.monotonic()
         silent: list[tuple[int, float, int]] = []  # (progress, last change, rank)
+        lost = self._lost_ranks()
         for rank, seen in self._beats.items():
+            if rank in lost:  # gone with its node, not hung
+                continue
             generation, progress = seen.value[:2]
             # an older generation counts too: a rank stuck in a generation that moved on never beats in the new one
             if generation <= self.generation and progress > 0 and now - seen.changed > self.spec.hang_timeout_s:
@@ -380,13 +536,29 @@ class Supervisor:
                      timeout_s=self.spec.join_timeout_s, poll_s=0.1)
 
     def _stop_ranks(self) -> None:
-        running = [rank.process for rank in self.ranks if rank.process is not None and rank.process.poll() is None]
-        for process in running:
-            process.terminate()
-        deadline = time.monotonic() + _TERM_GRACE_S
-        for process in running:
-            try:
-                process.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+        """Let the running ranks leave on their own (a stopping job: they see ``elastic/stop`` at their next
+        step), then SIGTERM, then SIGKILL, ``_TERM_GRACE_S`` apart."""
+        running = [rank for rank in self.ranks if rank.process is not None and rank.process.poll() is None]
+        stopping = self.store is not None and self._store_says_stop()
+        for signal_next in ((None,) if stopping else ()) + (signal.SIGTERM, signal.SIGKILL):
+            deadline = time.monotonic() + _TERM_GRACE_S
+            for rank in running:
+                if signal_next is not None and rank.process.poll() is None:
+                    rank.process.send_signal(signal_next)
+            for rank in running:
+                try:
+                    rank.process.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+            if all(rank.process.poll() is not None for rank in running):
+                break
+        for rank in running:
+            code = rank.process.wait()
+            log.info("rank %d (pid %d) %s", rank.rank, rank.process.pid,
+                     f"exited with code {code}" if code >= 0 else f"ended by {signal.Signals(-code).name}")
+
+    def _store_says_stop(self) -> bool:
+        try:
+            return bool(self.store.check([keys.STOP]))
+        except Exception:  # noqa: BLE001 - the store is gone with node 0: no rank can see a stop
+            return False

@@ -31,6 +31,15 @@ What :func:`run` does for generation ``g`` (``CKPTD_GENERATION`` at start):
 4. When ``train_fn`` returns on every rank (a store barrier), the process group is destroyed and
    :func:`run` returns its value.
 
+Every heartbeat (:func:`heartbeat`, each save) after the generation ended raises GenerationEndedError: a
+rank leaves at its next step instead of entering a collective with a dead peer. When the job stops (a
+supervisor got SIGTERM, or a budget is spent: ``elastic/stop``) a rank leaves the same way, lets its
+managers finish or fail their round, closes them and exits with code 15 (``SystemExit``).
+
+The process group's timeout is ``CKPTD_ELASTIC_COLLECTIVE_TIMEOUT_S`` or, when longer,
+:func:`collective_timeout_s` of the supervisor's hang timeout: a collective blocked on a hung peer lasts
+until the supervisor kills that peer (its peers then see a connection reset), not until gloo gives up.
+
 Before the first generation :func:`run` calls ``setup_fn`` (what does not depend on the rank: model,
 optimizer, loader; ``ctx.setup`` holds its value) and freezes what exists then out of the garbage
 collector. A warm spare (``CKPTD_ELASTIC_SPARE`` set) then waits to be given a rank
@@ -321,13 +330,17 @@ class _Heart:
         self.store, self.rank = store, rank
         self.generation, self.progress, self.sequence, self.step = -1, 0, 0, -1
         self._last_touch = 0.0
+        self._view: GenerationStore | None = None
 
-    def enter(self, generation: int) -> None:
-        self.generation, self.progress, self.step = generation, 0, -1
+    def enter(self, view: GenerationStore) -> None:
+        self.generation, self.progress, self.step, self._view = view.generation, 0, -1, view
         self._write()
 
     def beat(self, step: int | None = None) -> None:
-        """The training made progress (``step``: it completed that step)."""
+        """The training made progress (``step``: it completed that step); raises GenerationEndedError once
+        the generation has ended (the rank leaves it at this step)."""
+        if self._view is not None:
+            self._view.raise_if_ended()
         self.progress += 1
         if step is not None:
             self.step = step
@@ -356,8 +369,9 @@ def heartbeat(step: int | None = None) -> None:
     """Tell the supervisor this rank makes progress (``step``: the step it just completed); call it once per
     step (each save through a manager from :meth:`WorkerContext.checkpoint_manager` beats too, naming the
     step). A rank that beat in this generation and then stays silent for ``--hang-timeout`` seconds is
-    killed and replaced; failures with no step completed in between count toward ``--crash-loop``. Does
-    nothing outside ``ckptd launch``."""
+    killed and replaced; failures with no step completed in between count toward ``--crash-loop``. Raises
+    GenerationEndedError once a peer failed or the job stops (:func:`run` handles it). Does nothing
+    outside ``ckptd launch``."""
     if _heart is not None:
         _heart.beat(step)
 
@@ -446,6 +460,31 @@ def _next_generation(store: Any, after: int, rank: int, *, beat: Callable[[], No
                     hint="the supervisor replaces a failed rank and raises the generation; is it running?")
 
 
+def collective_timeout_s(configured_s: float, hang_timeout_s: float) -> float:
+    """The process group's timeout: ``configured_s``, raised to one and a half times the supervisor's hang
+    timeout plus 5 s (0: no hang timeout), so that the supervisor kills a hung peer before gloo times out."""
+    return max(configured_s, hang_timeout_s * 1.5 + 5.0) if hang_timeout_s > 0 else configured_s
+
+
+def _job_stopping(store: Any) -> bool:
+    try:
+        return bool(store.check([keys.STOP]))
+    except Exception:  # noqa: BLE001 - the store is gone: not a stop this rank was told of
+        return False
+
+
+def _stop_cleanly(managers: _ManagerRegistry, rank: int, store: Any) -> None:
+    """The job is stopping: close the managers (their committed steps stay) and exit with EXIT_STOPPED."""
+    managers.close_all(rank, quietly=True)
+    _destroy_group()
+    try:
+        reason = store.get(keys.STOP).decode()
+    except Exception:  # noqa: BLE001 - only for the log line
+        reason = "?"
+    log.warning("rank %d stops with the job (%s); its committed steps are kept", rank, reason)
+    raise SystemExit(keys.EXIT_STOPPED)
+
+
 def _destroy_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -483,7 +522,7 @@ def run(train_fn: Callable[[WorkerContext], T], *, setup_fn: Callable[[], Any] |
             # another in reference cycles: free them (gloo threads, sockets) before forming the next group
             gc.collect()
         view = GenerationStore(store, generation)
-        heart.enter(generation)
+        heart.enter(view)
         watcher = _GenerationWatcher(env, view)
         context = WorkerContext(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
                                 node_rank=env.node_rank, generation=generation, store=view,
@@ -493,7 +532,8 @@ def run(train_fn: Callable[[WorkerContext], T], *, setup_fn: Callable[[], Any] |
             _barrier(view, keys.ready, env.rank, env.world_size, "join", heart.touch)
             dist.init_process_group(backend, store=dist.PrefixStore("pg/", view.raw), rank=env.rank,
                                     world_size=env.world_size,
-                                    timeout=timedelta(seconds=options.elastic_collective_timeout_s))
+                                    timeout=timedelta(seconds=collective_timeout_s(
+                                        options.elastic_collective_timeout_s, env.hang_timeout_s)))
             log.info("rank %d formed the process group of generation %d", env.rank, generation)
             result = train_fn(context)
             heart.finish()
@@ -509,8 +549,15 @@ def run(train_fn: Callable[[WorkerContext], T], *, setup_fn: Callable[[], Any] |
             view.end(f"rank {env.rank} left it")
             managers.leave(env.rank, generation)
             _destroy_group()
-            generation = _next_generation(store, generation, env.rank, beat=heart.touch,
-                                          hang_timeout_s=env.hang_timeout_s)
+            if _job_stopping(store):
+                _stop_cleanly(managers, env.rank, store)
+            try:
+                generation = _next_generation(store, generation, env.rank, beat=heart.touch,
+                                              hang_timeout_s=env.hang_timeout_s)
+            except GenerationEndedError:
+                if _job_stopping(store):
+                    _stop_cleanly(managers, env.rank, store)
+                raise
             rejoined += 1
         finally:
             watcher.stop()

@@ -7,6 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,38 +19,104 @@ from ckptd.testing.multirank import free_port
 WORLD = 2
 
 
-def launch_job(root: Path, *job_args: str, max_restarts: int = 3, hang_timeout: float = 60.0, nodes: int = 1,
-               extra: tuple[str, ...] = (), settings: dict[str, str] | None = None,
-               timeout_s: float = 180.0) -> subprocess.CompletedProcess[str]:
-    """``ckptd launch`` of the test job with WORLD ranks; with ``nodes=2`` two supervisors (one rank each)
-    stand in for two nodes: node 0 hosts the store, each keeps its ranks' checkpoints in its own root.
-    ``extra``: more launcher options; ``settings``: more environment variables (``CKPTD_*``) for the
-    supervisors and their ranks. Returns the exit code (the same on every supervisor) and their output."""
+@dataclass
+class Job:
+    """A running ``ckptd launch`` job of the test job: one supervisor per node, each logging to its own file."""
+
+    root: Path
+    commands: dict[int, list[str]]
+    environment: dict[str, str]
+    supervisors: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    logs: list[Path] = field(default_factory=list)
+
+    def start(self, node: int) -> subprocess.Popen[bytes]:
+        """Start (or start again, in place of a lost one) the supervisor of ``node``."""
+        log = self.root / f"launch-node{node}-{len(self.logs)}.log"
+        self.logs.append(log)
+        with log.open("wb") as sink:
+            process = subprocess.Popen(self.commands[node], stdout=sink, stderr=sink, env=self.environment)
+        self.supervisors[node] = process
+        return process
+
+    def log(self) -> str:
+        """Every supervisor's output so far (their ranks' included), in start order."""
+        return "".join(path.read_text(errors="replace") for path in self.logs if path.exists())
+
+    def wait(self, timeout_s: float = 180.0) -> int:
+        """Wait for every supervisor; their exit code (the same on every one). Kills them all past
+        ``timeout_s`` and fails."""
+        deadline = time.monotonic() + timeout_s
+        try:
+            for process in self.supervisors.values():
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the job did not end in {timeout_s:g} s:\n{self.log()[-6000:]}") from None
+        codes = {process.returncode for process in self.supervisors.values()}
+        assert len(codes) == 1, f"the supervisors disagree on the outcome: exit codes {codes}\n{self.log()[-4000:]}"
+        return codes.pop()
+
+    def kill(self) -> None:
+        for process in self.supervisors.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def start_job(root: Path, *job_args: str, max_restarts: int = 3, hang_timeout: float = 60.0, nodes: int = 1,
+              extra: tuple[str, ...] = (), settings: dict[str, str] | None = None,
+              module: str = "ckptd.testing.elastic_training") -> Job:
+    """Start ``ckptd launch`` of the test job (``module``) with WORLD ranks; with ``nodes=2`` two supervisors
+    (one rank each) stand in for two nodes: node 0 hosts the store, each keeps its ranks' checkpoints in
+    its own root (``root/ckpt-node<n>``). ``extra``: more launcher options; ``settings``: more environment
+    variables (``CKPTD_*``) for the supervisors and their ranks."""
     environment = dict(os.environ, OMP_NUM_THREADS="1", CKPTD_ELASTIC_REJOIN_TIMEOUT_S="60")
     environment.update(settings or {})
     endpoint = f"127.0.0.1:{free_port()}"
-    commands = []
+    commands = {}
     for node in range(nodes):
         placement = ["--nproc-per-node", str(WORLD)] if nodes == 1 else [
             "--nproc-per-node", str(WORLD // nodes), "--nnodes", str(nodes), "--node-rank", str(node),
             "--rdzv-endpoint", endpoint]
-        commands.append([sys.executable, "-m", "ckptd.cli.main", "launch", *placement,
-                         "--max-restarts", str(max_restarts), "--hang-timeout", str(hang_timeout), *extra,
-                         "-m", "ckptd.testing.elastic_training", "--root", str(root / f"ckpt-node{node}"),
-                         "--out", str(root / "out"), *job_args])
-    supervisors = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    env=environment) for command in commands]
+        commands[node] = [sys.executable, "-m", "ckptd.cli.main", "launch", *placement,
+                          "--max-restarts", str(max_restarts), "--hang-timeout", str(hang_timeout), *extra,
+                          "-m", module, "--root", str(root / f"ckpt-node{node}"), "--out", str(root / "out"),
+                          *job_args]
+    root.mkdir(parents=True, exist_ok=True)
+    job = Job(root, commands, environment)
+    for node in range(nodes):
+        job.start(node)
+    return job
+
+
+def launch_job(root: Path, *job_args: str, timeout_s: float = 180.0, **options: Any) -> subprocess.CompletedProcess[str]:
+    """:func:`start_job`, waited for: the exit code (the same on every supervisor) and their output (all of
+    it in ``stderr``)."""
+    job = start_job(root, *job_args, **options)
     try:
-        outputs = [supervisor.communicate(timeout=timeout_s) for supervisor in supervisors]
+        code = job.wait(timeout_s)
     finally:
-        for supervisor in supervisors:
-            if supervisor.poll() is None:
-                supervisor.kill()
-                supervisor.wait()
-    codes = {supervisor.returncode for supervisor in supervisors}
-    assert len(codes) == 1, f"the supervisors disagree on the outcome: exit codes {codes}"
-    return subprocess.CompletedProcess(commands[0], codes.pop(), "".join(o for o, _ in outputs),
-                                       "".join(e for _, e in outputs))
+        job.kill()
+    return subprocess.CompletedProcess(job.commands[0], code, "", job.log())
+
+
+def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = 90.0) -> Any:
+    """Poll ``condition`` until it returns something true and return that; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+def record(out: Path, rank: int, generation: int) -> dict[str, Any] | None:
+    """What ``rank`` wrote on joining ``generation`` (None before it did)."""
+    path = out / f"rank{rank}-gen{generation}.json"
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
 
 
 def finals(out: Path) -> list[bytes]:

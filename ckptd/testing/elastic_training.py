@@ -150,15 +150,27 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
     if elastic_keys.ENV_SPARE in os.environ and args.spare_setup_until_assigned:
         _wait_for_the_assignment()
     if elastic_keys.ENV_SPARE in os.environ:
-        (Path(args.out) / f"spare-{os.getpid()}.json").write_text(json.dumps({"pid": os.getpid(),
-                                                                              "ready_at": time.time()}))
+        (Path(args.out) / f"spare-{os.getpid()}.json").write_text(json.dumps({
+            "pid": os.getpid(), "node": int(os.environ.get("GROUP_RANK", "0")), "ready_at": time.time()}))
     return built
 
 
-def _wait_for_a_spare(out: Path, timeout_s: float = 120.0) -> None:
-    """Until a warm spare finished its setup (it writes ``spare-<pid>.json``), so that the kill finds it ready."""
+def _spares_of(out: Path, node: int) -> list[Path]:
+    found = []
+    for path in out.glob("spare-*.json"):
+        try:
+            if json.loads(path.read_text())["node"] == node:
+                found.append(path)
+        except (FileNotFoundError, json.JSONDecodeError):  # being written
+            pass
+    return found
+
+
+def _wait_for_a_spare(out: Path, node: int, timeout_s: float = 120.0) -> None:
+    """Until a warm spare of ``node`` finished its setup (it writes ``spare-<pid>.json``), so that the kill
+    finds it ready."""
     deadline = time.monotonic() + timeout_s
-    while not list(out.glob("spare-*.json")):
+    while not _spares_of(out, node):
         if time.monotonic() > deadline:
             raise TimeoutError(f"no warm spare finished its setup within {timeout_s} s")
         time.sleep(0.05)
@@ -214,7 +226,7 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
         victim = victim or (ctx.generation == 0 and ctx.rank == args.also_kill_rank and step == args.kill_step)
         if victim and args.kill_when_spare_ready:  # the saves so far committed, a spare ready
             manager.wait()
-            _wait_for_a_spare(out)
+            _wait_for_a_spare(out, ctx.node_rank)
             if args.kill_spare_first and ctx.rank == args.kill_rank:
                 _kill_the_spares(out)
         if victim:
@@ -224,6 +236,8 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
         if step == (start or 0) + 2:  # the first step of this generation completed
             record_path.write_text(json.dumps(record | {"first_step_at": time.time()}))
         elastic.heartbeat()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
         ids = stream.take(BATCH_PER_RANK * ctx.world_size)[ctx.rank::ctx.world_size]
         seen[step - 1] = torch.tensor(ids)
         inputs = features[ids]
@@ -274,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="a warm spare's setup ends only once it was handed a rank")
     parser.add_argument("--also-kill-rank", type=int, default=-1,
                         help="a second victim, killed at the same step, phase and signal in generation 0")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds each step sleeps (a longer job)")
     parser.add_argument("--poison-rank", type=int, default=-1)
     parser.add_argument("--poison-step", type=int, default=-1)
     parser.add_argument("--poison-how", choices=("saved", "memory"), default="saved")
