@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.errors import CkptdError, StorageError
+from ckptd.errors import StorageError
 from ckptd.format.layout import TEMP_MARKER, step_dir
 from ckptd.policy import Policy
 from ckptd.testing.compare import assert_same_state
@@ -80,34 +80,16 @@ def test_the_failed_fsync_is_not_retried(checkpoint_dir: Path, manager_factory: 
     assert not list(checkpoint_dir.glob(f"*/*{TEMP_MARKER}*"))
 
 
-def _fsync_eio_on_rank_1(rank: int, world_size: int, root: str) -> dict[str, object]:
-    from ckptd.manager.manager import CheckpointManager
-
-    manager = CheckpointManager(root, policy=Policy(keep_local=None), capture_rng=False)
-    manager.save(1, synthetic_state(1 + rank, NBYTES), force=True)
-    manager.wait()
-    rules = [ErrnoRule("fsync", errno.EIO, step=2, name=f"rank-{rank:05d}.data")] if rank == 1 else []
-    failure = ""
-    with FaultyDisk(rules=rules):
-        try:
-            manager.save(2, synthetic_state(2 + rank, NBYTES), force=True)
-            manager.wait()
-        except CkptdError as error:
-            failure = f"{type(error).__name__}: {error}"
-    committed_after_failure = manager.committed_steps()
-    manager.save(3, synthetic_state(3 + rank, NBYTES), force=True)
-    manager.wait()
-    committed = manager.committed_steps()
-    manager.close()
-    return {"failure": failure, "after_failure": committed_after_failure, "committed": committed}
-
-
 def test_fsync_eio_on_one_rank_fails_the_step_on_every_rank(tmp_path: Path) -> None:
     from ckptd.testing.multirank import run_multirank
+    from ckptd.testing.rank_faults import save_through_a_fault
 
-    outcomes = run_multirank(_fsync_eio_on_rank_1, 2, str(tmp_path / "ckpt"), timeout_s=90)
+    rule = ErrnoRule("fsync", errno.EIO, step=2, name="rank-00001.data")
+    outcomes = run_multirank(save_through_a_fault, 2, str(tmp_path / "ckpt"), 1, rule, NBYTES, timeout_s=90)
+    assert outcomes[1]["injected"] == 1
     for rank, outcome in enumerate(outcomes):
         assert "step 2" in outcome["failure"] and "rank 1" in outcome["failure"], (rank, outcome)
         assert "fsync" in outcome["failure"], (rank, outcome)
-        assert outcome["after_failure"] == [1], (rank, outcome)
-        assert outcome["committed"] == [1, 3], (rank, outcome)
+        assert outcome["after_failure"] == [1], (rank, outcome)  # nothing committed, step 1 kept
+        assert outcome["committed"] == [3] and outcome["restored"] == 3, (rank, outcome)
+        assert outcome["differences"] == [], (rank, outcome)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -75,9 +76,9 @@ def dry_run_calls(ctx: RunContext, codec: str) -> FaultyDisk:
     """Save a step into a scratch root through a fault-free :class:`FaultyDisk`: how many bytes and calls of
     each operation a save makes (what a rule's ``skip`` and a budget are drawn from)."""
     counter = FaultyDisk()
-    scratch = ctx.path("dry-run")
-    with counter:
-        _save(scratch, codec, FAILED)
+    with _manager(ctx.path("dry-run"), codec) as manager, counter:  # the manager opens outside, as below
+        manager.save(FAILED, synthetic_state(FAILED, STATE_BYTES), force=True)
+        manager.wait()
     return counter
 
 
@@ -217,3 +218,152 @@ else:
     not_runnable(6, "ENOSPC mid-save (real 64 MiB tmpfs)", reason="mounting a tmpfs needs root (and a sandbox that "
                  "allows mount); this run was refused", covered_by="row 6 errno variant disk_full_mid_save (a byte "
                  "budget on the real write calls) and tests/test_faults_enospc.py")
+
+
+# --- row 7: EROFS and EDQUOT ---------------------------------------------------------------------------
+
+ROOT_NAME = "run"
+
+
+def start_daemon(ctx: RunContext, root: Path) -> Any:
+    """An in-process daemon watching ``root`` (no object tier; its own maintenance pass 10 s away, so that
+    only the scenario's explicit probes run while the disk fails)."""
+    from ckptd.daemon.config import load_config
+    from ckptd.daemon.service import Daemon
+
+    config = load_config(None, {"state_dir": str(ctx.path("daemon-state")), "node_id": "matrix", "listen": "127.0.0.1:0",
+                                "watch": "poll", "poll_interval_s": 10.0, "scrub_interval_s": 0, "name": ROOT_NAME,
+                                "local": str(root), "remote": None}, {})
+    daemon = Daemon(config)
+    daemon.start()
+    return daemon
+
+
+def check_daemon_reports(daemon: Any, degraded: bool) -> inv.Check:
+    """L4 (the fault is reported, typed): the daemon's status document and ``ckptd_tier_degraded`` say
+    whether the root's local tier is degraded, with the reason."""
+    daemon.check_local_tiers()
+    health = daemon.status()["roots"][ROOT_NAME]["tiers"]["local"]["health"] or {}
+    metrics = daemon.metrics.render()[0].decode()
+    gauge = f'ckptd_tier_degraded{{root="{ROOT_NAME}",tier="local"}} {1.0 if degraded else 0.0}'
+    wanted = "degraded" if degraded else "ok"
+    if health.get("state") != wanted or gauge not in metrics or (degraded and not health.get("reason")):
+        return inv.Check("L4", False, f"the daemon reports the local tier as {health} (wanted {wanted}); "
+                                      f"gauge {gauge!r} {'present' if gauge in metrics else 'absent'}")
+    return inv.Check("L4", True, f"daemon: local tier {wanted} ({health.get('reason')})")
+
+
+#: Operations that fail once the file system is read-only, or once the quota is spent.
+FAILING = {errno.EROFS: ("open", "write", "rename", "fsync"), errno.EDQUOT: ("open", "write")}
+WORDS = {errno.EROFS: (StorageError, ("read-only",)), errno.EDQUOT: (DiskFullError, ("quota exceeded",))}
+
+
+@row(7, "EROFS / EDQUOT mid-save (errno variant), daemon reports degraded", short_runs=2)
+def read_only_or_quota_mid_save(ctx: RunContext) -> Outcome:
+    root = ctx.path("local")
+    code = ctx.rng.choice(sorted(FAILING))
+    with _settings(ctx) as codec:
+        _save(root, codec, GOOD)
+        operation = ctx.rng.choice(FAILING[code])
+        calls = dry_run_calls(ctx, codec).calls[operation]
+        skip = ctx.rng.randrange(calls)
+        # from that call on, every call of the kind fails, anywhere on the disk, until it is repaired
+        disk = FaultyDisk(rules=[ErrnoRule(operation, code, skip=skip, times=None)])
+        daemon = start_daemon(ctx, root)
+        try:
+            kind, words = WORDS[code]
+            outcome = failed_save_outcome(ctx, root, codec, kind, words, disk=disk,
+                                          during=lambda: [check_daemon_reports(daemon, True)],
+                                          detail=f"{errno.errorcode[code]} from {operation} call {skip + 1} of {calls}")
+            healthy = check_daemon_reports(daemon, False)
+        finally:
+            daemon.stop(5.0)
+    return inv.outcome([inv.Check(name, outcome.held, outcome.detail, outcome.bytes_lost) for name in outcome.checked]
+                       + [healthy], recovery_s=outcome.recovery_s, detail=outcome.detail if outcome.held else "")
+
+
+def _mount(*options: str) -> None:
+    subprocess.run(["mount", *options], check=True, capture_output=True, timeout=30)
+
+
+def check_probe(root: Path, degraded: bool) -> inv.Check:
+    """L4: the daemon's probe of a local tier (:func:`ckptd.daemon.tier_health.probe_local`) says degraded."""
+    from ckptd.daemon.tier_health import probe_local
+    from ckptd.tiers.local import LocalTier
+
+    tier = LocalTier(root, create=False)
+    try:
+        health = probe_local(tier)
+    finally:
+        tier.close()
+    ok = health.degraded == degraded and (not degraded or bool(health.reason))
+    return inv.Check("L4", ok, f"the daemon's probe: {health.state} ({health.reason})")
+
+
+if MOUNTS:
+    @row(7, "EROFS (a real tmpfs remounted read-only between saves, root only)", short_runs=1)
+    def read_only_remount(ctx: RunContext) -> Outcome:
+        """No daemon runs here: its root lock is a file open for writing, and a remount with one is refused
+        (EBUSY); the daemon's own probe function is checked instead."""
+        mount_point = ctx.workdir / "tmpfs"
+        with mounted_tmpfs(mount_point, TMPFS_SIZE) as mounted:
+            if not mounted:
+                return Outcome(held=False, checked=("L1",), detail="mounting the tmpfs failed this time")
+            root = mount_point / "local"
+            with _settings(ctx) as codec:
+                _save(root, codec, GOOD)
+                before = inv.record_committed(root)
+                ctx.stopwatch.fault()
+                _mount("-o", "remount,ro", str(mount_point))
+                try:
+                    error: CkptdError | None = None
+                    try:
+                        _save(root, codec, FAILED)
+                    except CkptdError as failure:
+                        error = failure
+                    typed = inv.Check("L4", isinstance(error, StorageError) and error.tier == "local"
+                                      and "read-only" in str(error), f"on a read-only root: {error!r}")
+                    checks = [typed, check_probe(root, True), inv.check_nothing_partial(root, allowed=[GOOD]),
+                              inv.check_nothing_lost(before, root),
+                              inv.check_newest_restores(WORKLOAD, root, expected_step=GOOD, read_only=True)]
+                finally:
+                    _mount("-o", "remount,rw", str(mount_point))
+                _save(root, codec, NEXT)
+                recovered = inv.check_newest_restores(WORKLOAD, root, expected_step=NEXT)
+                checks += [recovered, check_probe(root, False)]
+            return inv.outcome(checks, recovery_s=ctx.stopwatch.since_fault() if recovered.ok else None,
+                               detail=f"codec {codec}")
+else:
+    not_runnable(7, "EROFS (a real read-only remount)", reason="mounting a tmpfs needs root (and a sandbox that "
+                 "allows mount); this run was refused", covered_by="row 7 errno variant read_only_or_quota_mid_save "
+                 "(EROFS/EDQUOT on the real open/write/rename/fsync calls)")
+
+
+# --- row 18: a background write error on one rank -----------------------------------------------------
+
+@row(18, "Background write error on one rank (2 gloo ranks, EIO on rank 1's data write)", short_runs=1, long_runs=20)
+def write_error_on_one_rank(ctx: RunContext) -> Outcome:
+    from ckptd.testing.multirank import run_multirank
+    from ckptd.testing.rank_faults import save_through_a_fault
+
+    root = ctx.path("local")
+    skip, codec, threads = ctx.rng.randrange(4), ctx.rng.choice(["raw", "zstd"]), ctx.rng.randint(1, 3)
+    ctx.stopwatch.fault()
+    rule = ErrnoRule("write", errno.EIO, step=FAILED, name="rank-00001*data", skip=skip)
+    results = run_multirank(save_through_a_fault, 2, str(root), 1, rule, STATE_BYTES, CHUNK_BYTES, codec, threads,
+                            timeout_s=90)
+    checks = []
+    if not results[1]["injected"]:
+        checks.append(inv.Check("L4", False, "rank 1's write never failed: the fault was not injected"))
+    for rank, result in enumerate(results):
+        told = "step 2" in result["failure"] and "rank 1" in result["failure"]
+        checks.append(inv.Check("L4", told, f"rank {rank} learnt: {result['failure'][:200] or 'nothing'}"))
+        checks.append(inv.Check("L3", result["after_failure"] == [GOOD],
+                                f"rank {rank} lists {result['after_failure']} after the failed save"))
+        checks.append(inv.Check("L2", GOOD in result["after_failure"], f"rank {rank}: step {GOOD} kept until a commit"))
+        exact = result["restored"] == NEXT and not result["differences"] and result["committed"] == [NEXT]
+        checks.append(inv.Check("L1", exact, f"rank {rank} restored step {result['restored']} of "
+                                             f"{result['committed']}: {result['differences'] or 'bit-exact'}"))
+    checks += [inv.check_nothing_partial(root, allowed=[NEXT]), inv.check_no_temporaries(root)]
+    recovery = max(result["recovery_s"] for result in results)
+    return inv.outcome(checks, recovery_s=recovery, detail=f"rank 1 write {skip + 1} failed; codec {codec}")
