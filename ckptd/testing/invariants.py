@@ -271,6 +271,8 @@ def check_newest_restores(workload: Workload, local: Location | None = None, *, 
     if finding.error:
         return Check("L1", False, f"restore raised {finding.error}")
     where = f"{local_url}" + (f" + {remote_url}" if remote_url else "")
+    if finding.step is None:
+        return Check("L1", False, f"restore of {where} found no checkpoint (advertised {advertised})")
     wanted = {expected_step} if expected_step is not None else \
         set(allowed_steps) if allowed_steps is not None else {newest}
     if finding.step not in wanted:
