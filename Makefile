@@ -55,5 +55,13 @@ test-pytorch-dcp: setup
 bench: setup
 	$(VENV)/bin/ckptd bench
 
+# The fault matrix's long mode (every row its long_runs times; MATRIX_JOBS worker processes), then the
+# report: reports/fault-matrix/REPORT.md and the table in the README.
+.PHONY: matrix
+MATRIX_JOBS ?= 2
+matrix: setup
+	$(PY) tests/matrix/long_run.py --runs-for 1=500 --jobs $(MATRIX_JOBS) --out reports/fault-matrix/all.json
+	$(PY) tests/matrix/long_run.py --merge 'reports/fault-matrix/*.json' --markdown reports/fault-matrix/REPORT.md --readme README.md
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
