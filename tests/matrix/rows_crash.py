@@ -43,10 +43,13 @@ def _killed(child: ChildResult) -> inv.Check | None:
 
 
 def _after_crash(ctx: RunContext, root: Path, workload: inv.SyntheticWorkload, before: inv.CommittedRecord,
-                 child: ChildResult, *, attempted: int, allowed: set[int], keep_last: int | None) -> Outcome:
+                 child: ChildResult, *, attempted: int, allowed: set[int], keep_last: int | None,
+                 must_list: list[int] | None = None) -> Outcome:
     """The restart after a killed save of ``attempted``: a fresh process restores the newest step (which
     must be one of ``allowed``, and ``attempted`` when the child saw it committed); the temporaries of
-    the crash are gone after that start; every advertised step verifies; nothing recorded before is lost."""
+    the crash are gone after that start; every advertised step verifies; nothing recorded before is lost
+    (and, with ``must_list``, exactly those steps are listed). Then training resumes: the restored step's
+    successor is saved and restores (``step_recovery_s``: fault to that commit)."""
     ctx.stopwatch.fault()
     not_killed = _killed(child)
     if not_killed is not None:
@@ -57,7 +60,29 @@ def _after_crash(ctx: RunContext, root: Path, workload: inv.SyntheticWorkload, b
     recovery = ctx.stopwatch.since_fault()
     checks = [restored, inv.check_no_temporaries(root),
               *inv.check_committed(before, root, keep_last=keep_last, allowed=allowed)]
-    return inv.outcome(checks, recovery_s=recovery, detail=restored.detail if restored.ok else "")
+    if must_list is not None:
+        listed = inv.advertised_steps(root)
+        checks.append(inv.Check("L2", listed == must_list, f"after the restart the root lists {listed}, "
+                                                           f"expected {must_list}"))
+    resumed, next_step = _resume_one_step(root, workload)
+    step_recovery = ctx.stopwatch.since_fault()
+    checks += [resumed, inv.check_newest_restores(workload, root, expected_step=next_step)]
+    return inv.outcome(checks, recovery_s=recovery, step_recovery_s=step_recovery,
+                       detail=restored.detail if restored.ok else "")
+
+
+def _resume_one_step(root: Path, workload: inv.SyntheticWorkload) -> tuple[inv.Check, int | None]:
+    """Training goes on after the restart: restore, save the next step, wait for its commit."""
+    try:
+        with CheckpointManager(root, policy=Policy(keep_local=None), capture_rng=False, daemon="off") as manager:
+            step = manager.restore(workload.template())
+            if step is None:
+                return inv.Check("L1", False, "the resumed job found no checkpoint"), None
+            manager.save(step + 1, workload.state(step + 1), force=True)
+            manager.wait()
+    except Exception as error:  # noqa: BLE001 - the first save after the crash failing is a finding
+        return inv.Check("L1", False, f"the first save after the restart failed: {type(error).__name__}: {error}"), None
+    return inv.Check("L1", True, f"resumed from step {step}, saved step {step + 1}"), step + 1
 
 
 @row(1, "kill -9 at a random byte while a shard is written", short_runs=2, long_runs=500)
@@ -108,12 +133,8 @@ def kill_after_the_manifest_rename(ctx: RunContext) -> Outcome:
     before = inv.record_committed(root)
     child = crash_injector().run(save_steps, str(root), 2, 1, SMALL.nbytes, settings=SMALL_CHUNKS,
                                  kill_at=KillAt("committed"))
-    outcome = _after_crash(ctx, root, SMALL, before, child, attempted=2, allowed={1, 2}, keep_last=None)
-    both = inv.advertised_steps(root)
-    if outcome.held and both != [1, 2]:
-        return Outcome(False, outcome.checked, outcome.recovery_s, None, 0,
-                       f"after a kill at the rename the root lists {both}, expected both [1, 2]")
-    return outcome
+    return _after_crash(ctx, root, SMALL, before, child, attempted=2, allowed={1, 2}, keep_last=None,
+                        must_list=[1, 2])
 
 
 @row(21, "local NVMe tier wiped or node replaced")
