@@ -51,6 +51,11 @@ def node_done(node_rank: int) -> str:
     return f"elastic/node-done/{node_rank}"
 
 
+def node_stopped(node_rank: int) -> str:
+    """Set by a supervisor once the job stopped and its ranks are gone (node 0 waits for it before exiting)."""
+    return f"elastic/node-stopped/{node_rank}"
+
+
 def node_beat(node_rank: int) -> str:
     """A supervisor's heartbeat: ``"<incarnation>:<sequence>"``, rewritten every few polls (``"0:0"``: no
     supervisor of that node joined yet). The other supervisors take a node whose heartbeat stops for

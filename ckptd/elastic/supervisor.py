@@ -274,6 +274,9 @@ class Supervisor:
         try:
             self._connect()
             self._supervise()
+        except WorkerError:
+            self._say_stopped()
+            raise
         finally:
             for signum, handler in handlers.items():
                 signal.signal(signum, handler)
@@ -556,6 +559,23 @@ class Supervisor:
             code = rank.process.wait()
             log.info("rank %d (pid %d) %s", rank.rank, rank.process.pid,
                      f"exited with code {code}" if code >= 0 else f"ended by {signal.Signals(-code).name}")
+
+    def _say_stopped(self) -> None:
+        """The job stopped and this node's ranks are gone: say so; node 0 (the store's host) waits a while
+        for the other nodes to say it too, so that none loses the store while its ranks are leaving."""
+        if self.store is None:
+            return
+        try:
+            self.store.set(keys.node_stopped(self.spec.node_rank), "1")
+            if self.spec.node_rank != 0:
+                return
+            values = self.store.multi_get([keys.node_beat(node) for node in range(1, self.spec.nnodes)])
+            joined = [node for node, value in enumerate(values, 1) if not value.startswith(b"0:")
+                      and node not in self._lost]
+            wait_for(lambda: self.store.check([keys.node_stopped(node) for node in joined]),
+                     what=f"nodes {joined} to stop their ranks", timeout_s=2 * _TERM_GRACE_S + 5.0, poll_s=0.05)
+        except Exception as error:  # noqa: BLE001 - the job is over either way
+            log.warning("not every node said it stopped: %s", error)
 
     def _store_says_stop(self) -> bool:
         try:
