@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.testing import crash_replay
-from ckptd.testing.crash_replay import (FIRST_STEP, LATER_STEP_RETENTION, PACKED_AND_DIRECT, TWO_RANKS, check_state,
+from ckptd.testing.crash_replay import (FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION, PACKED_AND_DIRECT, TWO_RANKS, check_state,
                                         record_save, replay)
 from ckptd.testing.crash_states import SECTOR, CrashModel, CrashState, replay_everything, tree_differences, tree_of
 from ckptd.testing.fs_recorder import Trace, record
@@ -147,7 +147,7 @@ def test_the_recorder_replays_to_the_directory_a_save_left(tmp_path: Path) -> No
 
 # --- full replays of real saves -------------------------------------------------------------------
 
-@pytest.mark.parametrize("shape", [FIRST_STEP, LATER_STEP_RETENTION], ids=lambda shape: shape.name)
+@pytest.mark.parametrize("shape", [FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION], ids=lambda shape: shape.name)
 def test_every_crash_state_of_a_save_recovers(tmp_path: Path, shape: crash_replay.SaveShape) -> None:
     recording = record_save(shape, tmp_path / "root")
     report = replay(recording, tmp_path / "scratch", random.Random(4), cap=10_000)
@@ -182,6 +182,18 @@ def test_the_replay_finds_a_step_directory_whose_name_is_not_durable(tmp_path: P
     fixed = record_save(LATER_STEP_RETENTION, tmp_path / "fixed")
     mkdir = next(op.index for op in fixed.trace.ops if op.kind == "mkdir")
     assert any(op.kind == "dirsync" and op.path == "" and op.index > mkdir for op in fixed.trace.ops[:fixed.acknowledged_at])
+
+
+def test_the_replay_finds_a_checkpoint_root_whose_name_is_not_durable(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (found by this replay): the manager created its root without fsyncing the directory
+    holding it, so a power loss after the first acknowledged commit could take the root away."""
+    monkeypatch.setattr("ckptd.tiers.local.make_directory", _plain_mkdir)
+    recording = record_save(FRESH_ROOT, tmp_path / "root")
+    report = replay(recording, tmp_path / "scratch", random.Random(7), cap=10_000, stop_after_failures=1)
+    assert report.failures, "the root's mkdir is not durable without an fsync of its parent"
+    assert "dropped #0 mkdir run" in report.failures[0].description
+    assert "L2: acknowledged step(s) [1] lost" in report.failures[0].problems[0]
 
 
 def test_the_replay_finds_a_data_file_renamed_without_its_fsync(tmp_path: Path) -> None:

@@ -47,7 +47,9 @@ from ckptd.testing.fs_recorder import Trace, record
 class SaveShape:
     """One kind of save to replay: ranks sharing the directory, steps saved before the recorded one,
     retention, settings (``ckptd.config.override`` values) and the state's tensors (name -> element
-    count of float32; the values depend on step and rank)."""
+    count of float32; the values depend on step and rank). With ``fresh_root`` the recording starts
+    before the managers are built, on a directory whose checkpoint root (``run/``) does not exist yet,
+    so the root's creation and the managers' start are in the trace too."""
 
     name: str
     step: int = 1
@@ -56,6 +58,15 @@ class SaveShape:
     keep_local: int = 2
     tensors: tuple[tuple[str, int], ...] = (("weight", 3000), ("bias", 40), ("moment", 1500))
     settings: tuple[tuple[str, Any], ...] = ()
+    fresh_root: bool = False
+
+    def checkpoint_root(self, directory: Path) -> Path:
+        """The managers' local root inside a recorded (or materialised) ``directory``."""
+        return directory / RUN_DIRECTORY if self.fresh_root else directory
+
+    def relative(self, path: str) -> str:
+        """A path relative to the checkpoint root, as the trace names it (relative to the recorded one)."""
+        return f"{RUN_DIRECTORY}/{path}" if self.fresh_root else path
 
     def state(self, step: int, rank: int) -> dict[str, Any]:
         """The state rank ``rank`` saves at ``step`` (every tensor distinct from step to step)."""
@@ -68,7 +79,10 @@ class SaveShape:
         return {"model": {name: torch.zeros(count) for name, count in self.tensors}, "meta": None}
 
 
+#: The checkpoint root inside the recorded directory of a ``fresh_root`` shape.
+RUN_DIRECTORY = "run"
 FIRST_STEP = SaveShape("first_step")
+FRESH_ROOT = SaveShape("fresh_root", fresh_root=True)
 LATER_STEP_RETENTION = SaveShape("later_step_retention", step=2, previous_steps=(1,), keep_local=1)
 PACKED_AND_DIRECT = SaveShape(
     "packed_and_direct", step=3, previous_steps=(2,),
@@ -76,7 +90,8 @@ PACKED_AND_DIRECT = SaveShape(
     settings=(("pack_below_bytes", 16384), ("direct_io", True), ("direct_io_min_bytes", 16384),
               ("chunk_bytes", 65536), ("io_threads", 2)))
 TWO_RANKS = SaveShape("two_ranks", step=2, previous_steps=(1,), world_size=2, keep_local=1)
-SHAPES = {shape.name: shape for shape in (FIRST_STEP, LATER_STEP_RETENTION, PACKED_AND_DIRECT, TWO_RANKS)}
+SHAPES = {shape.name: shape for shape in (FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION, PACKED_AND_DIRECT,
+                                          TWO_RANKS)}
 
 
 def in_ranks(world_size: int, work: Callable[[int, Any], Any]) -> list[Any]:
@@ -109,7 +124,7 @@ def in_ranks(world_size: int, work: Callable[[int, Any], Any]) -> list[Any]:
 def _manager(shape: SaveShape, root: Path, rank: int, store: Any) -> CheckpointManager:
     ranks: dict[str, Any] = {} if shape.world_size == 1 else {"rank": rank, "world_size": shape.world_size,
                                                               "store": store}
-    return CheckpointManager(root, policy=Policy(keep_local=shape.keep_local), capture_rng=False, daemon="off",
+    return CheckpointManager(shape.checkpoint_root(root), policy=Policy(keep_local=shape.keep_local), capture_rng=False, daemon="off",
                              **ranks)
 
 
@@ -138,10 +153,10 @@ class Recording:
         return set(before)
 
 
-def acknowledged_commit(trace: Trace, step: int) -> int | None:
+def acknowledged_commit(trace: Trace, step: int, shape: SaveShape | None = None) -> int | None:
     """The index of the op at which ckptd considers ``step`` committed: the first fsync of its directory
     after its manifest was linked (or renamed) into place."""
-    directory = step_dir(step)
+    directory = shape.relative(step_dir(step)) if shape is not None else step_dir(step)
     manifest = f"{directory}/{MANIFEST_NAME}"
     placed = None
     for op in trace.ops:
@@ -156,6 +171,8 @@ def record_save(shape: SaveShape, root: Path) -> Recording:
     """Save ``shape.previous_steps`` unrecorded, then record the save of ``shape.step``; raises
     AssertionError when the trace does not replay to the directory the save left."""
     root.mkdir(parents=True, exist_ok=True)
+    if shape.fresh_root and shape.previous_steps:
+        raise ValueError("a fresh_root shape records from the start: it has no previous steps")
     with override(**dict(shape.settings)):
         def work(rank: int, store: Any) -> None:
             manager = _manager(shape, root, rank, store)
@@ -172,13 +189,15 @@ def record_save(shape: SaveShape, root: Path) -> Recording:
 
         recording: dict[str, Any] = {}
         barrier = _RecordingBarrier(shape.world_size, root, recording)
+        if shape.fresh_root:
+            barrier.start()
         in_ranks(shape.world_size, work)
     trace = recording["trace"]
     differences = tree_differences(replay_everything(trace), recording["tree"])
     if differences:
         raise AssertionError("the recorded trace does not replay to the directory the save left: "
                              + "; ".join(differences[:5]))
-    return Recording(shape, root, trace, acknowledged_commit(trace, shape.step))
+    return Recording(shape, root, trace, acknowledged_commit(trace, shape.step, shape))
 
 
 class _RecordingBarrier:
@@ -189,12 +208,18 @@ class _RecordingBarrier:
         self._barrier = threading.Barrier(parties, action=self._toggle)
         self._root, self._out = root, out
         self._context: Any = None
+        self._calls = 0
+
+    def start(self) -> None:
+        """Start recording now (before the managers are built) instead of at the first barrier."""
+        self._context = record(self._root)
+        self._out["trace"] = self._context.__enter__()
 
     def _toggle(self) -> None:
-        if self._context is None:
-            self._context = record(self._root)
-            self._out["trace"] = self._context.__enter__()
-        else:
+        self._calls += 1
+        if self._calls == 1 and self._context is None:
+            self.start()
+        elif self._calls == 2:
             self._out["tree"] = tree_of(self._root)
             self._context.__exit__(None, None, None)
 
@@ -243,9 +268,10 @@ def check_state(recording: Recording, state: CrashState, directory: Path, *,
             restored = []
             problems.append(f"recovery raised {type(error).__name__}: {error}")
     recovery_s = time.monotonic() - started
-    committed = tuple(invariants.advertised_steps(str(directory)))
-    for check in (invariants.check_nothing_partial(str(directory), allowed=set(shape.previous_steps) | {shape.step}),
-                  invariants.check_no_temporaries(directory)):
+    root = shape.checkpoint_root(directory)
+    committed = tuple(invariants.advertised_steps(str(root)))
+    for check in (invariants.check_nothing_partial(str(root), allowed=set(shape.previous_steps) | {shape.step}),
+                  invariants.check_no_temporaries(root)):
         if not check.ok:
             problems.append(f"{check.invariant}: {check.detail}")
     required = recording.required(state.crash_point)

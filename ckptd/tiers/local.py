@@ -241,7 +241,7 @@ class LocalTier(StorageTier):
             raise NotFoundError("checkpoint directory does not exist", path=str(self.root), tier="local",
                                 hint="check the path")
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            make_directory(self.root)
         except OSError as exc:
             raise _storage_error(exc, self.root, "creating the checkpoint directory") from exc
         self._locks: dict[int, int] = {}

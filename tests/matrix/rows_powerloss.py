@@ -9,7 +9,8 @@ a 4 KiB boundary). Every state is written into a scratch directory and opened by
 must restore the newest committed step bit-exact (L1), still hold every step whose commit was
 acknowledged before the crash (L2), and list nothing partial or unverified, with no temporary left (L3).
 
-Shapes: the first step of a run; a later step with ``keep_local=1`` (the old step's unlinks are in the
+Shapes: the first step of a run; the first step into a checkpoint root that does not exist yet (the
+recording starts before the manager is built, so the root's creation is in the trace); a later step with ``keep_local=1`` (the old step's unlinks are in the
 trace); packed small chunks next to large chunks written with ``O_DIRECT`` into parallel data files; and
 two ranks (threads with one in-process c10d store) writing into one directory. No root needed: the
 states are built from the trace, not from a block device.
@@ -17,7 +18,7 @@ states are built from the trace, not from a block device.
 
 from __future__ import annotations
 
-from ckptd.testing.crash_replay import (FIRST_STEP, LATER_STEP_RETENTION, PACKED_AND_DIRECT, TWO_RANKS, SaveShape,
+from ckptd.testing.crash_replay import (FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION, PACKED_AND_DIRECT, TWO_RANKS, SaveShape,
                                         check_state, record_save)
 from ckptd.testing.matrix import Outcome, RunContext, row
 
@@ -50,6 +51,12 @@ def _power_loss(ctx: RunContext, shape: SaveShape) -> Outcome:
 def power_loss_first_step(ctx: RunContext) -> Outcome:
     """The first save into an empty directory."""
     return _power_loss(ctx, FIRST_STEP)
+
+
+@row(4, TITLE, short_runs=2, long_runs=500)
+def power_loss_fresh_root(ctx: RunContext) -> Outcome:
+    """The manager's start on a root it creates, then the first save."""
+    return _power_loss(ctx, FRESH_ROOT)
 
 
 @row(4, TITLE, short_runs=2, long_runs=500)
