@@ -15,6 +15,10 @@ Each request is forwarded unchanged to the upstream endpoint, except that a chos
   the request body were received, so an upload (a part) dies mid-body and never reaches the endpoint;
   a request whose body is not longer than that is forwarded untouched.
 
+With ``check_skew=True`` the proxy also does what AWS does and moto does not: a request whose signing
+time (``X-Amz-Date``) is more than ``max_skew_s`` (15 minutes) from the proxy's clock gets
+``403 RequestTimeTooSkewed`` and never reaches the endpoint (counted as ``"skewed"``).
+
 Usage::
 
     with FaultProxy(s3_server.endpoint_url, fraction=0.2, seed=1) as proxy:
@@ -25,6 +29,7 @@ Only loopback addresses are accepted, for both the proxy and the upstream.
 
 from __future__ import annotations
 
+import calendar
 import collections
 import http.client
 import random
@@ -54,7 +59,7 @@ class FaultProxy:
 
     def __init__(self, upstream: str, *, fraction: float = 0.0, kinds: tuple[str, ...] = FAULT_KINDS,
                  stall_s: float = 2.0, seed: int = 0, upstream_timeout_s: float = 120.0,
-                 cut_after_bytes: int = 1024) -> None:
+                 cut_after_bytes: int = 1024, check_skew: bool = False, max_skew_s: float = 900.0) -> None:
         parsed = urllib.parse.urlsplit(upstream)
         if parsed.scheme != "http" or parsed.hostname not in _LOOPBACK or parsed.port is None:
             raise ValueError(f"upstream must be http://127.0.0.1:PORT, got {upstream!r}")
@@ -65,6 +70,7 @@ class FaultProxy:
         self.kinds, self.stall_s, self.upstream_timeout_s = tuple(kinds), stall_s, upstream_timeout_s
         self.fraction = fraction
         self.cut_after_bytes = cut_after_bytes
+        self.check_skew, self.max_skew_s = check_skew, max_skew_s
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         #: How many requests were seen, and how many got each fault.
@@ -119,6 +125,21 @@ class FaultProxy:
             self.counts[kind] += 1
             return kind
 
+    def is_skewed(self, amz_date: str | None) -> bool:
+        """Whether a request signed at ``amz_date`` (``YYYYMMDDTHHMMSSZ``) is refused as too skewed (and
+        count it); a request without the header is let through (unsigned, or signed another way)."""
+        if not self.check_skew or not amz_date:
+            return False
+        try:
+            signed = calendar.timegm(time.strptime(amz_date, "%Y%m%dT%H%M%SZ"))
+        except ValueError:
+            return False
+        if abs(time.time() - signed) <= self.max_skew_s:
+            return False
+        with self._lock:
+            self.counts["skewed"] += 1
+        return True
+
     @property
     def faults_injected(self) -> int:
         return sum(count for kind, count in self.counts.items() if kind != "requests")
@@ -151,6 +172,11 @@ class _Handler(BaseHTTPRequestHandler):
         return self.rfile.read(length) if length else b""
 
     def _handle(self) -> None:
+        if self.proxy.is_skewed(self.headers.get("X-Amz-Date")):
+            self._read_body()
+            self._send_error(403, "RequestTimeTooSkewed", "The difference between the request time and the "
+                             "current time is too large.")
+            return
         fault = self.proxy.choose_fault(int(self.headers.get("Content-Length") or 0))
         if fault == "cut":
             self.rfile.read(self.proxy.cut_after_bytes)

@@ -14,18 +14,25 @@ AccessDenied, InvalidAccessKeyId, SignatureDoesNotMatch,
 expired or invalid tokens, HTTP 403, no credentials    :class:`~ckptd.errors.TierMisconfiguredError`
 PermanentRedirect, AuthorizationHeaderMalformed, 301   :class:`~ckptd.errors.TierMisconfiguredError`
   (the bucket lives in another region)                   naming the region to use
+RequestTimeTooSkewed, RequestExpired, or HTTP 403 whose  :class:`~ckptd.errors.TierMisconfiguredError`
+  ``Date`` is over 15 min from the signing clock           saying "check the clock", with the offset
 PreconditionFailed, HTTP 412                           :class:`~ckptd.errors.AlreadyCommittedError`
 no connection, unknown host, connect or read timeout   :class:`~ckptd.errors.TierUnreachableError`
 anything else (throttling and 5xx past the retries)    :class:`~ckptd.errors.StorageError`
 =====================================================  =============================================
 
 Messages are never parsed: two stores (or two botocore versions) word the same failure differently.
+A refusal for clock skew is recognised by its code, or, for a HEAD (whose error answer has no body, so
+no code), by comparing the ``Date`` of the store's answer with the clock botocore signs requests with:
+botocore does not retry a 403, so a skewed request fails on its first attempt with this error.
 botocore is imported only when a failure is classified, so that importing the tier needs no S3 client.
 """
 
 from __future__ import annotations
 
 import asyncio
+import calendar
+import email.utils
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,8 +45,11 @@ _NOT_FOUND_CODES = frozenset({"NoSuchKey", "NotFound", "404", "NoSuchUpload"})
 _CREDENTIAL_CODES = frozenset({
     "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken",
     "TokenRefreshRequired", "InvalidClientTokenId", "AllAccessDisabled", "AccountProblem",
-    "InvalidSecurity", "RequestTimeTooSkewed", "403",
+    "InvalidSecurity", "403",
 })
+_CLOCK_CODES = frozenset({"RequestTimeTooSkewed", "RequestExpired", "RequestInTheFuture"})
+#: How far a request's signing time may be from the store's clock (S3 allows 15 minutes).
+MAX_CLOCK_SKEW_S = 900.0
 _REGION_CODES = frozenset({"PermanentRedirect", "AuthorizationHeaderMalformed", "IllegalLocationConstraintException",
                            "301", "TemporaryRedirect"})
 _CREDENTIALS_HINT = ("check the credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or key/secret "
@@ -57,6 +67,8 @@ class S3Failure:
     status: int | None
     chain: tuple[BaseException, ...]
     bucket_region: str | None = None
+    #: The store's clock when it answered (its ``Date`` header), seconds since the epoch.
+    store_time: float | None = None
 
 
 def _chain(exc: BaseException | None) -> Iterator[BaseException]:
@@ -79,8 +91,29 @@ def inspect(exc: BaseException) -> S3Failure:
             headers = metadata.get("HTTPHeaders") or {}
             region = error.get("Region") or error.get("BucketRegion") or headers.get("x-amz-bucket-region")
             return S3Failure(str(error.get("Code") or "") or None, int(status) if status is not None else None,
-                             chain, str(region) if region else None)
+                             chain, str(region) if region else None, _http_date(headers.get("date")))
     return S3Failure(None, None, chain)
+
+
+def _http_date(value: Any) -> float | None:
+    try:
+        return email.utils.parsedate_to_datetime(str(value)).timestamp() if value else None
+    except (TypeError, ValueError):
+        return None
+
+
+def signing_clock() -> float:
+    """Now, on the clock botocore signs requests with (seconds since the epoch)."""
+    from botocore import auth
+
+    now = auth.get_current_datetime()  # naive UTC, or aware
+    return calendar.timegm(now.utctimetuple()) + now.microsecond / 1e6
+
+
+def clock_skew_s(failure: S3Failure) -> float | None:
+    """How far this machine's signing clock is ahead of the store's (negative: behind), from the store's
+    answer; None when the store sent no ``Date``."""
+    return None if failure.store_time is None else signing_clock() - failure.store_time
 
 
 def error_code(exc: BaseException | None) -> str | None:
@@ -153,6 +186,15 @@ def classify(exc: BaseException, *, what: str, path: str, tier: str, bucket: str
                "CKPTD_S3_REGION")
         return TierMisconfiguredError(f"bucket {bucket!r} is not in region {asked} while {what} ({code})",
                                       path=path, tier=tier, hint=fix)
+    skew = clock_skew_s(failure) if code in _CLOCK_CODES or status == 403 else None
+    if code in _CLOCK_CODES or (skew is not None and abs(skew) > MAX_CLOCK_SKEW_S):
+        offset = "" if skew is None else \
+            f"; this machine's clock is {abs(skew):.0f} s {'ahead of' if skew > 0 else 'behind'} the store's"
+        return TierMisconfiguredError(f"the object store at {where} refused a request while {what}: its time is "
+                                      f"too far from the store's clock ({code or status}){offset}", path=path,
+                                      tier=tier, hint="check the clock (NTP: timedatectl status, chronyc tracking); "
+                                      f"the store refuses requests more than {MAX_CLOCK_SKEW_S / 60:.0f} minutes off; "
+                                      "nothing was committed by the failed call")
     if code in _CREDENTIAL_CODES or status == 403:
         return TierMisconfiguredError(f"the store refused the credentials while {what} ({code or status})",
                                       path=path, tier=tier, hint=_CREDENTIALS_HINT)
@@ -175,5 +217,5 @@ def classify(exc: BaseException, *, what: str, path: str, tier: str, bucket: str
                         f"{type(exc).__name__}: {exc}", path=path, tier=tier, hint=RETRY_HINT)
 
 
-__all__ = ["RETRY_HINT", "S3Failure", "classify", "error_code", "http_status", "inspect", "is_not_implemented",
+__all__ = ["MAX_CLOCK_SKEW_S", "RETRY_HINT", "S3Failure", "classify", "clock_skew_s", "signing_clock", "error_code", "http_status", "inspect", "is_not_implemented",
            "is_past_the_end", "is_precondition_failed"]
