@@ -85,9 +85,10 @@ def test_only_the_failed_rank_restarts_and_the_run_ends_bit_for_bit(tmp_path: Pa
 
 def test_a_hang_outlasting_the_collective_and_rejoin_timeouts_restarts_only_the_hung_rank(
         tmp_path: Path, reference: list[bytes]) -> None:
-    # the survivor's collective with the stopped rank times out long before the hang timeout finds it: the
-    # survivor must keep waiting (and beating) for the next generation until the supervisor kills the hung
-    # rank, instead of giving up after the rejoin timeout and being replaced itself (here after 5 + 8 s < 18 s)
+    # the hang outlasts the configured collective timeout and the rejoin timeout: the survivor must keep
+    # waiting (in its collective, whose timeout the worker raises above the hang timeout, or for the next
+    # generation) until the supervisor kills the hung rank, instead of giving up and being replaced itself
+    # (here after 5 + 8 s < 18 s)
     job = ["--kill-rank", "1", "--kill-step", "6", "--kill-signal", "STOP", "--kill-phase", "after-save"]
     result = launch_job(tmp_path, *job, hang_timeout=18.0,
                      settings={"CKPTD_ELASTIC_COLLECTIVE_TIMEOUT_S": "5", "CKPTD_ELASTIC_REJOIN_TIMEOUT_S": "8"})
@@ -97,6 +98,23 @@ def test_a_hang_outlasting_the_collective_and_rejoin_timeouts_restarts_only_the_
     assert sorted(survivor) == [0, 1] and survivor[0]["pid"] == survivor[1]["pid"], "the survivor was restarted"
     assert sorted(victim) == [0, 1] and victim[0]["pid"] != victim[1]["pid"]
     assert f"rank 1 (pid {victim[0]['pid']}) hung (no heartbeat" in result.stderr
+
+
+def test_a_hang_is_ended_by_the_supervisors_kill_not_by_the_process_groups_timeout(
+        tmp_path: Path, reference: list[bytes]) -> None:
+    # a collective timeout (1 s) far below the hang timeout (4 s): the process group's timeout is raised
+    # above the hang timeout, so the survivor's all_reduce with the stopped rank lasts until the supervisor
+    # kills that rank and ends with a connection reset, not with gloo's timeout
+    job = ["--kill-rank", "1", "--kill-step", "6", "--kill-signal", "STOP", "--kill-phase", "after-save"]
+    result = launch_job(tmp_path, *job, hang_timeout=4.0, settings={"CKPTD_ELASTIC_COLLECTIVE_TIMEOUT_S": "1"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert finals(tmp_path / "out") == reference
+    log = result.stderr
+    left = re.findall(r"rank 0 leaves generation 0 after a peer's failure: (.*)", log)
+    assert len(left) == 1, log[-4000:]
+    assert "timed out" not in left[0].lower() and "timeout" not in left[0].lower(), left[0]
+    killed = log.index("rank 1 (pid")
+    assert killed < log.index("rank 0 leaves generation 0"), "the survivor left before the hung rank was killed"
 
 
 def test_recoveries_in_a_row_end_bit_for_bit_and_the_survivor_keeps_no_old_generation(
