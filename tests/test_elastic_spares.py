@@ -27,15 +27,20 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def test_a_killed_rank_is_recovered_through_a_warm_spare_bit_for_bit(tmp_path: Path) -> None:
-    reference = launch_job(tmp_path / "reference")
-    assert reference.returncode == 0, reference.stderr[-4000:]
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
+    root = tmp_path_factory.mktemp("spares-reference")
+    result = launch_job(root)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return finals(root / "out")
 
+
+def test_a_killed_rank_is_recovered_through_a_warm_spare_bit_for_bit(tmp_path: Path, reference: list[bytes]) -> None:
     result = launch_job(tmp_path / "run", "--kill-rank", "1", "--kill-step", "7", "--kill-phase", "before-step",
                         "--kill-when-spare-ready", extra=("--spares", "1"))
     assert result.returncode == 0, result.stderr[-4000:]
     out = tmp_path / "run" / "out"
-    assert finals(out) == finals(tmp_path / "reference" / "out"), "the run recovered through a spare differs"
+    assert finals(out) == reference, "the run recovered through a spare differs"
 
     spares = [json.loads(path.read_text())["pid"] for path in out.glob("spare-*.json")]
     survivor, victim = generations(out, 0), generations(out, 1)
@@ -48,3 +53,22 @@ def test_a_killed_rank_is_recovered_through_a_warm_spare_bit_for_bit(tmp_path: P
     # a new spare replaces the one used; the supervisor stops it when the job ends
     started = [int(pid) for pid in re.findall(r"started warm spare 1 \(pid (\d+)\)", result.stderr)]
     assert len(started) == 1 and not _alive(started[0]), result.stderr[-4000:]
+
+
+def test_on_two_nodes_a_failure_on_node_1_is_taken_by_node_1s_spare(tmp_path: Path, reference: list[bytes]) -> None:
+    # two supervisors (one rank each), --spares 1 on both: rank 1 (node 1) dies once node 1's spare is ready
+    result = launch_job(tmp_path, "--kill-rank", "1", "--kill-step", "7", "--kill-phase", "before-step",
+                        "--kill-when-spare-ready", nodes=2, extra=("--spares", "1"))
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = tmp_path / "out"
+    assert finals(out) == reference, "the two-node run recovered through a spare differs"
+    spares = {json.loads(path.read_text())["pid"]: json.loads(path.read_text())["node"]
+              for path in out.glob("spare-*.json")}
+    survivor, victim = generations(out, 0), generations(out, 1)
+    assert sorted(victim) == [0, 1] and survivor[1]["pid"] == survivor[0]["pid"], "the survivor was restarted"
+    assert spares.get(victim[1]["pid"]) == 1, f"rank 1 was not given to node 1's spare: {victim}, {spares}"
+    assert victim[1]["restart_count"] == 1 and victim[1]["restored"] == 6, victim[1]
+    assert f"handed rank 1 to warm spare 0 (pid {victim[1]['pid']}) in generation 1" in result.stderr
+    # node 0's spare is still the first one it started: nothing was handed to it
+    assert "handed rank 0" not in result.stderr and "started warm spare 1" in result.stderr
+    assert len(re.findall(r"started warm spare 0 \(pid \d+\) on node 0", result.stderr)) == 1
