@@ -239,7 +239,8 @@ class Verdict:
     bytes_lost: int
 
 
-def _step_bytes(shape: SaveShape, step: int) -> int:
+def _step_bytes(shape: SaveShape) -> int:
+    """The tensor bytes of one step of ``shape`` (every rank's)."""
     return sum(count * 4 for _, count in shape.tensors) * shape.world_size
 
 
@@ -276,7 +277,7 @@ def check_state(recording: Recording, state: CrashState, directory: Path, *,
             problems.append(f"{check.invariant}: {check.detail}")
     required = recording.required(state.crash_point)
     missing = sorted(required - set(committed))
-    lost = sum(_step_bytes(shape, step) for step in missing)
+    lost = _step_bytes(shape) * len(missing)
     if missing:
         problems.append(f"L2: acknowledged step(s) {missing} lost (committed now: {list(committed)})")
     newest = max(committed) if committed else None

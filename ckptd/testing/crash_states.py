@@ -41,7 +41,7 @@ import math
 import os
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import xxhash
@@ -348,14 +348,3 @@ def tree_differences(actual: TreeState, expected: TreeState) -> list[str]:
                             f"{len(expected.contents[expected.files[name]])} on disk")
     return problems
 
-
-@dataclass
-class Counts:
-    """How many crash states a replay considered."""
-
-    crash_points: int = 0
-    states: int = 0
-    enumerated: int = 0
-    sampled: int = 0
-    distinct: int = 0
-    per_point: list[int] = field(default_factory=list)

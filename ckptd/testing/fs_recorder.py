@@ -20,6 +20,7 @@ for byte, so a missed operation shows up as a test failure.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import threading
@@ -147,6 +148,8 @@ class _Recorder:
         self.next_id = max(self.snapshot.contents, default=-1) + 1
         #: fd -> (file id, relative path, direct) for files; (-1, relative path, False) for directories.
         self.fds: dict[int, tuple[int, str, bool]] = {}
+        #: fd -> inode it was opened on: a number closed behind the recorder's back and reused is not tracked.
+        self.inodes: dict[int, int] = {}
         self.lock = threading.RLock()
 
     def relative(self, path: Any, dir_fd: int | None = None) -> str | None:
@@ -213,7 +216,9 @@ def _wrapped_open(path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | Non
     with recorder.lock:
         existed = os.path.lexists(os.path.join(recorder.root, relative))
         fd = _REAL["open"](path, flags, mode, dir_fd=dir_fd)
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        recorder.inodes[fd] = info.st_ino
+        if stat.S_ISDIR(info.st_mode):
             recorder.fds[fd] = (-1, relative, False)
             return fd
         if not existed:
@@ -233,6 +238,11 @@ def _tracked(fd: int) -> tuple[_Recorder, tuple[int, str, bool]] | None:
     recorder = _ACTIVE
     if recorder is None or fd not in recorder.fds:
         return None
+    try:
+        if os.fstat(fd).st_ino != recorder.inodes[fd]:
+            return None
+    except OSError:
+        return None
     return recorder, recorder.fds[fd]
 
 
@@ -242,8 +252,6 @@ def _direct_now(fd: int, opened_direct: bool) -> bool:
 
 
 def _fcntl_flags(fd: int) -> int:
-    import fcntl
-
     return fcntl.fcntl(fd, fcntl.F_GETFL)
 
 
@@ -307,6 +315,7 @@ def _wrapped_close(fd: int) -> None:
     with recorder.lock:
         _REAL["close"](fd)
         del recorder.fds[fd]
+        recorder.inodes.pop(fd, None)
     return None
 
 

@@ -1,7 +1,7 @@
 """The local tier: a directory on node-local disk (a path or a ``file://`` URL).
 
 Files are committed the file-system way: write to a temporary name in the same directory, fsync the
-file, rename it over the final name, fsync the directory (and, after creating a step directory, the
+file, rename it over the final name, fsync the directory (and, after creating a directory, the
 directory holding it: see :func:`make_directory`). A crash at any moment leaves either the old
 state or the new one plus a temporary file, which :meth:`LocalTier.remove_temporaries` deletes on the
 next start. A per-rank lock file (``flock``) keeps two writers of the same rank out of one directory; forked
@@ -15,6 +15,7 @@ import fcntl
 import os
 import socket
 import threading
+import time
 import uuid
 import weakref
 from pathlib import Path
@@ -321,6 +322,12 @@ class LocalTier(StorageTier):
         if not directory.is_dir():
             return []
         return sorted(name for name in os.listdir(directory) if TEMP_MARKER not in name)
+
+    def age_s(self, path: str) -> float | None:
+        try:
+            return time.time() - self._path(path).stat().st_mtime
+        except OSError:
+            return None
 
     def step_modified(self, step: int) -> float | None:
         directory = self.root / step_dir(step)
