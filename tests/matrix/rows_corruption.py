@@ -169,6 +169,8 @@ def restore_after(ctx: RunContext, steps: Steps, damage: Damage) -> Outcome:
     if not damage.harmless:
         checks.append(check_named(records, damage, steps.local_label))
     checks.append(inv.check_nothing_lost(_good_only(steps.before_local), steps.root))
+    if steps.remote is None and not damage.harmless:  # the restore set the bad step aside: not advertised
+        checks.append(inv.check_nothing_partial(steps.root, allowed=(GOOD,)))
     return inv.outcome(checks, recovery_s=recovery, detail=f"{damage.how} (codec {steps.codec})")
 
 
