@@ -26,6 +26,7 @@ tier's listing (:meth:`~ckptd.tiers.StorageTier.committed_steps`, what ``ckptd l
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -236,21 +237,24 @@ def check_newest_restores(workload: Workload, local: Location | None = None, *, 
 
     The restore runs as a restarted job runs it: a :class:`~ckptd.CheckpointManager` on ``local`` (and
     ``remote``, an object tier), ``restore()`` with no step. Without ``local`` the restore uses a fresh
-    empty directory under ``scratch`` (a node whose local tier is gone). ``expected_step``: the step it must
+    empty directory under ``scratch`` (a node whose local tier is gone; without ``scratch``, a temporary
+    directory removed afterwards). ``expected_step``: the step it must
     land on; ``allowed_steps``: the steps it may land on (e.g. old or new after a kill at the rename);
     without either it must land on the newest step the tiers advertise. ``fresh_process``: restore in a new
     process, as users do after a crash. ``read_only``: no manager (it would take the root's lock and clean
     temporaries): the newest advertised step of ``local`` is read through the step reader, rank 0.
     """
+    cleanup: Path | None = None
     try:
         options = storage_options
         if remote is not None:
             remote_url, options = _url_and_options(remote, storage_options)
         else:
             remote_url = None
-        if local is None:
-            base = scratch if scratch is not None else Path(tempfile.mkdtemp(prefix="ckptd-l1-"))
-            local = Path(tempfile.mkdtemp(prefix="empty-local-", dir=base))
+        if local is None:  # removed at the end unless under the caller's scratch directory
+            local = Path(tempfile.mkdtemp(prefix="empty-local-", dir=scratch))
+            if scratch is None:
+                cleanup = local
         local_url, _ = _url_and_options(local, None)
         advertised = sorted(set(advertised_steps(local_url)) |
                             set(advertised_steps(remote_url, options) if remote_url else ()))
@@ -268,6 +272,9 @@ def check_newest_restores(workload: Workload, local: Location | None = None, *, 
             finding = _restore_with_manager(local_url, remote_url, options, workload, None)
     except Exception as error:  # noqa: BLE001 - a failed restore is a finding, reported
         return _failure("L1", error, "restore")
+    finally:
+        if cleanup is not None:
+            shutil.rmtree(cleanup, ignore_errors=True)
     if finding.error:
         return Check("L1", False, f"restore raised {finding.error}")
     where = f"{local_url}" + (f" + {remote_url}" if remote_url else "")
