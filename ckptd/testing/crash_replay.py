@@ -237,6 +237,7 @@ class Verdict:
     restored: int | None
     recovery_s: float
     bytes_lost: int
+    step_recovery_s: float | None = None
 
 
 def _step_bytes(shape: SaveShape) -> int:
@@ -245,9 +246,13 @@ def _step_bytes(shape: SaveShape) -> int:
 
 
 def check_state(recording: Recording, state: CrashState, directory: Path, *,
-                on_written: Callable[[], None] | None = None) -> Verdict:
+                on_written: Callable[[], None] | None = None, resume: bool = True) -> Verdict:
     """Write ``state`` into ``directory`` (absent or empty) and check L1-L3 on it (see the module
-    docstring). ``on_written`` is called once the state is on disk (the moment of the power loss)."""
+    docstring). ``on_written`` is called once the state is on disk (the moment of the power loss).
+
+    With ``resume`` the job then goes on: fresh managers save the step after the newest committed one
+    (for a step the crash interrupted, into the directory its attempt left), which must commit and
+    verify; ``step_recovery_s`` is the time from the power loss to that commit, without the checks."""
     shape = recording.shape
     recording.model.materialise(state).write_to(directory)
     if on_written is not None:
@@ -289,7 +294,40 @@ def check_state(recording: Recording, state: CrashState, directory: Path, *,
             differences = state_differences(live, shape.state(step, rank))
             if differences:
                 problems.append(f"L1: rank {rank}'s restore of step {step} differs: {differences[:3]}")
-    return Verdict(not problems, tuple(problems), committed, newest, recovery_s, lost)
+    step_recovery_s = None
+    if resume and not problems:
+        resumed, save_s = _resume(shape, directory, (newest or 0) + 1)
+        step_recovery_s = recovery_s + save_s
+        problems += resumed
+    return Verdict(not problems, tuple(problems), committed, newest, recovery_s, lost, step_recovery_s)
+
+
+def _resume(shape: SaveShape, directory: Path, step: int) -> tuple[list[str], float]:
+    """Save ``step`` with fresh managers (the next save of the restarted job); its problems and how long
+    the start and the save took."""
+    started = time.monotonic()
+    with override(**dict(shape.settings)):
+        def work(rank: int, store: Any) -> None:
+            manager = _manager(shape, directory, rank, store)
+            try:
+                manager.save(step, shape.state(step, rank), force=True)
+                manager.wait()
+            finally:
+                manager.close()
+
+        try:
+            in_ranks(shape.world_size, work)
+        except Exception as error:  # noqa: BLE001 - reported as a finding
+            return [f"the save of step {step} after recovery raised {type(error).__name__}: {error}"], 0.0
+    elapsed = time.monotonic() - started
+    root = shape.checkpoint_root(directory)
+    problems = []
+    if step not in invariants.advertised_steps(str(root)):
+        problems.append(f"the save of step {step} after recovery is not committed")
+    check = invariants.check_nothing_partial(str(root))
+    if not check.ok:
+        problems.append(f"after the save of step {step} following recovery: {check.detail}")
+    return problems, elapsed
 
 
 @dataclass(frozen=True)
