@@ -12,12 +12,20 @@ step's pack). When a retained step's metadata cannot be read, nothing is swept (
 unknown). Multipart uploads no live writer owns are aborted: their owner record names a dead process on
 this host or stopped being refreshed (:mod:`ckptd.tiers.upload_owners`); an upload of a live promoter
 on another host is left alone however old, and one without a record is aborted after ``gc_abandoned_s``.
+
+Clocks. No age here is this process's wall clock against another machine's: every age is the tier's
+clock (:meth:`~ckptd.tiers.StorageTier.clock`: the object store's ``Date``) minus a time the tier itself
+stamped (``LastModified`` of a step's objects and of owner records, an upload's ``Initiated``), so a
+collector or a promoter whose clock is off by minutes (or stepped by NTP) judges the same ages as one
+with a true clock. Committed and pinned steps are never deleted for their age at all: only retention
+(counts of steps) deletes them. On a local file system the tier's clock is this machine's, the clock its
+mtimes come from; an uncommitted step newer than the newest committed one is never removed there. Waits
+(a lease held, a promotion waiting for a collector) are timed with the monotonic clock.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -57,21 +65,22 @@ class GcReport:
         return asdict(self)
 
 
-def _step_age_s(tier: StorageTier, step: int) -> float:
-    """Seconds since anything in a step directory last changed."""
+def _step_age_s(tier: StorageTier, step: int, now: float) -> float:
+    """Seconds since anything in a step directory last changed, ``now`` on the tier's clock."""
     newest = tier.step_modified(step)
-    return time.time() - (time.time() if newest is None else newest)
+    return 0.0 if newest is None else now - newest
 
 
 def _uncommitted(tier: StorageTier, committed: list[int], abandoned_after_s: float) -> tuple[list[int], list[int]]:
     """(abandoned, in flight) among the uncommitted step directories."""
     newest = committed[-1] if committed else None
     abandoned, in_flight = [], []
+    now = tier.clock()  # the clock the step's times are stamped with (the store's, for an object store)
     for step in tier.list_step_numbers():
         if step in committed:
             continue
         protected = tier.capabilities.node_local and (newest is None or step > newest)
-        if not protected and _step_age_s(tier, step) >= abandoned_after_s:
+        if not protected and _step_age_s(tier, step, now) >= abandoned_after_s:
             abandoned.append(step)
         else:
             in_flight.append(step)

@@ -10,8 +10,9 @@ Protocol (S3 is strongly consistent for PUT, GET and LIST):
 
 Either the collector's lease is visible to the promoter (which waits), or the promoter's marker was
 written before the lease and is therefore seen by the collector's mark phase. A lease older than
-``gc_lease_s`` belongs to a crashed collector and is ignored; so is a lease whose owner ran on this host
-and is no longer alive (a collector killed with SIGKILL must not hold up the restarted job's uploads).
+``gc_lease_s`` (on the store's clock, see :func:`_lease_age`) belongs to a crashed collector and is
+ignored; so is a lease whose owner ran on this host and is no longer alive (a collector killed with
+SIGKILL must not hold up the restarted job's uploads).
 The host is :func:`ckptd.tiers.upload_owners.this_host` (``CKPTD_HOST_ID`` or the host name), the same
 identity that multipart uploads' owner records carry.
 """
@@ -45,12 +46,20 @@ def _owner_is_dead(body: dict[str, object]) -> bool:
 
 
 def _lease_age(tier: StorageTier) -> float | None:
-    """Seconds since the current lease was taken, or None when there is none, or its owner is dead."""
+    """Seconds since the current lease was taken, or None when there is none, or its owner is dead.
+
+    The age is the tier's (:meth:`~ckptd.tiers.StorageTier.age_s`: the store's clock now minus the lease
+    object's last-modified time, both stamped by the store), so that a collector whose clock runs behind
+    does not write a lease that a promoter takes for expired while the collection runs; the ``created``
+    stamp (the collector's clock) counts only where the tier cannot tell."""
     try:
         body = json.loads(tier.read_bytes(LEASE_PATH))
         if _owner_is_dead(body):
             return None
-        return max(0.0, time.time() - float(body["created"]))
+        age = tier.age_s(LEASE_PATH)
+        if age is None:
+            age = time.time() - float(body["created"])
+        return max(0.0, age)
     except NotFoundError:
         return None
     except (ValueError, KeyError, TypeError):

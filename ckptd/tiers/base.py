@@ -208,6 +208,18 @@ class StorageTier(abc.ABC):
         """Abort the incomplete uploads started more than ``older_than_s`` ago; returns how many."""
         return 0
 
+    def clock(self) -> float:
+        """Now, on the clock the tier's modification times are stamped with (seconds since the epoch):
+        this machine's for a file system, the store's own for an object store. Ages compared against the
+        tier's times (:meth:`step_modified`, upload start times) use it, so a skewed local clock does not
+        make live work look old."""
+        return time.time()
+
+    def age_s(self, path: str) -> float | None:
+        """Seconds since ``path`` was last written, on the tier's clock (:meth:`clock`); None when it does
+        not exist or the tier cannot tell."""
+        return None
+
     def step_modified(self, step: int) -> float | None:
         """When anything in a step directory last changed (seconds since the epoch); None when the tier
         cannot tell (GC then treats the step as fresh)."""

@@ -164,6 +164,24 @@ class ObjectTier(StorageTier):
         with self._errors("looking up", path):
             return self._call(self.fs, "head_object", Bucket=self.bucket, Key=self.key(path))
 
+    def clock(self) -> float:
+        """The store's time now: the ``Date`` of its answer to a HEAD of the bucket (this machine's clock
+        if it sends none)."""
+        with self._errors("reading the store's clock", "/"):
+            answer = self._call(self.fs, "head_bucket", Bucket=self.bucket)
+        return _answer_time(answer) or time.time()
+
+    def age_s(self, path: str) -> float | None:
+        """One HEAD: the store's ``Date`` minus the object's ``LastModified`` (both the store's clock)."""
+        try:
+            head = self._head(path)
+        except NotFoundError:
+            return None
+        modified = head.get("LastModified")
+        if not hasattr(modified, "timestamp"):
+            return None
+        return (_answer_time(head) or time.time()) - modified.timestamp()
+
     def exists(self, path: str) -> bool:
         try:
             self._head(path)
@@ -306,16 +324,17 @@ class ObjectTier(StorageTier):
                 arguments.update(KeyMarker=page.get("NextKeyMarker"),
                                  UploadIdMarker=page.get("NextUploadIdMarker"))
 
-    def _owner_records(self) -> dict[str, list[tuple[str, UploadOwner | None]]]:
-        """Records directory -> (record path, parsed record) of every owner record of an upload."""
-        found: dict[str, list[tuple[str, UploadOwner | None]]] = {}
+    def _owner_records(self) -> dict[str, list[tuple[str, UploadOwner | None, float]]]:
+        """Records directory -> (record path, parsed record, last written on the store's clock) of every
+        owner record of an upload."""
+        found: dict[str, list[tuple[str, UploadOwner | None, float]]] = {}
         for obj in self._list(f"{OWNERS_PREFIX}/"):
             directory, _, _ = obj.path.rpartition("/")
             try:
                 record = UploadOwner.from_json_bytes(self.read_bytes(obj.path))
             except NotFoundError:
                 continue  # its upload finished meanwhile
-            found.setdefault(directory, []).append((obj.path, record))
+            found.setdefault(directory, []).append((obj.path, record, obj.modified))
         return found
 
     def abandoned_uploads(self, older_than_s: float = 0.0) -> list[tuple[str, str, str]]:
@@ -324,15 +343,18 @@ class ObjectTier(StorageTier):
         with no record at all counts as abandoned once started more than ``older_than_s`` ago."""
         uploads = self.incomplete_uploads()  # before the records: each upload's record was written before it
         records = self._owner_records()
+        now = self.clock()  # the store's: records' and uploads' times are its own, whatever this clock says
         abandoned = []
         for path, upload_id, started in uploads:
-            owners = [record for _, record in records.get(key_directory(path), []) if record is not None]
-            if any(owner.is_alive() for owner in owners):
+            entries = [(record, now - written) for _, record, written in records.get(key_directory(path), [])
+                       if record is not None]
+            owners = [record for record, _ in entries]
+            if any(owner.is_alive(age_s=age) for owner, age in entries):
                 continue
             if owners:
                 abandoned.append((path, upload_id, "its owner is gone (" + ", ".join(
                     f"pid {owner.pid} on {owner.host}" for owner in owners) + ")"))
-            elif time.time() - started >= older_than_s:
+            elif now - started >= older_than_s:
                 abandoned.append((path, upload_id, f"no owner record and started over {older_than_s:.0f}s ago"))
         return abandoned
 
@@ -349,8 +371,9 @@ class ObjectTier(StorageTier):
                 continue  # completed or aborted since it was listed
             _log.info("aborted an abandoned multipart upload of %s on %s: %s", path, self.label, why)
             count += 1
-        stale = [record_path for entries in self._owner_records().values() for record_path, record in entries
-                 if record is None or not record.is_alive()]
+        now = self.clock()
+        stale = [record_path for entries in self._owner_records().values() for record_path, record, written in entries
+                 if record is None or not record.is_alive(age_s=now - written)]
         if stale:
             self.delete_files(stale)
         return count
@@ -376,6 +399,12 @@ class ObjectTier(StorageTier):
         """Cancel read-ahead, close the connections and stop the tier's I/O threads."""
         self._read_ahead.start([])
         self._lanes.close()
+
+
+def _answer_time(answer: Any) -> float | None:
+    """The store's clock when it answered: the ``Date`` header of a botocore response, if any."""
+    headers = ((answer or {}).get("ResponseMetadata") or {}).get("HTTPHeaders") or {}
+    return s3_errors.http_date(headers.get("date"))
 
 
 __all__ = ["MIN_PART_BYTES", "ObjectTier", "StoredObject"]

@@ -91,11 +91,12 @@ def inspect(exc: BaseException) -> S3Failure:
             headers = metadata.get("HTTPHeaders") or {}
             region = error.get("Region") or error.get("BucketRegion") or headers.get("x-amz-bucket-region")
             return S3Failure(str(error.get("Code") or "") or None, int(status) if status is not None else None,
-                             chain, str(region) if region else None, _http_date(headers.get("date")))
+                             chain, str(region) if region else None, http_date(headers.get("date")))
     return S3Failure(None, None, chain)
 
 
-def _http_date(value: Any) -> float | None:
+def http_date(value: Any) -> float | None:
+    """An HTTP ``Date`` header as seconds since the epoch (None when absent or malformed)."""
     try:
         return email.utils.parsedate_to_datetime(str(value)).timestamp() if value else None
     except (TypeError, ValueError):
@@ -217,5 +218,6 @@ def classify(exc: BaseException, *, what: str, path: str, tier: str, bucket: str
                         f"{type(exc).__name__}: {exc}", path=path, tier=tier, hint=RETRY_HINT)
 
 
-__all__ = ["MAX_CLOCK_SKEW_S", "RETRY_HINT", "S3Failure", "classify", "clock_skew_s", "signing_clock", "error_code", "http_status", "inspect", "is_not_implemented",
-           "is_past_the_end", "is_precondition_failed"]
+__all__ = ["MAX_CLOCK_SKEW_S", "RETRY_HINT", "S3Failure", "classify", "clock_skew_s", "error_code", "http_date",
+           "http_status", "inspect", "is_not_implemented", "is_past_the_end", "is_precondition_failed",
+           "signing_clock"]

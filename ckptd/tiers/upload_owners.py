@@ -9,7 +9,11 @@ rewrites the record every third of that while its parts go up, and deletes it on
 completed or aborted.
 
 An upload is **abandoned** when no record for its key is alive; a record is alive while it is fresh
-and, when it was written on this host, its process still exists. So a collector never aborts the
+and, when it was written on this host, its process still exists. Freshness is judged on the store's
+clock: the age of a record is the store's time now (the ``Date`` of its answer) minus the record
+object's ``LastModified``, both stamped by the store, so neither the writer's nor the collector's wall
+clock (skewed by minutes, or stepped by NTP) makes a live upload look abandoned. The ``refreshed``
+stamp in the record (the writer's clock) is only shown, never compared. So a collector never aborts the
 upload of a live promoter on another host, aborts at once an upload whose owner on this host was
 killed, and aborts any upload whose owner stopped refreshing (a dead host). An upload with no record
 at all (written by an older ckptd) falls back to its ``Initiated`` time.
@@ -98,9 +102,13 @@ class UploadOwner:
         except (ValueError, KeyError, TypeError):
             return None
 
-    def is_alive(self, now: float | None = None) -> bool:
-        """Fresh, and (when written on this host) its process still runs."""
-        if (time.time() if now is None else now) - self.refreshed >= self.lease_s:
+    def is_alive(self, now: float | None = None, *, age_s: float | None = None) -> bool:
+        """Fresh, and (when written on this host) its process still runs. ``age_s``: the record's age on the
+        store's clock (now minus the record object's last-modified time, both the store's), which a skewed
+        clock of the writer or of the judge cannot distort; without it, ``now`` (default this machine's
+        clock) minus the writer's own ``refreshed`` stamp."""
+        age = ((time.time() if now is None else now) - self.refreshed) if age_s is None else age_s
+        if age >= self.lease_s:
             return False
         return self.host != this_host() or process_exists(self.pid)
 

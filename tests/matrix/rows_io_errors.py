@@ -231,8 +231,8 @@ def start_daemon(ctx: RunContext, root: Path) -> Any:
     from ckptd.daemon.config import load_config
     from ckptd.daemon.service import Daemon
 
-    config = load_config(None, {"state_dir": str(ctx.path("daemon-state")), "node_id": "matrix", "listen": "127.0.0.1:0",
-                                "watch": "poll", "poll_interval_s": 10.0, "scrub_interval_s": 0, "name": ROOT_NAME,
+    config = load_config(None, {"state_dir": str(ctx.path("daemon-state")), "node_id": "matrix",
+                                "listen": "127.0.0.1:0", "watch": "poll", "poll_interval_s": 10.0, "scrub_interval_s": 0, "name": ROOT_NAME,
                                 "local": str(root), "remote": None}, {})
     daemon = Daemon(config)
     daemon.start()
