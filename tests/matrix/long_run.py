@@ -97,6 +97,9 @@ def run_rows(entries: list[matrix.Row], runs: dict[str, int], *, jobs: int = 1, 
                 bar.console.print(f"[red]row {record.number} {record.scenario} seed {record.seed} did not hold: "
                                   f"{record.outcome.detail}[/red]")
             bar.update(task, advance=1, description=f"row {record.number} {record.scenario} ({failed} failed)")
+            finished = int(bar.tasks[0].completed)
+            if not progress and (finished % 25 == 0 or finished == len(tasks)):  # a log line instead of the bar
+                print(f"{finished}/{len(tasks)} runs, {failed} not held", flush=True)
 
         if jobs <= 1:
             for entry, seed in tasks:
