@@ -133,6 +133,18 @@ def test_counts_and_the_cap(tmp_path: Path) -> None:
     assert capped[0].fates == ((1, "drop"), (3, "drop")) and dict(capped[0].directory_kept) == {"": 0}
 
 
+def test_the_recorder_unpatches_os_when_its_block_raises(tmp_path: Path) -> None:
+    real_open, real_fsync = os.open, os.fsync
+    with pytest.raises(RuntimeError, match="inside"):
+        with record(tmp_path):
+            assert os.open is not real_open
+            raise RuntimeError("inside the recording")
+    assert os.open is real_open and os.fsync is real_fsync
+    with record(tmp_path) as trace:  # and a new recording can start
+        _write_file(tmp_path / "after", b"1", sync=True)
+    assert [op.kind for op in trace.ops] == ["create", "write", "fsync"]
+
+
 def test_the_recorder_replays_to_the_directory_a_save_left(tmp_path: Path) -> None:
     recording = record_save(PACKED_AND_DIRECT, tmp_path / "root")
     trace = recording.trace

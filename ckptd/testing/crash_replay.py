@@ -13,7 +13,10 @@ listing with every committed step verified. A state holds when
 - L2: every step whose commit was acknowledged before the crash point is present (a step the
   retention policy may delete once a newer one is acknowledged excepted);
 - L3: every step listed as committed verifies chunk by chunk, nothing listed is a step that was never
-  committed, and no temporary file is left after the start.
+  committed, and no temporary file is left after the start;
+
+and then the job goes on: the next step, saved by fresh managers (into the directory a crashed attempt
+left, when the crash interrupted that step), commits and verifies.
 
 A commit counts as acknowledged at the fsync of the step directory that follows the manifest's link
 into place: that is when ckptd reports the step committed (:class:`~ckptd.tiers.atomicity.DirectoryCommit`).
@@ -184,14 +187,20 @@ def record_save(shape: SaveShape, root: Path) -> Recording:
                 manager.save(shape.step, shape.state(shape.step, rank), force=True)
                 manager.wait()
                 barrier(rank)
+            except BaseException:
+                barrier.abort()
+                raise
             finally:
                 manager.close()
 
         recording: dict[str, Any] = {}
         barrier = _RecordingBarrier(shape.world_size, root, recording)
-        if shape.fresh_root:
-            barrier.start()
-        in_ranks(shape.world_size, work)
+        try:
+            if shape.fresh_root:
+                barrier.start()
+            in_ranks(shape.world_size, work)
+        finally:
+            barrier.stop()
     trace = recording["trace"]
     differences = tree_differences(replay_everything(trace), recording["tree"])
     if differences:
@@ -215,13 +224,23 @@ class _RecordingBarrier:
         self._context = record(self._root)
         self._out["trace"] = self._context.__enter__()
 
+    def stop(self) -> None:
+        """Stop recording, if it still runs (a rank failed before the end of its save)."""
+        context, self._context = self._context, None
+        if context is not None:
+            context.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        """Release the other ranks' waits (this rank failed)."""
+        self._barrier.abort()
+
     def _toggle(self) -> None:
         self._calls += 1
         if self._calls == 1 and self._context is None:
             self.start()
         elif self._calls == 2:
             self._out["tree"] = tree_of(self._root)
-            self._context.__exit__(None, None, None)
+            self.stop()
 
     def __call__(self, rank: int) -> None:
         self._barrier.wait(timeout=60)
