@@ -165,7 +165,8 @@ def _saved(root: Path, steps=(1, 2)) -> Path:
 def test_l1_restores_the_newest_step_and_catches_wrong_bytes_or_step(tmp_path: Path) -> None:
     root = _saved(tmp_path / "root")
     assert inv.check_newest_restores(WORKLOAD, root).ok
-    assert inv.check_newest_restores(WORKLOAD, root, fresh_process=True, expected_step=2).ok
+    fresh = inv.check_newest_restores(WORKLOAD, root, fresh_process=True, expected_step=2)
+    assert fresh.ok and fresh.facts["step"] == 2 and fresh.facts["tiers"][0].startswith("local")
     assert inv.check_step_restores(WORKLOAD, root, 1).ok and inv.check_newest_restores(WORKLOAD, root, read_only=True).ok
     wrong_step = inv.check_newest_restores(WORKLOAD, root, expected_step=1)
     assert not wrong_step.ok and "loaded step 2, expected 1" in wrong_step.detail

@@ -49,6 +49,9 @@ class Check:
     ok: bool
     detail: str = ""
     bytes_lost: int = 0
+    #: What the check found, for a scenario's own assertions (L1: ``step``, ``tier``, ``tiers``,
+    #: ``chunks_by_tier``, ``fallbacks``), so that nobody parses ``detail``.
+    facts: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.invariant not in INVARIANTS:
@@ -166,6 +169,15 @@ class RestoreFinding:
     tier: str | None
     differences: tuple[str, ...]
     error: str = ""
+    #: Every tier that supplied data (nearest first), chunks read from each, and chunks read from a farther
+    #: tier because the nearer copy was bad or missing (a restore through a manager only).
+    tiers: tuple[str, ...] = ()
+    chunks_by_tier: Mapping[str, int] = field(default_factory=dict)
+    fallbacks: int = 0
+
+    def facts(self) -> dict[str, Any]:
+        return {"step": self.step, "tier": self.tier, "tiers": self.tiers, "chunks_by_tier": dict(self.chunks_by_tier),
+                "fallbacks": self.fallbacks}
 
 
 def _restore_with_manager(local: str, remote: str | None, storage_options: dict[str, Any] | None,
@@ -178,10 +190,13 @@ def _restore_with_manager(local: str, remote: str | None, storage_options: dict[
     with CheckpointManager(local, remote=remote, storage_options=storage_options, policy=Policy(keep_local=None),
                            capture_rng=False, daemon="off") as manager:
         restored = manager.restore(live, step=step)
-        tier = manager.last_restore.tier if manager.last_restore is not None else None
+        result = manager.last_restore
+    seen = {"tiers": tuple(result.tiers), "chunks_by_tier": dict(result.chunks_by_tier),
+            "fallbacks": len(result.events)} if result is not None else {}
+    tier = result.tier if result is not None else None
     if restored is None:
-        return RestoreFinding(None, tier, ())
-    return RestoreFinding(restored, tier, tuple(state_differences(live, workload.state(restored))))
+        return RestoreFinding(None, tier, (), **seen)
+    return RestoreFinding(restored, tier, tuple(state_differences(live, workload.state(restored))), **seen)
 
 
 def _restore_read_only(location: Location, storage_options: dict[str, Any] | None, workload: Workload,
@@ -215,8 +230,8 @@ def check_step_restores(workload: Workload, location: Location, step: int, *, ra
         return _failure("L1", error, f"reading step {step} rank {rank}")
     if finding.differences:
         return Check("L1", False, f"step {step} rank {rank} from {finding.tier} is not bit-exact: "
-                                  f"{'; '.join(finding.differences[:5])}")
-    return Check("L1", True, f"step {step} rank {rank} read bit-exact from {finding.tier}")
+                                  f"{'; '.join(finding.differences[:5])}", facts=finding.facts())
+    return Check("L1", True, f"step {step} rank {rank} read bit-exact from {finding.tier}", facts=finding.facts())
 
 
 def restore_in_child(channel: Any, local: str, remote: str | None, storage_options: dict[str, Any] | None,
@@ -276,19 +291,21 @@ def check_newest_restores(workload: Workload, local: Location | None = None, *, 
         if cleanup is not None:
             shutil.rmtree(cleanup, ignore_errors=True)
     if finding.error:
-        return Check("L1", False, f"restore raised {finding.error}")
+        return Check("L1", False, f"restore raised {finding.error}", facts=finding.facts())
     where = f"{local_url}" + (f" + {remote_url}" if remote_url else "")
     if finding.step is None:
-        return Check("L1", False, f"restore of {where} found no checkpoint (advertised {advertised})")
+        return Check("L1", False, f"restore of {where} found no checkpoint (advertised {advertised})",
+                     facts=finding.facts())
     wanted = {expected_step} if expected_step is not None else \
         set(allowed_steps) if allowed_steps is not None else {newest}
     if finding.step not in wanted:
         return Check("L1", False, f"restore of {where} loaded step {finding.step}, expected "
-                                  f"{' or '.join(map(str, sorted(wanted, key=str)))} (advertised {advertised})")
+                                  f"{' or '.join(map(str, sorted(wanted, key=str)))} (advertised {advertised})",
+                     facts=finding.facts())
     if finding.differences:
         return Check("L1", False, f"step {finding.step} from {finding.tier} is not bit-exact: "
-                                  f"{'; '.join(finding.differences[:5])}")
-    return Check("L1", True, f"step {finding.step} restored bit-exact from {finding.tier}")
+                                  f"{'; '.join(finding.differences[:5])}", facts=finding.facts())
+    return Check("L1", True, f"step {finding.step} restored bit-exact from {finding.tier}", facts=finding.facts())
 
 
 # --- L2 ------------------------------------------------------------------------------------------

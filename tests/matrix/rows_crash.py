@@ -158,8 +158,9 @@ def local_tier_wiped(ctx: RunContext) -> Outcome:
     ctx.stopwatch.fault()
     restored = inv.check_newest_restores(SMALL, root, remote=remote, fresh_process=True, expected_step=2)
     recovery = ctx.stopwatch.since_fault()
-    came_from_object = inv.Check("L1", "object" in restored.detail,
-                                 f"restored from the wrong tier: {restored.detail}")
+    tiers = restored.facts.get("tiers", ())
+    came_from_object = inv.Check("L1", bool(tiers) and all(t.startswith("object") for t in tiers),
+                                 f"restored from {tiers}, not from the object tier alone: {restored.detail}")
     return inv.outcome([restored, came_from_object, *inv.check_committed(before, remote)], recovery_s=recovery)
 
 
