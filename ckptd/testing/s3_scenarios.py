@@ -164,8 +164,9 @@ def blackhole_endpoint() -> Iterator[str]:
 
 def promote_when_released(channel: Any, local: str, url: str, storage_options: dict[str, Any], step: int,
                           start_file: str, settings: dict[str, Any] | None = None) -> str:
-    """Crash-injector target: wait (at most 60 s) for ``start_file``, then promote ``step`` of ``local`` to
-    ``url``. Returns ``"committed"``, ``"already committed"`` or ``"<ErrorType>: <message>"``."""
+    """Crash-injector target: once connected, create ``<start_file>.ready-<pid>``, wait (at most 60 s) for
+    ``start_file``, then promote ``step`` of ``local`` to ``url``. Returns ``"committed"``,
+    ``"already committed"`` or ``"<ErrorType>: <message>"``."""
     from ckptd.errors import CkptdError
     from ckptd.promotion.promoter import promote_step
     from ckptd.tiers.local import LocalTier
@@ -176,6 +177,7 @@ def promote_when_released(channel: Any, local: str, url: str, storage_options: d
         remote.connect()
         source = LocalTier(local, create=False)
         channel.ready()
+        Path(f"{start_file}.ready-{os.getpid()}").touch()
         deadline = time.monotonic() + 60.0
         while not Path(start_file).exists() and time.monotonic() < deadline:
             time.sleep(0.001)
@@ -188,5 +190,21 @@ def promote_when_released(channel: Any, local: str, url: str, storage_options: d
     return "already committed" if report.already_committed else "committed"
 
 
-__all__ = ["BucketFindings", "blackhole_endpoint", "expected_keys", "look_behind", "open_uploads", "promote_when_released",
-           "s3_client", "save_steps_locally", "stored_keys", "warnings_logged"]
+def release_racers(start_file: str | os.PathLike[str], count: int, timeout_s: float = 60.0) -> bool:
+    """Wait until ``count`` :func:`promote_when_released` children are ready, then let them all go at once;
+    False when they were not all ready in time (they are released anyway)."""
+    start = Path(start_file)
+    deadline = time.monotonic() + timeout_s
+    ready = False
+    while time.monotonic() < deadline:
+        if len(list(start.parent.glob(f"{start.name}.ready-*"))) >= count:
+            ready = True
+            break
+        time.sleep(0.005)
+    start.touch()
+    return ready
+
+
+__all__ = ["BucketFindings", "blackhole_endpoint", "expected_keys", "look_behind", "open_uploads",
+           "promote_when_released", "release_racers", "s3_client", "save_steps_locally", "stored_keys",
+           "warnings_logged"]
