@@ -71,6 +71,9 @@ class FaultProxy:
         self.fraction = fraction
         self.cut_after_bytes = cut_after_bytes
         self.check_skew, self.max_skew_s = check_skew, max_skew_s
+        #: The proxy's clock, taken when it is built: a test that then skews this process's ``time.time``
+        #: (:mod:`ckptd.testing.clock_skew`) skews its client, not the store's side.
+        self.clock = time.time
         self._random = random.Random(seed)
         self._lock = threading.Lock()
         #: How many requests were seen, and how many got each fault.
@@ -134,7 +137,7 @@ class FaultProxy:
             signed = calendar.timegm(time.strptime(amz_date, "%Y%m%dT%H%M%SZ"))
         except ValueError:
             return False
-        if abs(time.time() - signed) <= self.max_skew_s:
+        if abs(self.clock() - signed) <= self.max_skew_s:
             return False
         with self._lock:
             self.counts["skewed"] += 1
@@ -151,6 +154,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet
         return
+
+    def date_time_string(self, timestamp: float | None = None) -> str:
+        """The ``Date`` of the proxy's own answers, on the proxy's clock."""
+        return super().date_time_string(self.proxy.clock() if timestamp is None else timestamp)
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         self._handle()
