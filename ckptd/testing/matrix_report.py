@@ -194,9 +194,14 @@ def readme_block(merged: dict[str, Any], *, command: str) -> str:
                        f"torch {s['machine'].get('torch')}" for s in merged["sources"]})
     lines = [README_START, "",
              f"{total['runs']} runs, {total['held']} held, {total['bytes_lost']} bytes of committed data lost"
-             + (f" (runs of {dates[0][:10]} to {dates[-1][:10]}; {'; '.join(machines)})." if dates else "."),
+             + (f" (runs of {_date_range(dates)}; {'; '.join(machines)})." if dates else "."),
              "", *table_lines(merged), "", f"Regenerate: `{command}`", "", README_END]
     return "\n".join(lines)
+
+
+def _date_range(dates: list[str]) -> str:
+    first, last = dates[0][:10], dates[-1][:10]
+    return first if first == last else f"{first} to {last}"
 
 
 def replace_marked_block(text: str, block: str) -> str:
