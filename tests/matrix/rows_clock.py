@@ -59,7 +59,8 @@ def _tier(location: S3Location, options: dict[str, Any] | None = None) -> Object
     return ObjectTier(location.url, storage_options=options or location.storage_options)
 
 
-@row(30, "Clock skew ~20 min on a promoter: RequestTimeTooSkewed reported, bounded retries", short_runs=1)
+@row(30, "Clock skew ~20 min on a promoter: RequestTimeTooSkewed reported, bounded retries", short_runs=1,
+     long_runs=20)
 def skewed_promoter_is_refused(ctx: RunContext) -> Outcome:
     skew = _skew_s(ctx)
     local = _commit_local(ctx.path("local"), [1])
@@ -105,7 +106,8 @@ def _live_upload(tier: ObjectTier, location: S3Location, path: str, refreshed: f
     return str(client.create_multipart_upload(Bucket=tier.bucket, Key=tier.key(path))["UploadId"])
 
 
-@row(30, "Clock skew ~20 min on a collector or promoter: GC and leases spare live work", short_runs=1)
+@row(30, "Clock skew ~20 min on a collector or promoter: GC and leases spare live work", short_runs=1,
+     long_runs=20)
 def skewed_collector_spares_live_work(ctx: RunContext) -> Outcome:
     skew = _skew_s(ctx)
     skewed_one = ctx.rng.choice(["collector", "promoter"])
