@@ -96,7 +96,12 @@ def check_typed(root: Path, what: str, names: str | None = None) -> inv.Check:
 def check_falls_back(root: Path, workload: inv.Workload = WORKLOAD) -> inv.Check:
     """L1: a restarted job's restore skips the forged step and loads step 1 bit-exact."""
     found = inv.check_newest_restores(workload, root, expected_step=GOOD)
-    return found if found.ok else inv.Check("L1", False, found.detail, step_bytes(GOOD))
+    return found if found.ok else inv.Check("L1", False, found.detail, lost_bytes(root, workload))
+
+
+def lost_bytes(root: Path, workload: inv.Workload = WORKLOAD) -> int:
+    """The bytes of step 1 (the intact step) when it no longer reads back bit-exact, else 0."""
+    return 0 if inv.check_step_restores(workload, root, GOOD).ok else step_bytes(GOOD)
 
 
 def step_bytes(step: int) -> int:
@@ -151,7 +156,8 @@ def _under(path: str, directory: Path) -> bool:
     return resolved == base or resolved.startswith(base + os.sep)
 
 
-def check_no_io_outside(opened: list[Opened], root: Path, outside: Path, *, writable: tuple[Path, ...] = ()) -> inv.Check:
+def check_no_io_outside(opened: list[Opened], root: Path, outside: Path, *,
+                        writable: tuple[Path, ...] = ()) -> inv.Check:
     """L4: nothing under ``outside`` was opened, directly or through a link inside the root, and nothing
     was opened for writing anywhere but under ``writable``."""
     escaped = sorted({item.path for item in opened if _under(item.path, outside)})
@@ -226,8 +232,8 @@ def _paths_leave_the_root(ctx: RunContext, kinds: tuple[str, ...]) -> Outcome:
         typed = check_typed(root, kind)
         restored = check_falls_back(root)
     recovery = ctx.stopwatch.since_fault() if restored.ok else None
-    checks = [typed, restored, check_no_io_outside(opened, root, outside, writable=(root,)), inv.check_untouched(before),
-              inv.check_canary(canary)]
+    checks = [typed, restored, check_no_io_outside(opened, root, outside, writable=(root,)),
+              inv.check_untouched(before), inv.check_canary(canary)]
     return inv.outcome(checks, recovery_s=recovery, detail=kind)
 
 
@@ -285,11 +291,11 @@ def check_bounded_fallback(root: Path, what: str) -> inv.Check:
     child = crash_injector().run(bounded_restore, str(root), HEADROOM_BYTES)
     if child.error or child.value is None:
         return inv.Check("L1", False, f"{what}: the bounded child died (exit {child.exitcode}): "
-                                      f"{(child.error or '')[-600:]}", step_bytes(GOOD))
+                                      f"{(child.error or '')[-600:]}", lost_bytes(root))
     step, differences, error = child.value
     if error or step != GOOD or differences:
         return inv.Check("L1", False, f"{what}: bounded restore gave step {step} {error} {differences[:3]}",
-                         step_bytes(GOOD))
+                         lost_bytes(root))
     return inv.Check("L1", True, f"{what}: step {GOOD} restored bit-exact within the address-space cap")
 
 
@@ -397,7 +403,8 @@ class PayloadWorkload:
     def state(self, step: int, rank: int = 0) -> dict[str, Any]:
         import torch
 
-        return {**synthetic_state(step, STATE_BYTES), "blob": torch.frombuffer(bytearray(self.payload), dtype=torch.uint8)}
+        blob = torch.frombuffer(bytearray(self.payload), dtype=torch.uint8)
+        return {**synthetic_state(step, STATE_BYTES), "blob": blob}
 
     def template(self, rank: int = 0) -> dict[str, Any]:
         import torch
@@ -519,7 +526,8 @@ def row33_pickle_payloads(ctx: RunContext) -> Outcome:
 
 # --- row 34: archives (WebDataset tar shards) ----------------------------------------------------------
 
-def _member(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", link: str = "") -> tuple[tarfile.TarInfo, bytes]:
+def _member(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"",
+            link: str = "") -> tuple[tarfile.TarInfo, bytes]:
     info = tarfile.TarInfo(name)
     info.type, info.linkname, info.size = kind, link, len(data) if kind == tarfile.REGTYPE else 0
     if kind in (tarfile.CHRTYPE, tarfile.BLKTYPE):
@@ -679,7 +687,8 @@ def row35_zstd_bomb(ctx: RunContext) -> Outcome:
     records = tamper.chunk_records(root, FORGED)
     position = ctx.rng.randrange(len(records))
     _, record = records[position]
-    data = tamper.step_path(root, FORGED) / tamper.read_json(tamper.index_path(root, FORGED))["data_files"][record[5]][0]
+    data_files = tamper.read_json(tamper.index_path(root, FORGED))["data_files"]
+    data = tamper.step_path(root, FORGED) / data_files[record[5]][0]
     with open(data, "rb") as handle:
         handle.seek(int(record[0]))
         stored = handle.read(int(record[1]))
