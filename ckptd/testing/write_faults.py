@@ -99,6 +99,8 @@ class WriteFaults:
 #: The calls of the file layer a rule can fail, by operation.
 _OPERATIONS = {"open": ("open",), "write": ("write", "pwrite"), "fsync": ("fsync", "fdatasync"),
                "rename": ("replace", "rename", "link")}
+#: Errors a file system gives only to calls that write (an open for reading still works).
+_WRITE_ONLY_ERRORS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT})
 _OPERATION_OF = {call: operation for operation, calls in _OPERATIONS.items() for call in calls}
 
 
@@ -187,7 +189,9 @@ class FaultyDisk:
         self.uninstall()
 
     # --- decisions ------------------------------------------------------------------------------
-    def _check(self, call: str, path: Path | None) -> None:
+    def _check(self, call: str, path: Path | None, *, reading: bool = False) -> None:
+        """Raise the error of the first rule that matches this call (``reading``: an open that only reads,
+        which a read-only, full or over-quota file system still allows)."""
         if path is None:
             return
         step, name = _whereabouts(path)
@@ -195,6 +199,8 @@ class FaultyDisk:
             self.calls[_OPERATION_OF[call]] += 1
             for number, rule in enumerate(self.rules):
                 if call not in _OPERATIONS[rule.operation] or (rule.step is not None and rule.step != step):
+                    continue
+                if reading and rule.error in _WRITE_ONLY_ERRORS:
                     continue
                 if not fnmatch.fnmatchcase(name, rule.name):
                     continue
@@ -222,7 +228,8 @@ class FaultyDisk:
 
     # --- the calls ------------------------------------------------------------------------------
     def open(self, path: Any, flags: int, mode: int = 0o777, **kwargs: Any) -> int:
-        self._check("open", Path(path))
+        writes = flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
+        self._check("open", Path(path), reading=not writes)
         fd = os.open(path, flags, mode, **kwargs)
         with self._lock:
             self._paths[fd] = Path(path)

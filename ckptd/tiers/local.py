@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import socket
 import threading
@@ -30,6 +31,8 @@ from ckptd.errors import (AlreadyCommittedError, ConfigError, DiskFullError, Int
 from ckptd.format.layout import TEMP_MARKER, parse_step_dir, step_dir
 from ckptd.tiers import direct_io
 from ckptd.tiers.base import StorageTier, TierCapabilities
+
+log = logging.getLogger("ckptd.tiers")
 
 #: errno values of file systems that refuse hard links (FAT, some FUSE and network mounts).
 _NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK})
@@ -402,6 +405,10 @@ class LocalTier(StorageTier):
         try:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
+            if exc.errno == errno.EROFS:  # nobody writes through a read-only mount: restores may go on
+                log.warning("%s is on a read-only file system: opened without the writer lock of rank %d; "
+                            "restores work, saves fail until it is writable", self.root, rank)
+                return
             raise _storage_error(exc, lock_path, "creating the lock file") from exc
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
