@@ -299,9 +299,9 @@ def gc_after_a_dead_writer(ctx: RunContext) -> Outcome:
     aged past ``gc_abandoned_s`` or not (drawn from the seed). A collector that runs before any restart
     removes step 1 only when expired, never step 3, never committed step 2, which restores bit-exact;
     the next start then removes step 3's temporaries. Object tier: orphan multipart uploads of a dead
-    writer on this host, of a host whose owner record expired, of a live host with a fresh record, and
-    one with no record (old or new by the seed): GC aborts exactly the abandoned ones and deletes no
-    committed object."""
+    writer on this host, of a host whose owner record expired (its lease ran out on the store's clock,
+    unrefreshed), of a live host with a fresh record, and one with no record (old or new by the seed): GC
+    aborts exactly the abandoned ones and deletes no committed object."""
     import os
     import time
 
@@ -349,6 +349,10 @@ def gc_after_a_dead_writer(ctx: RunContext) -> Outcome:
     return inv.outcome(checks, recovery_s=recovery)
 
 
+#: The lease of the "expired" owner record: its host stopped refreshing it; the store's clock ages it.
+EXPIRING_LEASE_S = 1.0
+
+
 def _orphan_uploads(ctx: RunContext) -> list[inv.Check]:
     import dataclasses
     import time
@@ -383,13 +387,16 @@ def _orphan_uploads(ctx: RunContext) -> list[inv.Check]:
             if kind != "none":
                 mine = UploadOwner.mine(key)
                 owner = {"dead": dataclasses.replace(mine, pid=dead),
-                         "expired": dataclasses.replace(mine, host="another-host", refreshed=time.time() - 3 * mine.lease_s),
+                         "expired": dataclasses.replace(mine, host="another-host", lease_s=EXPIRING_LEASE_S),
                          "live": dataclasses.replace(mine, host="another-host", pid=dead)}[kind]
                 tier.write_bytes(f"{key_directory(key)}/{kind}-{dead}.json", owner.to_json_bytes())
             boto.create_multipart_upload(Bucket=remote.bucket, Key=f"{prefix}/{key}")
+        written = time.monotonic()
         started = min(u["Initiated"].timestamp() for u in boto.list_multipart_uploads(Bucket=remote.bucket)["Uploads"])
         age = max(0.0, time.time() - started)
         threshold = max(0.0, age - 1.0) if no_record_old else age + 3600.0
+        # records are judged by their age on the store's clock: let the short one run out, unrefreshed
+        time.sleep(max(0.0, 1.5 * EXPIRING_LEASE_S - (time.monotonic() - written)))
         report = collect_garbage(tier, abandoned_after_s=threshold)
     finally:
         tier.close()
