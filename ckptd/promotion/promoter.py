@@ -6,7 +6,10 @@ it again):
 1. read the local manifest and rank indexes (their digests are checked against the manifest);
 2. stop if the object tier already has this step committed with the same content (idempotent);
 3. upload the rank indexes: the step's in-flight marker, which protects its chunks from GC
-   (see :mod:`ckptd.promotion.lease`), then wait while a collector holds the GC lease;
+   (see :mod:`ckptd.promotion.lease`), then wait while a collector holds the GC lease. Indexes and packs
+   (the step directory's objects, not content-addressed) are written once (``If-None-Match``): a promoter
+   of another step with the same number (another job on the prefix) stops with a CommitError instead of
+   replacing what the first one's manifest names;
 4. decide which content-addressed chunks to upload (:func:`ckptd.promotion.dedup.chunks_to_upload`: the
    missing ones, and stored ones recorded bad or failing their store-kept checksum), and every rank's pack (its small chunks
    in one object in the step directory, format 3). Each chunk's bytes are read from the local data
@@ -124,7 +127,7 @@ class Promoter:
             return self._report(contents, 0, 0, True, started)
         uploaded_bytes = 0
         for share in contents.shares:  # 3. in-flight marker
-            self.remote.write_bytes(step_file(step, share.index_name), share.index_bytes)
+            self._write_once(step, step_file(step, share.index_name), share.index_bytes)
             uploaded_bytes += len(share.index_bytes)
         self.on_phase("marked")
         waited = wait_for_collector(self.remote)
@@ -162,6 +165,24 @@ class Promoter:
         except NotFoundError:
             return None
 
+    def _write_once(self, step: int, path: str, data: bytes) -> None:
+        """Write an object of the step directory (a rank index or pack) that is never replaced: these keys
+        are not content-addressed, so a second promoter of another step with this number (another job on
+        the same prefix) must not overwrite what the manifest of the first one names. The same bytes
+        already there (a resumed or concurrent promotion of this very step) count as written; different
+        bytes stop this promotion with a CommitError before it uploads anything of its own. What an
+        interrupted promotion of other content left is removed by GC once it counts as abandoned
+        (``gc_abandoned_s``); the step can be promoted then."""
+        try:
+            self.remote.write_bytes(path, data, if_absent=True)
+        except AlreadyCommittedError as error:
+            raise CommitError(
+                f"the object tier holds another promotion of step {step} with different content (in flight, "
+                "committed, or interrupted); this one stops and commits nothing", step=step,
+                tier=self.remote.label, path=path,
+                hint="give every job its own object-tier prefix; the files of an interrupted promotion are "
+                     "removed by `ckptd gc` once CKPTD_GC_ABANDONED_S has passed, then promote again") from error
+
     def _upload(self, missing: list[tuple[RankShare, ChunkRecord]], packs: list[tuple[RankShare, int]],
                 progress: ProgressHook | None) -> int:
         """Upload the missing chunks by digest and the packs into the step directory, in parallel;
@@ -184,7 +205,7 @@ class Promoter:
 
         def copy_pack(share: RankShare, number: int) -> None:
             data = read_verified_pack(self.local, share, number)  # every chunk checked before upload
-            self.remote.write_bytes(pack_path(share, number), data)
+            self._write_once(share.index.step, pack_path(share, number), data)
             sent(len(data))
 
         jobs = [functools.partial(copy, item) for item in missing]
