@@ -11,6 +11,7 @@ promotes a step the moment a start file appears, so that two promoters race on o
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -26,8 +27,10 @@ from ckptd.format.layout import MANIFEST_NAME, step_dir
 from ckptd.tiers.upload_owners import OWNERS_PREFIX
 
 
+@functools.lru_cache(maxsize=8)
 def s3_client(endpoint_url: str) -> Any:
-    """A plain boto3 client on a loopback endpoint (moto's credentials), for looking behind ckptd's back."""
+    """A plain boto3 client on a loopback endpoint (moto's credentials), for looking behind ckptd's back
+    (one per endpoint and process: boto3 clients are thread-safe, and making one costs more than a request)."""
     import boto3
 
     return boto3.client("s3", endpoint_url=endpoint_url, aws_access_key_id="testing",

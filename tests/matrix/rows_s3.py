@@ -22,9 +22,9 @@ from ckptd.manager.manager import CheckpointManager
 from ckptd.policy import KeepEvery, Policy
 from ckptd.promotion import promote_step
 from ckptd.promotion.contents import read_step_contents, read_stored_chunk
+from ckptd.stepio.step_reader import verify_step
 from ckptd.testing.fault_proxy import FaultProxy
-from ckptd.testing.invariants import (Check, SyntheticWorkload, check_newest_restores, check_nothing_partial,
-                                      outcome)
+from ckptd.testing.invariants import Check, SyntheticWorkload, check_newest_restores, outcome
 from ckptd.testing.matrix import Outcome, RunContext, row
 from ckptd.testing.s3_scenarios import blackhole_endpoint, look_behind, save_steps_locally, warnings_logged
 from ckptd.tiers.local import LocalTier
@@ -51,9 +51,10 @@ def _remote_checks(ctx: RunContext, loc: Any, workload: SyntheticWorkload, step:
         checks = [Check("L2", committed == [step], f"committed on the object tier: {committed}")]
         found = look_behind(loc.endpoint_url, loc.url, direct)
         checks.append(Check("L3", found.clean, found.describe()))
+        problems = [f"step {p.step}: {p.path}: {p.error}" for listed in committed for p in verify_step(direct, listed)]
+        checks.append(Check("L3", not problems, "; ".join(problems[:3]) or f"step(s) {committed} verify"))
     finally:
         direct.close()
-    checks.append(check_nothing_partial(loc))
     checks.append(check_newest_restores(workload, remote=loc, expected_step=step, fresh_process=fresh_process,
                                         scratch=ctx.workdir))
     return checks
