@@ -55,6 +55,15 @@ test-pytorch-dcp: setup
 bench: setup
 	$(VENV)/bin/ckptd bench
 
+# The soak run (benchmarks/soak.py, outside the test run): SOAK_MINUTES of training on two stand-in nodes
+# under seeded faults, then a byte-for-byte comparison with an uninterrupted run; the report goes to reports/soak/.
+SOAK_MINUTES ?= 60
+SOAK_SEED ?= 1
+.PHONY: soak
+soak: setup
+	$(PY) benchmarks/soak.py --minutes $(SOAK_MINUTES) --seed $(SOAK_SEED) \
+		--report reports/soak/$$(date -u +%Y-%m-%d)-seed$(SOAK_SEED).json
+
 # The fault matrix's long mode (every row its long_runs times; MATRIX_JOBS worker processes), then the
 # report: reports/fault-matrix/REPORT.md and the table in the README.
 .PHONY: matrix

@@ -177,6 +177,18 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _ckptd_warnings(logs: Path, incarnation: int, limit: int = 12) -> list[str]:
+    """ckptd's own log lines about promotion and pins in the supervisors' logs of ``incarnation`` (the
+    context of a finding), at most ``limit``, each cut to 300 characters."""
+    words = ("promot", "pinned", "daemon", "waiting for rank")
+    lines = []
+    for path in sorted(logs.glob(f"launch-node*-inc{incarnation}.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if any(word in line for word in words) and not line.startswith(("  File", "[rank")):
+                lines.append(f"{path.name}: {line[:300]}")
+    return lines[:limit]
+
+
 class JobFailed(RuntimeError):
     """The job stopped on its own (a supervisor exited) or did not recover in time."""
 
@@ -191,6 +203,8 @@ class Driver:
         self.started = time.time()
         self.faults: list[Fault] = []
         self.unexpected: list[dict[str, Any]] = []
+        #: What went wrong without stopping the run (a job that would not end, ...): each makes the exit 1.
+        self.findings: list[dict[str, Any]] = []
         self.records: list[tuple[str, Any, int | None]] = []  # (what, CommittedRecord, keep_last)
         self._catch_up: list[tuple[Fault, int, float]] = []  # fault, step, since
         self.object_steps: list[int] = []
@@ -292,6 +306,9 @@ class Driver:
 
     def _trainer_kill(self, fault: Fault) -> None:
         rank = self.rng.randrange(self.world)
+        deadline = time.monotonic() + self.args.recovery_timeout
+        while self.progress.oldest_step() < 2 * self.args.every and time.monotonic() < deadline:
+            self.wait(0.1)  # a step saved on every rank, so that the replacement has one to restore
         incarnation = self.cluster.incarnation
         records = _generation_records(self.cluster.out, rank, incarnation)
         generation = max(records)
@@ -352,6 +369,11 @@ class Driver:
         lost = self.rng.choice(self.cluster.nodes)
         others = [node for node in self.cluster.nodes if node is not lost]
         fault.target = f"{lost.node_id} (ranks {', '.join(map(str, lost.ranks))})"
+        waited = time.time()
+        deadline = time.monotonic() + self.args.recovery_timeout
+        while not self._copies_elsewhere(lost) and time.monotonic() < deadline:
+            self.wait(0.5)  # a node lost before any of its steps left it restarts nothing: not this scenario
+        fault.detail = {"waited_for_a_copy_elsewhere_s": round(time.time() - waited, 3)}
         self._record_tiers(skip=lost)
         self._mark(fault)
         self.cluster.lose_node(lost)
@@ -369,6 +391,17 @@ class Driver:
                           "step_recovery_s": round(done - fault.at, 3)}
         self._catch_up.append((fault, self._saved_everywhere(), time.time()))
 
+    def _copies_elsewhere(self, node: SoakNode) -> bool:
+        """Whether the object tier, or the buddy for each of ``node``'s ranks, holds a committed step."""
+        from ckptd.tiers.local import LocalTier
+
+        if self._object_committed():
+            return True
+        holders = [other for other in self.cluster.nodes if other is not node]
+        return all(any(other.replica_root(node, rank).is_dir() and
+                       LocalTier(other.replica_root(node, rank), create=False).committed_steps() for other in holders)
+                   for rank in node.ranks)
+
     # --- the end -----------------------------------------------------------------------------------
     def stop(self) -> int:
         """Write the stop step, wait for the job to end cleanly and for the object tier to hold that step."""
@@ -377,9 +410,20 @@ class Driver:
         newest = (self.progress.newest_step() or 0) + max(10, 2 * every)
         stop_at = math.ceil(newest / every) * every
         self.cluster.stop_file.write_text(f"{stop_at}\n")
-        codes = self.cluster.wait_job(timeout_s=300)
+        told = time.time()
+        codes = self.cluster.wait_job(timeout_s=self.args.stop_timeout)
         if codes != [0] * len(codes):
-            raise JobFailed(f"the job did not end cleanly: exit codes {codes} (logs in {self.cluster.logs})")
+            # a finding, not the end of the run: the stacks went to the logs; a new incarnation finishes the job
+            incarnation = self.cluster.incarnation
+            self.findings.append({
+                "at_s": round(told - self.started, 3), "what": "the job did not end within "
+                f"{self.args.stop_timeout:g} s of reaching its last step {stop_at} (exit codes {codes} after SIGKILL); "
+                f"the ranks' stacks are in logs/launch-node*-inc{incarnation}.log; started again to finish",
+                "warnings": _ckptd_warnings(self.cluster.logs, incarnation)})
+            self.cluster.start_job()
+            codes = self.cluster.wait_job(timeout_s=self.args.recovery_timeout + self.args.stop_timeout)
+            if codes != [0] * len(codes):
+                raise JobFailed(f"the job did not end cleanly: exit codes {codes} (logs in {self.cluster.logs})")
         self.progress.poll()
         ended = time.time()
         deadline = time.monotonic() + self.args.final_promotion_timeout
@@ -493,6 +537,10 @@ def print_table(report: dict[str, Any]) -> None:
           f"{len(report['checks'])} tier checks ({sum(not c['ok'] for c in report['checks'])} failed)")
     for difference in report["differences"][:20]:
         print(f"  {difference}")
+    for finding in report["findings"]:
+        print(f"finding at {finding['at_s']:.1f}s: {finding['what']}")
+        for line in finding.get("warnings", []):
+            print(f"    {line}")
 
 
 def _counts(args: argparse.Namespace) -> dict[str, int]:
@@ -533,6 +581,7 @@ def run_soak(args: argparse.Namespace, workdir: Path, faults: list[Fault], optio
         driver.progress.poll()
         report["faults"] = [asdict(fault) for fault in driver.faults]
         report["unexpected"] = driver.unexpected
+        report["findings"] = driver.findings
         report["replayed_steps"] = driver.progress.replayed
         report["differences"] = list(driver.progress.mismatches)
         report["summary"] = summarise(driver.faults)
@@ -574,6 +623,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall-s", type=float, default=25.0, help="a stalled request's silence, seconds")
     parser.add_argument("--final-promotion-timeout", type=float, default=120.0,
                         help="seconds to wait, once the job ended, for the object tier to hold its last step")
+    parser.add_argument("--stop-timeout", type=float, default=100.0,
+                        help="seconds for the job to end once told to stop (then the ranks' stacks are logged)")
     parser.add_argument("--recovery-timeout", type=float, default=180.0, help="seconds to the next step")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary directory")
     parser.add_argument("--keep-workdir", action="store_true", help="keep it (always kept on failure)")
@@ -593,7 +644,7 @@ def main(argv: list[str] | None = None) -> int:
                      "step_time_s": args.step_time, "keep_local": 3, "keep_remote": options.keep_remote},
         "planned": counts, "faults": [], "unexpected": [], "checks": [], "differences": [], "steps": None,
         "verdict": "NOT RUN", "bytes_lost": None,
-        "summary": {}, "phases_s": {}}
+        "findings": [], "summary": {}, "phases_s": {}}
     print(f"soak: {args.minutes:g} min, seed {args.seed}, faults {counts}, workdir {workdir}", flush=True)
     failure = run_soak(args, workdir, faults, options, report, rng)
     report["ended"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -601,16 +652,17 @@ def main(argv: list[str] | None = None) -> int:
         report["verdict"], report["failure"] = "FAILED", failure
     else:
         report["verdict"] = "EQUAL" if not report["differences"] and report["bytes_lost"] == 0 else "DIFFERENT"
-    report["workdir"] = str(workdir) if report["verdict"] != "EQUAL" or args.keep_workdir else None
+    passed = report["verdict"] == "EQUAL" and not report["findings"]
+    report["workdir"] = str(workdir) if not passed or args.keep_workdir else None
     if args.report is not None:
         args.report.parent.mkdir(parents=True, exist_ok=True)
         args.report.write_text(json.dumps(report, indent=1) + "\n")
     print_table(report)
     if failure is not None:
         print(f"soak: FAILED: {failure}; the run is kept in {workdir}")
-    elif report["verdict"] == "EQUAL" and not args.keep_workdir:
+    elif passed and not args.keep_workdir:
         shutil.rmtree(workdir, ignore_errors=True)
-    return 0 if report["verdict"] == "EQUAL" else 1
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

@@ -219,6 +219,9 @@ class SoakCluster:
             try:
                 node.supervisor.wait(max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                for line in _child_pids(node.supervisor.pid):  # the stacks of the ranks that hang, into the log
+                    os.kill(int(line.split()[-1]), signal.SIGUSR1)
+                time.sleep(2.0)
                 node.supervisor.kill()
                 node.supervisor.wait()
         codes = self.supervisor_codes()

@@ -18,13 +18,17 @@ The job runs to ``--steps`` or, with ``--stop-file``, to the step number that fi
   (a step replayed after a rollback appears again; its digest must be the same);
 - ``rank<r>-final.json``: weights and optimizer state (hex of the raw bytes), the stream digest, the loader
   state and the last step, written after ``close``.
+
+SIGUSR1 makes a rank print the stacks of all its threads to stderr (the supervisor's log).
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -153,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--daemon", choices=("auto", "off", "require"), default="auto")
     parser.add_argument("--incarnation", type=int, default=0, help="the driver's count of job starts")
     args = parser.parse_args(argv)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver's look at a rank that hangs
     torch.set_num_threads(1)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     elastic.run(lambda ctx: _train(ctx, args), setup_fn=lambda: _setup(args))
