@@ -656,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
     report["workdir"] = str(workdir) if not passed or args.keep_workdir else None
     if args.report is not None:
         args.report.parent.mkdir(parents=True, exist_ok=True)
-        args.report.write_text(json.dumps(report, indent=1) + "\n")
+        # the run's own directory is named, not spelled out: the report is meant to be kept and compared
+        args.report.write_text(json.dumps(report, indent=1).replace(str(workdir), "<workdir>") + "\n")
     print_table(report)
     if failure is not None:
         print(f"soak: FAILED: {failure}; the run is kept in {workdir}")
