@@ -148,7 +148,8 @@ class FaultyDisk:
       fsync would restore wrong bytes.
 
     ``written`` counts the bytes that reached the disk; ``calls`` counts the calls of each operation on the
-    tier's files (a dry run tells a rule's ``skip`` how far a save goes); ``injected`` lists (call, path,
+    tier's files (a dry run tells a rule's ``skip`` how far a save goes; opens that only read count as
+    ``"open (reading)"``); ``injected`` lists (call, path,
     errno) of every failure raised on purpose. Install it with :meth:`install` (or ``with``); it patches module
     attributes, so it acts on every tier of the process (install it in the process, or rank, whose
     disk should fail). Thread-safe: the write pool's threads go through it at once.
@@ -196,7 +197,7 @@ class FaultyDisk:
             return
         step, name = _whereabouts(path)
         with self._lock:
-            self.calls[_OPERATION_OF[call]] += 1
+            self.calls["open (reading)" if reading else _OPERATION_OF[call]] += 1
             for number, rule in enumerate(self.rules):
                 if call not in _OPERATIONS[rule.operation] or (rule.step is not None and rule.step != step):
                     continue

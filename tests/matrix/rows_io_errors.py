@@ -114,10 +114,12 @@ def check_step_gone(root: Path) -> inv.Check:
 
 def failed_save_outcome(ctx: RunContext, root: Path, codec: str, kind: type[CkptdError], words: tuple[str, ...],
                         *, disk: FaultyDisk | None = None, during: Callable[[], list[inv.Check]] | None = None,
-                        repair: Callable[[], None] | None = None, detail: str = "") -> Outcome:
+                        repair: Callable[[], None] | None = None, after: Callable[[], list[inv.Check]] | None = None,
+                        detail: str = "") -> Outcome:
     """With step 1 committed in ``root``: save step 2 while the disk fails (``disk`` installed, or the file
     system failing by itself when None), check L1-L4, ``repair`` the disk, and check that step 3 saves and
-    restores. ``during``: more checks made while the disk still fails (a daemon's report)."""
+    restores. ``during``/``after``: more checks made while the disk still fails and once it works again
+    (a daemon's report)."""
     before = inv.record_committed(root)
     ctx.stopwatch.fault()
     error: CkptdError | None = None
@@ -143,6 +145,7 @@ def failed_save_outcome(ctx: RunContext, root: Path, codec: str, kind: type[Ckpt
     recovered = inv.check_newest_restores(WORKLOAD, root, expected_step=NEXT)
     checks.append(recovered)
     recovery = ctx.stopwatch.since_fault() if recovered.ok else None
+    checks += after() if after is not None else []
     injected = disk.injected[:1] if disk is not None else "by the file system"
     return inv.outcome(checks, recovery_s=recovery, detail=f"{detail}; codec {codec}; injected {injected}")
 
@@ -273,14 +276,12 @@ def read_only_or_quota_mid_save(ctx: RunContext) -> Outcome:
         daemon = start_daemon(ctx, root)
         try:
             kind, words = WORDS[code]
-            outcome = failed_save_outcome(ctx, root, codec, kind, words, disk=disk,
-                                          during=lambda: [check_daemon_reports(daemon, True)],
-                                          detail=f"{errno.errorcode[code]} from {operation} call {skip + 1} of {calls}")
-            healthy = check_daemon_reports(daemon, False)
+            return failed_save_outcome(ctx, root, codec, kind, words, disk=disk,
+                                       during=lambda: [check_daemon_reports(daemon, True)],
+                                       after=lambda: [check_daemon_reports(daemon, False)],
+                                       detail=f"{errno.errorcode[code]} from {operation} call {skip + 1} of {calls}")
         finally:
             daemon.stop(5.0)
-    return inv.outcome([inv.Check(name, outcome.held, outcome.detail, outcome.bytes_lost) for name in outcome.checked]
-                       + [healthy], recovery_s=outcome.recovery_s, detail=outcome.detail if outcome.held else "")
 
 
 def _mount(*options: str) -> None:
