@@ -15,8 +15,10 @@ recover is from that SIGKILL to the first step every rank completed after recove
 
 - detection: SIGKILL to the launcher's log line about the failure (the harness timestamps every line);
 - restart: that line to the first line of Python of the replacement process(es) (0 for a warm spare);
-- import + process group: to the process group of the new generation/attempt (``import torch``, model
-  and optimizer, the launcher's rendezvous and ``init_process_group``);
+- import: to the end of the worker's imports (``import torch``, ckptd);
+- setup: to the end of building model and optimizer;
+- rendezvous + process group: to the process group of the new generation/attempt (the launcher's
+  rendezvous, the other ranks joining, ``init_process_group``);
 - restore: the checkpoint manager's start and its ``restore`` (survivors under ckptd: from memory);
 - first step: to the end of the first step after the restore (the slowest rank);
 
@@ -48,7 +50,9 @@ from typing import Any  # noqa: E402
 
 WORLD = 2
 VICTIM = 1
-PHASES = ("detection", "restart", "import + process group", "restore", "first step")
+PHASES = ("detection", "restart", "import", "setup", "rendezvous + process group", "restore", "first step")
+#: When the worker finished its imports and its setup (model, optimizer), time.time().
+_TIMES: dict[str, float] = {}
 
 
 # --- the job -----------------------------------------------------------------------------------------
@@ -58,7 +62,9 @@ def _setup() -> dict[str, Any]:
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
-    return {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=0.01)}
+    built = {"model": model, "optim": torch.optim.AdamW(model.parameters(), lr=0.01)}
+    _TIMES["setup_at"] = time.time()
+    return built
 
 
 def _train(rank: int, world_size: int, generation: int, make_manager: Callable[..., Any], formed_at: float,
@@ -74,7 +80,7 @@ def _train(rank: int, world_size: int, generation: int, make_manager: Callable[.
     start = manager.restore({"model": model, "optim": optim}) or 0
     out = Path(args.out)
     record = {"rank": rank, "generation": generation, "pid": os.getpid(), "started_at": _STARTED,
-              "formed_at": formed_at, "manager_at": manager_at, "restored_at": time.time(), "restored": start,
+              "imported_at": _TIMES["imported_at"], "setup_at": _TIMES["setup_at"], "formed_at": formed_at, "manager_at": manager_at, "restored_at": time.time(), "restored": start,
               "tier": manager.last_restore.tier if manager.last_restore else None}
     for step in range(start + 1, args.steps + 1):
         generator = torch.Generator().manual_seed(10_000 * step + rank)
@@ -104,6 +110,7 @@ def _worker(args: argparse.Namespace) -> None:
     from ckptd import elastic
     from ckptd.elastic import keys
 
+    _TIMES["imported_at"] = time.time()
     torch.set_num_threads(1)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if keys.ENV_STORE in os.environ:  # under ckptd launch
@@ -112,6 +119,7 @@ def _worker(args: argparse.Namespace) -> None:
         return
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    prepared = _setup()  # before the process group, as ckptd.elastic.run calls setup_fn
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
                           timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt-{attempt}", store), rank=rank,
@@ -120,7 +128,7 @@ def _worker(args: argparse.Namespace) -> None:
     def manager(local: Path, **options: Any) -> ckptd.CheckpointManager:
         return ckptd.CheckpointManager(local, rank=rank, world_size=world_size, store=store, **options)
 
-    _train(rank, world_size, attempt, manager, time.time(), args, _setup())
+    _train(rank, world_size, attempt, manager, time.time(), args, prepared)
     dist.destroy_process_group()
 
 
@@ -159,11 +167,14 @@ def _run(launcher: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     restarted = [record for record in after if record["pid"] != _first_pid(out, record["rank"])]
     # a warm spare started long before the failure: its restart is the hand-over, counted in the next phase
     started = max(detected, min(record["started_at"] for record in restarted))
-    formed = max(record["formed_at"] for record in after)
+    # the slowest restarted rank's imports and setup (a warm spare did both before the failure: 0)
+    imported = max(started, max(record["imported_at"] for record in restarted))
+    set_up = max(imported, max(record["setup_at"] for record in restarted))
+    formed = max(set_up, max(record["formed_at"] for record in after))
     restored = max(record["restored_at"] for record in after)
     first_step = max(record["first_step_at"] for record in after)
-    phases = dict(zip(PHASES, (detected - killed["at"], started - detected, formed - started, restored - formed,
-                               first_step - restored)))
+    phases = dict(zip(PHASES, (detected - killed["at"], started - detected, imported - started, set_up - imported,
+                               formed - set_up, restored - formed, first_step - restored)))
     return {"launcher": launcher, "total_s": first_step - killed["at"], "phases_s": phases,
             "steps_lost": killed["step"] - after[VICTIM]["restored"], "restarted_ranks": [r["rank"] for r in restarted],
             "tiers": {record["rank"]: record["tier"] for record in after}}

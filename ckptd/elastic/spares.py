@@ -48,10 +48,10 @@ class SparePool:
     """The warm spares of one node (see the module docstring). Supervisor thread only."""
 
     def __init__(self, store: Any, node_rank: int, count: int,
-                 start: Callable[[dict[str, str]], subprocess.Popen[bytes]]) -> None:
+                 start: Callable[[dict[str, str]], subprocess.Popen[bytes]], first_ident: int = 0) -> None:
         self.store, self.node_rank, self.count, self._start = store, node_rank, count, start
         self.spares: list[Spare] = []
-        self._next = 0
+        self._next = first_ident
 
     def fill(self) -> None:
         """Start spares until ``count`` wait."""

@@ -177,6 +177,7 @@ class Supervisor:
         #: Nodes taken for lost, and since when (local clock), until a new supervisor of theirs beats.
         self._lost: dict[int, float] = {}
         self._signalled: int | None = None  # SIGTERM or SIGINT received
+        self._handlers: dict[int, Any] = {}  # the signal handlers this supervisor replaced
 
     # --- start ----------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -184,6 +185,8 @@ class Supervisor:
         is_host = spec.node_rank == 0
         self.store = dist.TCPStore(spec.rdzv_host, spec.rdzv_port, None, is_host,
                                    timeout=timedelta(seconds=spec.join_timeout_s), wait_for_workers=False)
+        # from now on there is a job to stop gracefully (until now SIGTERM ends the process at once)
+        self._handlers = self._catch_stop_signals()
         if is_host:
             self.store.set(keys.GENERATION, "0")
             for rank in range(spec.world_size):
@@ -270,7 +273,6 @@ class Supervisor:
     # --- watch ----------------------------------------------------------------------------------
     def run(self) -> None:
         """Start the node's ranks and watch them until the job finishes; raises WorkerError when it stops."""
-        handlers = self._catch_stop_signals()
         try:
             self._connect()
             self._supervise()
@@ -278,7 +280,7 @@ class Supervisor:
             self._say_stopped()
             raise
         finally:
-            for signum, handler in handlers.items():
+            for signum, handler in self._handlers.items():
                 signal.signal(signum, handler)
 
     def _catch_stop_signals(self) -> dict[int, Any]:
@@ -304,7 +306,9 @@ class Supervisor:
         raise JobStoppedError(f"the job stopped: node {self.spec.node_rank}'s supervisor got {name}")
 
     def _supervise(self) -> None:
-        self._spares = SparePool(self.store, self.spec.node_rank, self.spec.spares, self._spawn)
+        # a replacement's spares are numbered apart from the lost supervisor's, whose keys stay in the store
+        self._spares = SparePool(self.store, self.spec.node_rank, self.spec.spares, self._spawn,
+                                 first_ident=1000 * (self.incarnation - 1))
         for rank in self.ranks:
             self._start(rank)
         try:

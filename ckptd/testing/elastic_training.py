@@ -16,10 +16,12 @@ entering the generation, of the restore and of its first completed step; the vic
 ``rank<r>-killed.json`` just before the signal) and at the end
 ``rank<r>-final.json`` (weights, optimizer state, sample ids) into ``--out``, and after each save that
 staged a step ``rank<r>-staged.json`` (the steps staged, by generation). Its model, optimizer and data stream
-are built by ``setup_fn`` (:func:`ckptd.elastic.run`); a warm spare writes ``spare-<pid>.json`` once it has
-built them, and ``--kill-when-spare-ready`` holds the kill until one has (``--kill-spare-first``: then the
+are built by ``setup_fn`` (:func:`ckptd.elastic.run`); a warm spare writes ``spare-<pid>.json`` (its pid and
+node) once it has built them, and ``--kill-when-spare-ready`` holds the kill until one of the victim's node has (``--kill-spare-first``: then the
 victim SIGKILLs that spare first; ``--spare-setup-until-assigned``: a spare's setup ends only once it was
 handed a rank). ``--also-kill-rank R`` kills rank R too, at the same step and phase.
+
+``--step-sleep S`` makes every step S seconds longer (a job still running when a test acts on it).
 
 ``--poison-rank R --poison-step K`` poisons rank R's step K of the first generation with NaN weights, with
 correct hashes: ``--poison-how saved`` saves NaN weights as step K (memory and disk hold them; the live
