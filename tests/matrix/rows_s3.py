@@ -22,7 +22,7 @@ from ckptd.manager.manager import CheckpointManager
 from ckptd.policy import KeepEvery, Policy
 from ckptd.promotion import promote_step
 from ckptd.promotion.contents import read_step_contents, read_stored_chunk
-from ckptd.stepio.step_reader import verify_step
+from ckptd.stepio.step_reader import load_step_manifest, verify_step
 from ckptd.testing.fault_proxy import FaultProxy
 from ckptd.testing.invariants import Check, SyntheticWorkload, check_newest_restores, outcome
 from ckptd.testing.matrix import Outcome, RunContext, row
@@ -38,6 +38,9 @@ SMALL = SyntheticWorkload(256 * 1024)
 #: Chunks up to 16 MiB, parts of 5 MiB (the S3 minimum), short back-off so a run stays short.
 LAYOUT = {"chunk_bytes": 16 * MIB, "s3_part_bytes": 5 * MIB}
 FAST_BACKOFF = {"s3_backoff_base_s": 0.01, "s3_backoff_max_s": 0.2}
+#: A stalled request outlives the client's read timeout many times over; a save held up by the object tier
+#: would take at least this long.
+STALL_S = 8.0
 
 
 def _remote_checks(ctx: RunContext, loc: Any, workload: SyntheticWorkload, step: int, *,
@@ -52,12 +55,22 @@ def _remote_checks(ctx: RunContext, loc: Any, workload: SyntheticWorkload, step:
         found = look_behind(loc.endpoint_url, loc.url, direct)
         checks.append(Check("L3", found.clean, found.describe()))
         problems = [f"step {p.step}: {p.path}: {p.error}" for listed in committed for p in verify_step(direct, listed)]
-        checks.append(Check("L3", not problems, "; ".join(problems[:3]) or f"step(s) {committed} verify"))
+        restored = check_newest_restores(workload, remote=loc, expected_step=step, fresh_process=fresh_process,
+                                         scratch=ctx.workdir)
+        lost = 0 if restored.ok and not problems else _committed_bytes(direct, step)
     finally:
         direct.close()
-    checks.append(check_newest_restores(workload, remote=loc, expected_step=step, fresh_process=fresh_process,
-                                        scratch=ctx.workdir))
+    checks.append(Check("L3", not problems, "; ".join(problems[:3]) or f"step(s) {committed} verify", lost))
+    checks.append(restored)
     return checks
+
+
+def _committed_bytes(tier: ObjectTier, step: int) -> int:
+    """Bytes of a step the object tier lists as committed (0 when it lists none): what a broken one loses."""
+    try:
+        return load_step_manifest(tier, step).total_bytes
+    except CkptdError:
+        return 0
 
 
 def _failures(error: BaseException) -> list[BaseException]:
@@ -126,6 +139,8 @@ def _pending_then_healed(ctx: RunContext, proxy: FaultProxy | None, loc: Any, fa
             with contextlib.suppress(CkptdError):
                 manager.close()
             raise
+        checks.append(Check("L2", saved_s < STALL_S, f"save and local commit took {saved_s:.2f}s: never held up "
+                                                     f"by the object tier (bound {STALL_S:.0f}s)"))
         checks.append(Check("L2", bool(errors) and (expect is None or all(isinstance(e, expect) for e in errors)),
                             f"promotion failures: {[type(e).__name__ for e in errors]} (expected {expect})"))
         checks.append(Check("L2", pending == [1], f"steps pending for the object tier: {pending}"))
@@ -170,8 +185,6 @@ def persistent_slowdown(ctx: RunContext) -> Outcome:
     return outcome(checks, recovery_s=recovery, detail=f"{proxy.counts['503']} requests refused; {note}")
 
 
-#: A stalled request outlives the client's read timeout many times over.
-STALL_S = 8.0
 STALL_SETTINGS = {"s3_read_timeout_s": 0.3, "s3_metadata_read_timeout_s": 0.3, "s3_connect_timeout_s": 0.3,
                   "s3_metadata_connect_timeout_s": 0.3, "s3_retries": 1, "s3_metadata_retries": 2,
                   "wait_timeout_s": 30.0, "close_timeout_s": 30.0, **FAST_BACKOFF}
