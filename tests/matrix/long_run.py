@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import glob
 import shlex
+import signal
 import sys
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
@@ -189,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     except argparse.ArgumentTypeError as error:
         parser.error(str(error))
     matrix.discover(ROWS_DIRECTORY)
+    # SIGTERM (kill, a timeout) ends through the finally below: the moto server this process started stops
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         if args.merge is not None:
             return merge(args.merge, args.markdown, args.readme)
