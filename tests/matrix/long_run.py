@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(error))
     matrix.discover(ROWS_DIRECTORY)
     # SIGTERM (kill, a timeout) ends through the finally below: the moto server this process started stops
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         if args.merge is not None:
             return merge(args.merge, args.markdown, args.readme)
@@ -223,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path}")
         return 0 if held else 1
     finally:
+        signal.signal(signal.SIGTERM, previous)
         matrix.stop_shared_endpoints()
 
 
