@@ -35,6 +35,9 @@ from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
 
 STATE_BYTES = 64 * 1024
+#: Long-mode runs of the variants with S3 (several seconds each on a loaded 2-core machine: the moto server
+#: competes for the cores); the local-only variants run the default 100 times.
+S3_LONG_RUNS = 25
 CHUNK_BYTES = 4096
 GOOD, BAD = 1, 2
 WORKLOAD = inv.SyntheticWorkload(STATE_BYTES)
@@ -253,7 +256,7 @@ def _register(number: int, title: str, damage: Callable[[RunContext, Steps], Dam
     for with_s3, where in ((False, "local"), (True, "local_and_s3")):
         scenario = _scenario(damage, with_s3, codec)
         scenario.__name__ = scenario.__qualname__ = f"row{number}_{name}_{where}"
-        row(number, title)(scenario)
+        row(number, title, long_runs=S3_LONG_RUNS if with_s3 else 100)(scenario)
 
 
 _register(8, "Truncated shard in a committed checkpoint", truncate_shard, "truncated_shard")
@@ -299,7 +302,7 @@ def _metadata_scenario(with_s3: bool) -> Callable[[RunContext], Outcome]:
 for _with_s3, _where in ((False, "local"), (True, "local_and_s3")):
     _run = _metadata_scenario(_with_s3)
     _run.__name__ = _run.__qualname__ = f"row10_damaged_metadata_{_where}"
-    row(10, "Bit flip or truncation in the manifest or the index")(_run)
+    row(10, "Bit flip or truncation in the manifest or the index", long_runs=S3_LONG_RUNS if _with_s3 else 100)(_run)
 
 
 # --- row 36: data shards -----------------------------------------------------------------------------
