@@ -563,8 +563,7 @@ def run_soak(args: argparse.Namespace, workdir: Path, faults: list[Fault], optio
     try:
         driver = Driver(cluster, args, rng)
         try:
-            for node in cluster.nodes:
-                cluster.start_daemon(node)
+            cluster.start_daemons()
             driver.started = time.time()
             phases["start"] = round(driver.started - began, 3)
             driver.run(faults, args.minutes * 60)
@@ -629,6 +628,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary directory")
     parser.add_argument("--keep-workdir", action="store_true", help="keep it (always kept on failure)")
     args = parser.parse_args(argv)
+    # SIGTERM (a test's timeout, a CI job cancelled) ends the run through its cleanup: no process is left
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"soak: stopped by signal {signum}"))
     rng = random.Random(args.seed)
     counts = _counts(args)
     faults = plan_faults(rng, args.minutes * 60, counts)

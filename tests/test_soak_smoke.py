@@ -10,6 +10,8 @@ The driver runs as a subprocess exactly as documented; the test reads its JSON r
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -26,13 +28,27 @@ def test_a_compressed_soak_run_recovers_from_every_fault_and_equals_the_uninterr
     command = [sys.executable, str(SOAK), "--minutes", "0.25", "--seed", "7", "--report", str(report_path),
                "--trainer-kills", "1", "--daemon-kills", "1", "--s3-windows", "1", "--node-losses", "0",
                "--step-time", "0.02", "--every", "3", "--daemon-down-s", "0.5", "1", "--s3-window-s", "2", "3",
-               "--stall-s", "2", "--final-promotion-timeout", "5", "--recovery-timeout", "120",
+               "--stall-s", "2", "--final-promotion-timeout", "2", "--recovery-timeout", "120", "--stop-timeout", "30",
                "--workdir", str(tmp_path / "work")]
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=280)
-    output = finished.stdout[-4000:] + finished.stderr[-4000:]
+    driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True)
+    try:
+        output = driver.communicate(timeout=270)[0][-6000:]
+    except subprocess.TimeoutExpired:
+        driver.terminate()  # the driver stops its daemons, supervisors and S3 on SIGTERM
+        output = driver.communicate(timeout=60)[0][-6000:]
+        raise AssertionError(f"the soak driver did not finish within 270 s:\n{output}") from None
+    finally:
+        try:  # whatever the driver left behind in its session
+            os.killpg(driver.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        driver.wait()
+    finished = subprocess.CompletedProcess(command, driver.returncode, output)
     assert report_path.exists(), output
     report = json.loads(report_path.read_text())
     assert report["verdict"] == "EQUAL", (report.get("failure"), report["differences"], output)
+    assert report["findings"] == [], report["findings"]
     assert finished.returncode == 0, output
     assert report["bytes_lost"] == 0 and report["differences"] == []
     assert report["checks"] and all(check["ok"] for check in report["checks"]), report["checks"]

@@ -134,8 +134,8 @@ class SoakCluster:
     def _buddy(self, node: SoakNode) -> SoakNode:
         return self.nodes[(node.index + 1) % len(self.nodes)]
 
-    def start_daemon(self, node: SoakNode) -> None:
-        """Start (or start again) ``node``'s daemon and wait until it is ready."""
+    def start_daemon(self, node: SoakNode, *, wait: bool = True) -> None:
+        """Start (or start again) ``node``'s daemon and (``wait``) wait until it is ready."""
         for rank in node.ranks:
             node.rank_root(rank).mkdir(parents=True, exist_ok=True)
         node.state_dir.mkdir(parents=True, exist_ok=True)
@@ -153,7 +153,16 @@ class SoakCluster:
             node.daemon.kill()
         node.daemon = DaemonProcess(config, node.state_dir, env=_CREDENTIALS)
         node.daemon_starts += 1
-        node.daemon.wait_ready(timeout_s=120)
+        if wait:
+            node.daemon.wait_ready(timeout_s=120)
+
+    def start_daemons(self) -> None:
+        """Start every node's daemon, side by side, and wait until all are ready."""
+        for node in self.nodes:
+            self.start_daemon(node, wait=False)
+        for node in self.nodes:
+            assert node.daemon is not None
+            node.daemon.wait_ready(timeout_s=120)
 
     def kill_daemon(self, node: SoakNode) -> None:
         """SIGKILL ``node``'s daemon; it stays down until :meth:`start_daemon`."""
