@@ -115,16 +115,13 @@ class FaultProxy:
         return options
 
     # --- decisions --------------------------------------------------------------------------------
-    def choose_fault(self, body_bytes: int = 0) -> str | None:
-        """The fault for the next request (whose body is ``body_bytes`` long), or None to forward it
-        untouched."""
+    def choose_fault(self) -> str | None:
+        """The fault for the next request, or None to forward it untouched."""
         with self._lock:
             self.counts["requests"] += 1
             if self._random.random() >= self.fraction:
                 return None
             kind = self._random.choice(self.kinds)
-            if kind == "cut" and body_bytes <= self.cut_after_bytes:
-                return None
             self.counts[kind] += 1
             return kind
 
@@ -142,6 +139,11 @@ class FaultProxy:
         with self._lock:
             self.counts["skewed"] += 1
         return True
+
+    def forgo(self, kind: str) -> None:
+        """Uncount a chosen fault that did not apply (a ``"cut"`` of a body too short to cut)."""
+        with self._lock:
+            self.counts[kind] -= 1
 
     @property
     def faults_injected(self) -> int:
@@ -184,11 +186,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(403, "RequestTimeTooSkewed", "The difference between the request time and the "
                              "current time is too large.")
             return
-        fault = self.proxy.choose_fault(int(self.headers.get("Content-Length") or 0))
+        fault = self.proxy.choose_fault()
         if fault == "cut":
-            self.rfile.read(self.proxy.cut_after_bytes)
-            self._reset()
-            return
+            if int(self.headers.get("Content-Length") or 0) > self.proxy.cut_after_bytes:
+                self.rfile.read(self.proxy.cut_after_bytes)
+                self._reset()
+                return
+            self.proxy.forgo(fault)
+            fault = None
         body = self._read_body()
         if fault in _ERROR_BODIES:
             self._send_error(*_ERROR_BODIES[fault])
