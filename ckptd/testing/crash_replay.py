@@ -376,14 +376,14 @@ class ReplayReport:
 
 
 def replay(recording: Recording, scratch: Path, rng: random.Random, *, cap: int = 16,
-           stop_after_failures: int = 5) -> ReplayReport:
-    """Check every distinct crash state of the recording: per crash point all states when there are at
-    most ``cap``, else ``cap`` of them (see :meth:`CrashModel.states`); stops after
-    ``stop_after_failures`` failures."""
+           stop_after_failures: int = 5, resume: bool = True, first_point: int = 0) -> ReplayReport:
+    """Check every distinct crash state of the recording: per crash point (from ``first_point`` on) all
+    states when there are at most ``cap``, else ``cap`` of them (see :meth:`CrashModel.states`); stops
+    after ``stop_after_failures`` failures. ``resume``: see :func:`check_state`."""
     model = recording.model
     report = ReplayReport(recording.shape.name, len(recording.trace.ops), len(model.crash_points), model.total())
     seen: set[tuple[str, frozenset[int]]] = set()
-    for point in model.crash_points:
+    for point in model.crash_points[first_point:]:
         exhaustive = model.count(point) <= cap
         for state in model.states(point, rng, cap):
             if exhaustive:
@@ -395,7 +395,7 @@ def replay(recording: Recording, scratch: Path, rng: random.Random, *, cap: int 
                 continue
             seen.add(key)
             directory = scratch / f"state-{report.checked}"
-            verdict = check_state(recording, state, directory)
+            verdict = check_state(recording, state, directory, resume=resume)
             shutil.rmtree(directory, ignore_errors=True)
             report.checked += 1
             report.worst_recovery_s = max(report.worst_recovery_s, verdict.recovery_s)
