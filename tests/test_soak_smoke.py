@@ -33,11 +33,11 @@ def test_a_compressed_soak_run_recovers_from_every_fault_and_equals_the_uninterr
     driver = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True)
     try:
-        output = driver.communicate(timeout=270)[0][-6000:]
+        output = driver.communicate(timeout=240)[0][-6000:]
     except subprocess.TimeoutExpired:
         driver.terminate()  # the driver stops its daemons, supervisors and S3 on SIGTERM
-        output = driver.communicate(timeout=60)[0][-6000:]
-        raise AssertionError(f"the soak driver did not finish within 270 s:\n{output}") from None
+        output = driver.communicate(timeout=30)[0][-6000:]
+        raise AssertionError(f"the soak driver did not finish within 240 s:\n{output}") from None
     finally:
         try:  # whatever the driver left behind in its session
             os.killpg(driver.pid, signal.SIGKILL)
