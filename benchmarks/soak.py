@@ -543,6 +543,33 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"    {line}")
 
 
+def render_markdown(report: dict[str, Any]) -> str:
+    """A report as Markdown (for the README): the run, the figures per fault kind, the verdict."""
+    machine = report["machine"]
+    lines = [f"Soak run of {report['started'][:10]}: `{report['command']}`, {report['minutes']:g} min of faults, "
+             f"{report['steps']} steps, {report['topology']['nodes']} nodes x {report['topology']['ranks_per_node']} "
+             f"rank(s), {machine['cpus']} CPUs (load average {machine['load_average_at_start'][0]} at the start).", "",
+             "| fault | injected | recovered | next step on every rank, median / worst (s) | S3 caught up, median / "
+             "worst (s) |", "|---|---|---|---|---|"]
+    for kind, entry in report["summary"].items():
+        step, caught = entry["step_recovery_s"], entry["object_caught_up_s"]
+        if entry["injected"]:
+            lines.append(f"| {kind} | {entry['injected']} | {entry['recovered']} | {step['median']} / {step['worst']} "
+                         f"| {caught['median'] or '-'} / {caught['worst'] or '-'} |")
+    tiers: dict[str, int] = {}
+    for fault in report["faults"]:
+        for tier in (fault["recovery"].get("tiers") or {}).values():
+            name = str(tier).split(" ")[0]
+            tiers[name] = tiers.get(name, 0) + 1
+    lines += ["", f"Verdict: **{report['verdict']}** (weights, optimizer state and sample-id stream of every rank "
+              f"against the uninterrupted run), bytes lost: {report['bytes_lost']}, replayed steps drawing the same "
+              f"samples: {report.get('replayed_steps')}, restores by tier: "
+              f"{', '.join(f'{name} {count}' for name, count in sorted(tiers.items())) or 'none'}, findings: "
+              f"{len(report['findings'])}."]
+    lines += [f"- Finding: {finding['what']}" for finding in report["findings"]]
+    return "\n".join(lines) + "\n"
+
+
 def _counts(args: argparse.Namespace) -> dict[str, int]:
     minutes = args.minutes
     defaults = {"trainer-kill": max(1, round(minutes * 0.4)), "daemon-kill": max(1, round(minutes * 0.2)),
@@ -627,7 +654,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--recovery-timeout", type=float, default=180.0, help="seconds to the next step")
     parser.add_argument("--workdir", type=Path, default=None, help="default: a new temporary directory")
     parser.add_argument("--keep-workdir", action="store_true", help="keep it (always kept on failure)")
+    parser.add_argument("--render", type=Path, default=None, metavar="REPORT",
+                        help="print a report written by an earlier run as Markdown, and exit")
     args = parser.parse_args(argv)
+    if args.render is not None:
+        print(render_markdown(json.loads(args.render.read_text())), end="")
+        return 0
     # SIGTERM (a test's timeout, a CI job cancelled) ends the run through its cleanup: no process is left
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(f"soak: stopped by signal {signum}"))
     rng = random.Random(args.seed)
