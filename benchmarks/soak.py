@@ -565,8 +565,8 @@ def render_markdown(report: dict[str, Any]) -> str:
               f"against the uninterrupted run), bytes lost: {report['bytes_lost']}, replayed steps drawing the same "
               f"samples: {report.get('replayed_steps')}, restores by tier: "
               f"{', '.join(f'{name} {count}' for name, count in sorted(tiers.items())) or 'none'}, findings: "
-              f"{len(report['findings'])}."]
-    lines += [f"- Finding: {finding['what']}" for finding in report["findings"]]
+              f"{len(report.get('findings', []))}."]
+    lines += [f"- Finding: {finding['what']}" for finding in report.get("findings", [])]
     return "\n".join(lines) + "\n"
 
 
