@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from ckptd.testing import crash_replay
-from ckptd.testing.crash_replay import (FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION, PACKED_AND_DIRECT, TWO_RANKS, check_state,
+from ckptd.testing.crash_replay import (FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION, PACKED_AND_DIRECT, TWO_RANKS,
+                                        check_state,
                                         record_save, replay)
 from ckptd.testing.crash_states import SECTOR, CrashModel, CrashState, replay_everything, tree_differences, tree_of
 from ckptd.testing.fs_recorder import Trace, record
@@ -197,7 +198,8 @@ def test_the_replay_finds_a_step_directory_whose_name_is_not_durable(tmp_path: P
     monkeypatch.undo()
     fixed = record_save(LATER_STEP_RETENTION, tmp_path / "fixed")
     mkdir = next(op.index for op in fixed.trace.ops if op.kind == "mkdir")
-    assert any(op.kind == "dirsync" and op.path == "" and op.index > mkdir for op in fixed.trace.ops[:fixed.acknowledged_at])
+    assert any(op.kind == "dirsync" and op.path == "" and op.index > mkdir
+               for op in fixed.trace.ops[:fixed.acknowledged_at])
 
 
 def test_the_replay_finds_a_checkpoint_root_whose_name_is_not_durable(tmp_path: Path,
@@ -225,7 +227,8 @@ def test_the_replay_finds_a_data_file_renamed_without_its_fsync(tmp_path: Path) 
     broken.acknowledged_at = crash_replay.acknowledged_commit(broken.trace, FIRST_STEP.step)
     model = broken.model
     point = len(ops)
-    state = CrashState(point, fates=tuple((op.index, "zero") for op in ops if op.kind == "write" and ".data" in op.path))
+    state = CrashState(point, fates=tuple((op.index, "zero") for op in ops
+                                          if op.kind == "write" and ".data" in op.path))
     verdict = check_state(broken, state, tmp_path / "state")
     assert not verdict.held
     assert any(problem.startswith(("L3", "L1", "recovery")) for problem in verdict.problems), verdict.problems

@@ -127,7 +127,8 @@ def in_ranks(world_size: int, work: Callable[[int, Any], Any]) -> list[Any]:
 def _manager(shape: SaveShape, root: Path, rank: int, store: Any) -> CheckpointManager:
     ranks: dict[str, Any] = {} if shape.world_size == 1 else {"rank": rank, "world_size": shape.world_size,
                                                               "store": store}
-    return CheckpointManager(shape.checkpoint_root(root), policy=Policy(keep_local=shape.keep_local), capture_rng=False, daemon="off",
+    return CheckpointManager(shape.checkpoint_root(root), policy=Policy(keep_local=shape.keep_local),
+                             capture_rng=False, daemon="off",
                              **ranks)
 
 

@@ -13,16 +13,17 @@ interrupted that step) must commit and verify. ``recovery_s`` is the power loss 
 ``step_recovery_s`` to that next commit.
 
 Shapes: the first step of a run; the first step into a checkpoint root that does not exist yet (the
-recording starts before the manager is built, so the root's creation is in the trace); a later step with ``keep_local=1`` (the old step's unlinks are in the
-trace); packed small chunks next to large chunks written with ``O_DIRECT`` into parallel data files; and
-two ranks (threads with one in-process c10d store) writing into one directory. No root needed: the
-states are built from the trace, not from a block device.
+recording starts before the manager is built, so the root's creation is in the trace); a later step
+with ``keep_local=1`` (the old step's unlinks are in the trace); packed small chunks next to large
+chunks written with ``O_DIRECT`` into parallel data files; and two ranks (threads with one in-process
+c10d store) writing into one directory. No root needed: the states are built from the trace, not from a
+block device.
 """
 
 from __future__ import annotations
 
-from ckptd.testing.crash_replay import (FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION, PACKED_AND_DIRECT, TWO_RANKS, SaveShape,
-                                        check_state, record_save)
+from ckptd.testing.crash_replay import (FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION, PACKED_AND_DIRECT, TWO_RANKS,
+                                        SaveShape, check_state, record_save)
 from ckptd.testing.matrix import Outcome, RunContext, row
 
 TITLE = "Power loss / reordering of writes not yet fsynced"
