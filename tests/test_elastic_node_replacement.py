@@ -31,7 +31,7 @@ from ckptd.tiers.peer import PeerTier
 
 pytestmark = pytest.mark.multirank
 
-JOB, TOKEN, STEPS = "ckptd.testing.elastic_tiered_training", "node-replacement-test-token", "40"
+JOB, TOKEN, STEPS = "ckptd.testing.elastic_tiered_training", "node-replacement-test-token", "24"
 
 
 def _alive(pid: int) -> bool:
@@ -76,8 +76,9 @@ def test_a_lost_node_is_replaced_in_the_live_job_and_the_run_ends_bit_for_bit(tm
     replicator = _Replicator(tmp_path / "run" / "ckpt-node1" / "rank1", buddy)
     replicator.start()
     try:
-        first = [wait_until(lambda rank=rank: record(out, rank, 0), f"rank {rank} to start") for rank in range(WORLD)]
-        wait_until(lambda: any(step >= 6 for step in replicator.copied), "node 1's step 6 on the buddy")
+        first = [wait_until(lambda rank=rank: record(out, rank, 0), f"rank {rank} to start", 300)
+                 for rank in range(WORLD)]
+        wait_until(lambda: any(step >= 6 for step in replicator.copied), "node 1's step 6 on the buddy", 300)
         # node 1 is lost: its supervisor first, then its rank (it dies with its supervisor), then its disk
         job.supervisors[1].send_signal(signal.SIGKILL)
         job.supervisors[1].wait()
@@ -88,9 +89,9 @@ def test_a_lost_node_is_replaced_in_the_live_job_and_the_run_ends_bit_for_bit(tm
         # node 0 finds the loss by the missing supervisor heartbeat (no collective timeout involved)
         wait_until(lambda: "node 1's supervisor sent no heartbeat" in job.log(), "node 0 to find node 1 lost", 30)
         job.start(1)  # the replacement node: same --node-rank, same rendezvous, an empty root
-        code = job.wait()
+        code = job.wait(300)
         assert code == 0, job.log()[-6000:]
-        assert reference.wait() == 0, reference.log()[-4000:]
+        assert reference.wait(300) == 0, reference.log()[-4000:]
     finally:
         replicator.stopping.set()
         job.kill()

@@ -37,8 +37,8 @@ Its loop, every ``poll_s``:
   stops its ranks and exits.
 - SIGTERM or SIGINT to any supervisor stops the whole job gracefully: it sets ``elastic/stop``, every rank
   leaves at its next step (:func:`ckptd.elastic.run` exits with code 15), every supervisor waits
-  ``_TERM_GRACE_S`` for its ranks before SIGTERM and SIGKILL, and every supervisor exits with
-  JobStoppedError (exit 15). Committed steps are kept.
+  ``_LEAVE_GRACE_S`` (20 s) for its ranks before SIGTERM, and 5 s more before SIGKILL, and every
+  supervisor exits with JobStoppedError (exit 15). Committed steps are kept.
 
 Exit codes of ``ckptd launch``: 0 (every rank finished), 12 (a restart budget spent, a lost node not
 replaced in time, or a supervisor replaced by a newer one), 14 (crash loop), 15 (stopped on request).
@@ -68,7 +68,9 @@ from ckptd.elastic.waiting import wait_for
 
 log = logging.getLogger("ckptd.elastic")
 
-#: Seconds a stopping supervisor gives its ranks to leave on their own, and again between SIGTERM and SIGKILL.
+#: Seconds a supervisor gives its ranks to leave a stopping job on their own (at their next step).
+_LEAVE_GRACE_S = 20.0
+#: Seconds a stopping supervisor gives its ranks between SIGTERM and SIGKILL.
 _TERM_GRACE_S = 5.0
 #: Seconds between two supervisor heartbeats (and two looks at the other nodes' heartbeats).
 _NODE_BEAT_S = 0.1
@@ -544,11 +546,11 @@ class Supervisor:
 
     def _stop_ranks(self) -> None:
         """Let the running ranks leave on their own (a stopping job: they see ``elastic/stop`` at their next
-        step), then SIGTERM, then SIGKILL, ``_TERM_GRACE_S`` apart."""
+        step; ``_LEAVE_GRACE_S``), then SIGTERM, then SIGKILL ``_TERM_GRACE_S`` later."""
         running = [rank for rank in self.ranks if rank.process is not None and rank.process.poll() is None]
         stopping = self.store is not None and self._store_says_stop()
         for signal_next in ((None,) if stopping else ()) + (signal.SIGTERM, signal.SIGKILL):
-            deadline = time.monotonic() + _TERM_GRACE_S
+            deadline = time.monotonic() + (_LEAVE_GRACE_S if signal_next is None else _TERM_GRACE_S)
             for rank in running:
                 if signal_next is not None and rank.process.poll() is None:
                     rank.process.send_signal(signal_next)
@@ -577,7 +579,8 @@ class Supervisor:
             joined = [node for node, value in enumerate(values, 1) if not value.startswith(b"0:")
                       and node not in self._lost]
             wait_for(lambda: self.store.check([keys.node_stopped(node) for node in joined]),
-                     what=f"nodes {joined} to stop their ranks", timeout_s=2 * _TERM_GRACE_S + 5.0, poll_s=0.05)
+                     what=f"nodes {joined} to stop their ranks",
+                     timeout_s=_LEAVE_GRACE_S + 2 * _TERM_GRACE_S + 5.0, poll_s=0.05)
         except Exception as error:  # noqa: BLE001 - the job is over either way
             log.warning("not every node said it stopped: %s", error)
 

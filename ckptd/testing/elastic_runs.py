@@ -89,7 +89,8 @@ def start_job(root: Path, *job_args: str, max_restarts: int = 3, hang_timeout: f
     return job
 
 
-def launch_job(root: Path, *job_args: str, timeout_s: float = 180.0, **options: Any) -> subprocess.CompletedProcess[str]:
+def launch_job(root: Path, *job_args: str, timeout_s: float = 180.0,
+               **options: Any) -> subprocess.CompletedProcess[str]:
     """:func:`start_job`, waited for: the exit code (the same on every supervisor) and their output (all of
     it in ``stderr``)."""
     job = start_job(root, *job_args, **options)
