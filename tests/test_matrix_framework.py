@@ -99,17 +99,18 @@ def test_results_merge_into_the_report_and_the_readme_block(tmp_path: Path) -> N
     newer = matrix_report.write_results(tmp_path / "b.json", newer_doc)
     merged = matrix_report.merge_results(matrix_report.load_results([older, newer]))
     by_row = {s["number"]: s["summary"] for s in merged["scenarios"]}
-    assert by_row[99]["runs"] == 3 and by_row[99]["held"] == 3, "the newest file's runs of a scenario count"
+    assert by_row[99]["runs"] == 4 and by_row[99]["held"] == 3, "batches join by seed (2, 3, 4, 6)"
+    assert by_row[99]["failed_seeds"] == [3]
     assert by_row[97]["bytes_lost"] == 7 and by_row[97]["failed_seeds"] == [1]
     report = matrix_report.markdown_report(merged, command="make matrix")
-    assert "| 99 | test row 99 | `raises_on_odd_seeds` | 3 | 3 |" in report
+    assert "| 99 | test row 99 | `raises_on_odd_seeds` | 4 | 3 |" in report
     assert "| 97 | test row 97 | `loses_bytes` | 1 | 0 |" in report and "| 7 | 1 |" in report
     assert "| 98 | needs root | no root here | tests/test_faults_enospc.py |" in report
     assert "Rows without long-mode results yet: 1, 2," in report and "make matrix" in report
     readme = "intro\n" + matrix_report.README_START + "\nold table\n" + matrix_report.README_END + "\nafter\n"
     updated = matrix_report.replace_marked_block(readme, matrix_report.readme_block(merged, command="make matrix"))
     assert updated.startswith("intro\n") and updated.endswith("\nafter\n") and "old table" not in updated
-    assert "4 runs, 3 held, 7 bytes of committed data lost" in updated
+    assert "5 runs, 3 held, 7 bytes of committed data lost" in updated
     with pytest.raises(ValueError, match="no fault-matrix block"):
         matrix_report.replace_marked_block("no markers", "x")
     (tmp_path / "bad.json").write_text(json.dumps({"format": "other"}))

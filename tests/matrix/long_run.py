@@ -77,13 +77,13 @@ def _run_one(number: int, scenario: str, seed: int, keep_failed: bool) -> matrix
 
 
 def run_rows(entries: list[matrix.Row], runs: dict[str, int], *, jobs: int = 1, keep_failed: bool = False,
-             progress: bool = True) -> list[tuple[matrix.Row, list[matrix.RunRecord]]]:
-    """Run each entry ``runs[scenario name]`` times (seeds ``seed_for(row, i)``), in this process or on
-    ``jobs`` worker processes; returns the records per entry in seed order."""
+             progress: bool = True, first_run: int = 0) -> list[tuple[matrix.Row, list[matrix.RunRecord]]]:
+    """Run each entry ``runs[scenario name]`` times (seeds ``seed_for(row, first_run + i)``), in this process
+    or on ``jobs`` worker processes; returns the records per entry in seed order."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     tasks = [(entry, matrix.seed_for(entry.number, index)) for entry in entries
-             for index in range(runs[entry.scenario.__name__])]
+             for index in range(first_run, first_run + runs[entry.scenario.__name__])]
     records: dict[str, list[matrix.RunRecord]] = {entry.scenario.__name__: [] for entry in entries}
     failed = 0
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=None, help="runs per scenario (default: its long_runs)")
     parser.add_argument("--runs-for", action="append", default=[], metavar="ROW=RUNS",
                         help="runs for one row, overriding --runs (may be repeated)")
+    parser.add_argument("--first-run", type=int, default=0,
+                        help="index of the first run (seeds go on from an earlier batch; --merge joins batches)")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes (default 1: this process)")
     parser.add_argument("--out", default=None, help="JSON results file to write")
     parser.add_argument("--keep-failed", action="store_true", help="keep the scratch directories of failed runs")
@@ -208,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = {entry.scenario.__name__: runs_for.get(entry.number, args.runs or entry.long_runs)
                 for entry in entries}
         results = run_rows(entries, runs, jobs=args.jobs, keep_failed=args.keep_failed,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, first_run=args.first_run)
         not_runnable = [entry for entry in matrix.scenarios() if entry.scenario is None
                         and (wanted is None or entry.number in wanted)]
         command = shlex.join(["python", "tests/matrix/long_run.py", *argv])
