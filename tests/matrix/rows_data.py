@@ -6,10 +6,11 @@ seed; no DataLoader workers: the injector's children are daemonic and may not st
 child's workers outlive its SIGKILL for a while; ``tests/test_data_resume.py`` resumes with 2 workers),
 saving every step with a real :class:`~ckptd.CheckpointManager` and reporting the sample ids of each step;
 it is SIGKILLed a random delay after a random step, in the middle of later steps and their background
-saves. This process then restores the newest committed step as a restarted job does and trains to the end. L5: the ids the killed run saw up to the restored step, followed by those
-of the resumed run, equal the ids of a golden run that never stopped (same configuration, in this
-process), step by step, and the final state hash (the loader's state and a running mix of every id
-consumed, itself checkpointed) equals the golden one. L1: the restored step is one the child committed.
+saves. This process then restores the newest committed step as a restarted job does and trains to the
+end. L5: the ids the killed run saw up to the restored step, followed by those of the resumed run, equal
+the ids of a golden run that never stopped (same configuration, in this process), step by step, and the
+final state hash (the loader's state and a running mix of every id consumed, itself checkpointed) equals
+the golden one. L1: the restored step is one the child committed.
 """
 
 from __future__ import annotations
