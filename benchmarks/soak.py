@@ -324,6 +324,10 @@ class Driver:
                                  f"{newest[rank]['generation']}), the others rejoined",
                           "restored_step": newest[rank]["restored"],
                           "tiers": {r: newest[r]["tier"] for r in range(self.world)},
+                          # where the time went: the replacement's start (import torch, setup), the restore
+                          "replacement_started_s": round(newest[rank]["entered_at"] - fault.at, 3),
+                          "restore_s": round(max(newest[r]["restored_at"] - newest[r]["entered_at"]
+                                                 for r in range(self.world)), 3),
                           "step_recovery_s": round(done - fault.at, 3)}
         self._catch_up.append((fault, self._saved_everywhere(), time.time()))
 
