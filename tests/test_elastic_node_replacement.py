@@ -111,3 +111,30 @@ def test_a_lost_node_is_replaced_in_the_live_job_and_the_run_ends_bit_for_bit(tm
     assert survivor[last]["restored"] == replaced[last]["restored"] is not None
     assert replaced[last]["tier"].startswith("peer "), replaced[last]
     assert survivor[last]["tier"] == "memory" or survivor[last]["tier"].startswith("local "), survivor[last]
+
+
+def test_a_second_supervisor_for_a_live_node_takes_its_place_and_the_first_stops(tmp_path: Path) -> None:
+    # node 1's supervisor is alive when another one is started with its --node-rank: the newer one joins as
+    # a replacement, the older one sees it, stops its rank and exits 12; the job ends bit for bit
+    reference = start_job(tmp_path / "reference", "--steps", STEPS, nodes=WORLD)
+    job = start_job(tmp_path / "run", "--steps", STEPS, "--step-sleep", "0.2", nodes=WORLD)
+    out = tmp_path / "run" / "out"
+    try:
+        first = [wait_until(lambda rank=rank: record(out, rank, 0), f"rank {rank} to start", 300)
+                 for rank in range(WORLD)]
+        older = job.supervisors[1]
+        job.start(1)
+        assert older.wait(timeout=120) == 12, job.log()[-4000:]
+        code = job.wait(300)
+        assert code == 0, job.log()[-6000:]
+        assert reference.wait(300) == 0, reference.log()[-4000:]
+    finally:
+        job.kill()
+        reference.kill()
+    log = job.log()
+    assert "a newer supervisor with --node-rank 1 joined the job" in log, log[-4000:]
+    assert not _alive(first[1]["pid"]), "the older supervisor's rank still runs"
+    assert finals(out) == finals(tmp_path / "reference" / "out")
+    survivor, replaced = generations(out, 0), generations(out, 1)
+    assert {record["pid"] for record in survivor.values()} == {first[0]["pid"]}, survivor
+    assert replaced[max(replaced)]["pid"] != first[1]["pid"] and max(replaced) >= 1
