@@ -73,10 +73,12 @@ def _not_runnable_json(entry: Row) -> dict[str, Any]:
 
 
 def write_results(path: str | os.PathLike[str], document: dict[str, Any]) -> Path:
-    """Write a results document as JSON (the directory is created)."""
+    """Write a results document as JSON, whole or not at all (the directory is created)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(json.dumps(document, indent=1, sort_keys=False) + "\n")
+    temporary = target.with_name(f".{target.name}.tmp")
+    temporary.write_text(json.dumps(document, indent=1, sort_keys=False) + "\n")
+    os.replace(temporary, target)
     return target
 
 

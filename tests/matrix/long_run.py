@@ -5,7 +5,8 @@ Run rows (seeds ``seed_for(row, 0..N-1)``, the short mode's seeds first)::
     python tests/matrix/long_run.py --rows 1-3,13 --runs 100 --runs-for 1=500 --out reports/fault-matrix/crash.json
 
 Without ``--runs`` each scenario runs its ``long_runs`` times; ``--jobs N`` spreads the runs over N worker
-processes. Merge every results file into the report and the README's table (one command)::
+processes; the results file is rewritten every 10 runs (a run stopped early keeps what it did), and
+``--first-run K`` runs a further batch (seeds from index K) that ``--merge`` joins to the earlier ones. Merge every results file into the report and the README's table (one command)::
 
     python tests/matrix/long_run.py --merge 'reports/fault-matrix/*.json' \\
         --markdown reports/fault-matrix/REPORT.md --readme README.md
@@ -25,6 +26,7 @@ import glob
 import shlex
 import signal
 import sys
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
@@ -77,9 +79,12 @@ def _run_one(number: int, scenario: str, seed: int, keep_failed: bool) -> matrix
 
 
 def run_rows(entries: list[matrix.Row], runs: dict[str, int], *, jobs: int = 1, keep_failed: bool = False,
-             progress: bool = True, first_run: int = 0) -> list[tuple[matrix.Row, list[matrix.RunRecord]]]:
+             progress: bool = True, first_run: int = 0,
+             save: Callable[[list[tuple[matrix.Row, list[matrix.RunRecord]]]], None] | None = None,
+             save_every: int = 10) -> list[tuple[matrix.Row, list[matrix.RunRecord]]]:
     """Run each entry ``runs[scenario name]`` times (seeds ``seed_for(row, first_run + i)``), in this process
-    or on ``jobs`` worker processes; returns the records per entry in seed order."""
+    or on ``jobs`` worker processes; returns the records per entry in seed order. ``save`` gets the records
+    so far every ``save_every`` runs (a run stopped early keeps them)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     tasks = [(entry, matrix.seed_for(entry.number, index)) for entry in entries
@@ -87,6 +92,10 @@ def run_rows(entries: list[matrix.Row], runs: dict[str, int], *, jobs: int = 1, 
     records: dict[str, list[matrix.RunRecord]] = {entry.scenario.__name__: [] for entry in entries}
     failed = 0
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    def so_far() -> list[tuple[matrix.Row, list[matrix.RunRecord]]]:
+        return [(entry, sorted(records[entry.scenario.__name__], key=lambda r: r.seed)) for entry in entries
+                if records[entry.scenario.__name__]]
+
     with Progress(*columns, disable=not progress, transient=False) as bar:
         task = bar.add_task("fault matrix", total=len(tasks))
 
@@ -99,6 +108,8 @@ def run_rows(entries: list[matrix.Row], runs: dict[str, int], *, jobs: int = 1, 
                                   f"{record.outcome.detail}[/red]")
             bar.update(task, advance=1, description=f"row {record.number} {record.scenario} ({failed} failed)")
             finished = int(bar.tasks[0].completed)
+            if save is not None and finished % save_every == 0 and finished < len(tasks):
+                save(so_far())
             if not progress and (finished % 25 == 0 or finished == len(tasks)):  # a log line instead of the bar
                 print(f"{finished}/{len(tasks)} runs, {failed} not held", flush=True)
 
@@ -112,7 +123,7 @@ def run_rows(entries: list[matrix.Row], runs: dict[str, int], *, jobs: int = 1, 
                            for entry, seed in tasks]
                 for future in as_completed(futures):
                     done(future.result())
-    return [(entry, sorted(records[entry.scenario.__name__], key=lambda r: r.seed)) for entry in entries]
+    return so_far()
 
 
 def replay(spec: str) -> int:
@@ -209,13 +220,17 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("no runnable scenario matches --rows/--scenario")
         runs = {entry.scenario.__name__: runs_for.get(entry.number, args.runs or entry.long_runs)
                 for entry in entries}
-        results = run_rows(entries, runs, jobs=args.jobs, keep_failed=args.keep_failed,
-                           progress=not args.no_progress, first_run=args.first_run)
         not_runnable = [entry for entry in matrix.scenarios() if entry.scenario is None
                         and (wanted is None or entry.number in wanted)]
         command = shlex.join(["python", "tests/matrix/long_run.py", *argv])
-        path = matrix_report.write_results(args.out, matrix_report.results_document(
-            results, command=command, not_runnable=not_runnable))
+
+        def save(results: list[tuple[matrix.Row, list[matrix.RunRecord]]]) -> Path:
+            return matrix_report.write_results(args.out, matrix_report.results_document(
+                results, command=command, not_runnable=not_runnable))
+
+        results = run_rows(entries, runs, jobs=args.jobs, keep_failed=args.keep_failed,
+                           progress=not args.no_progress, first_run=args.first_run, save=save)
+        path = save(results)
         held = all(record.outcome.held for _, records in results for record in records)
         for entry, records in results:
             summary = matrix.summarise(entry, records)
