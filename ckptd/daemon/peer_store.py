@@ -36,6 +36,7 @@ import xxhash
 
 from ckptd.errors import (AlreadyCommittedError, ConfigError, NotFoundError, StorageError, UnsafePathError)
 from ckptd.format.layout import MANIFEST_NAME, TEMP_MARKER, parse_step_dir, step_dir
+from ckptd.tiers.confined import confined_path
 from ckptd.tiers.local import AtomicFile, LocalTier
 from ckptd.tiers.peer_paths import PeerPath
 
@@ -83,16 +84,8 @@ class PeerNamespaces:
     def _inside(self, namespace: Namespace, path: Path, relative: str) -> Path:
         """``path`` after checking that nothing on the way from the namespace root is a symlink and that
         its real path stays inside the namespace root."""
-        current = namespace.directory
-        for part in path.relative_to(namespace.directory).parts:
-            current = current / part
-            try:
-                mode = os.lstat(current).st_mode
-            except FileNotFoundError:
-                break
-            if stat.S_ISLNK(mode):
-                raise UnsafePathError("refusing a path through a symbolic link", path=relative,
-                                      tier=f"peer namespace {namespace.name}")
+        confined_path(namespace.directory, path.relative_to(namespace.directory).as_posix(),
+                      tier=f"peer namespace {namespace.name}")
         real = os.path.realpath(path)
         if real != str(namespace.directory) and not real.startswith(str(namespace.directory) + os.sep):
             raise UnsafePathError("refusing a path that leaves its namespace", path=relative,

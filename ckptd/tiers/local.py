@@ -15,6 +15,7 @@ import fcntl
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -27,10 +28,11 @@ import fsspec
 from ckptd._types import Buffer
 from ckptd.config import settings
 from ckptd.errors import (AlreadyCommittedError, ConfigError, DiskFullError, IntegrityError, LockedError,
-                          NotFoundError, StorageError)
+                          NotFoundError, StorageError, UnsafePathError)
 from ckptd.format.layout import TEMP_MARKER, parse_step_dir, step_dir
 from ckptd.tiers import direct_io
 from ckptd.tiers.base import StorageTier, TierCapabilities
+from ckptd.tiers.confined import confined_path
 
 log = logging.getLogger("ckptd.tiers")
 
@@ -256,7 +258,7 @@ class LocalTier(StorageTier):
         return cls(url, create=create)
 
     def _path(self, path: str) -> Path:
-        return self.root / path
+        return confined_path(self.root, path, tier=self.label)
 
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
         try:
@@ -310,7 +312,11 @@ class LocalTier(StorageTier):
             raise NotFoundError("file not found", path=path, tier=self.label) from exc
 
     def exists(self, path: str) -> bool:
-        return self._path(path).is_file()
+        try:
+            return self._path(path).is_file()
+        except UnsafePathError as error:  # a linked manifest: the step is not committed here
+            log.warning("%s", error)
+            return False
 
     def list_step_numbers(self) -> list[int]:
         try:
@@ -318,11 +324,18 @@ class LocalTier(StorageTier):
         except OSError as exc:
             raise _storage_error(exc, self.root, "listing") from exc
         steps = (parse_step_dir(name) for name in names)
-        return sorted(step for step in steps if step is not None and (self.root / step_dir(step)).is_dir())
+        return sorted(step for step in steps if step is not None and self._is_real_directory(step_dir(step)))
+
+    def _is_real_directory(self, name: str) -> bool:
+        """Whether ``name`` under the root is a directory and not a symbolic link to one."""
+        try:
+            return stat.S_ISDIR(os.lstat(self.root / name).st_mode)
+        except OSError:
+            return False
 
     def list_files(self, step: int) -> list[str]:
         directory = self.root / step_dir(step)
-        if not directory.is_dir():
+        if not self._is_real_directory(step_dir(step)):
             return []
         return sorted(name for name in os.listdir(directory) if TEMP_MARKER not in name)
 
