@@ -87,8 +87,9 @@ def run_rows(entries: list[matrix.Row], runs: dict[str, int], *, jobs: int = 1, 
     so far every ``save_every`` runs (a run stopped early keeps them)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    tasks = [(entry, matrix.seed_for(entry.number, index)) for entry in entries
-             for index in range(first_run, first_run + runs[entry.scenario.__name__])]
+    most = max(runs.values(), default=0)  # interleaved: a run stopped early has some of every scenario
+    tasks = [(entry, matrix.seed_for(entry.number, index)) for index in range(first_run, first_run + most)
+             for entry in entries if index < first_run + runs[entry.scenario.__name__]]
     records: dict[str, list[matrix.RunRecord]] = {entry.scenario.__name__: [] for entry in entries}
     failed = 0
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
