@@ -7,6 +7,7 @@ owner still runs is left alone. The uploads here are real ones on moto's server,
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -66,3 +67,31 @@ def test_the_uploads_of_a_dead_writer_are_aborted_and_a_live_ones_kept(tmp_path:
                .get("Contents", [])]
     assert len(records) == 1 and f"-{alive.pid}-" in records[0], records
     assert "aborted an abandoned multipart upload of chunks/aa/dead.raw" in daemon.log()
+
+
+def test_a_dead_writers_upload_of_a_key_someone_is_uploading_again_is_aborted_once_that_ends(
+        tmp_path: Path, s3_server, s3_bucket, s3_options) -> None:
+    # a restarted daemon uploads the same content-addressed chunk again: while its upload runs, the key has a
+    # live owner and the dead writer's upload of that key is left alone; once it is done, it goes
+    client = s3_client(s3_server)
+    key = "chunks/cc/same.raw"
+    orphan = _open_upload(client, s3_bucket, key, replace(UploadOwner.mine(key), pid=_dead_pid()))
+    again = _open_upload(client, s3_bucket, key, UploadOwner.mine(key))
+    root, state = tmp_path / "root", tmp_path / "state"
+    root.mkdir()
+    config = write_config(tmp_path / "daemon.toml", [{"name": "run1", "local": str(root),
+                                                      "remote": f"s3://{s3_bucket}/run1", "storage_options": s3_options}],
+                          state_dir=str(state), node_id="node-a", listen="127.0.0.1:0", poll_interval_s=0.1,
+                          scrub_interval_s=0)
+    with DaemonProcess(config, state) as daemon:
+        daemon.wait_ready()
+        time.sleep(6.0)  # maintenance passes (one a second) while the key has a live owner
+        assert orphan in _open_uploads(client, s3_bucket), "an upload of a key with a live owner was aborted"
+        parts = client.list_parts(Bucket=s3_bucket, Key=f"run1/{key}", UploadId=again)["Parts"]
+        client.complete_multipart_upload(Bucket=s3_bucket, Key=f"run1/{key}", UploadId=again, MultipartUpload={
+            "Parts": [{"PartNumber": part["PartNumber"], "ETag": part["ETag"]} for part in parts]})
+        for item in client.list_objects_v2(Bucket=s3_bucket, Prefix="run1/uploads/").get("Contents", []):
+            if f"-{os.getpid()}-" in item["Key"]:
+                client.delete_object(Bucket=s3_bucket, Key=item["Key"])  # the live writer is done
+        daemon.wait_for(lambda: not _open_uploads(client, s3_bucket), 15, "the dead writer's upload to be aborted")
+        assert daemon.terminate() == 0

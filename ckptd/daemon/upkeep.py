@@ -6,9 +6,9 @@ Both call H4's functions (:func:`ckptd.daemon.retention.apply_retention`,
 a pin; scrub checks this node's copies (the local root, mended from the object tier and the buddy; the
 object tier, mended from the others) and the replicas buddies sent here, never a buddy's copy over the
 network (the buddy scrubs that itself). Uploads left open on an object tier by a writer that died (this
-daemon's previous process, SIGKILLed mid-upload, or a trainer's uploader) are aborted at the first pass
-after the daemon starts and every ``gc_abandoned_s`` after that; an upload whose owner still runs is left
-alone (:meth:`~ckptd.tiers.object.ObjectTier.abort_incomplete_uploads`). Failures are counted in the
+daemon's previous process, SIGKILLed mid-upload, or a trainer's uploader) are aborted from the first pass
+after the daemon starts, at every pass until none is left open, then every ``gc_abandoned_s``; an upload
+whose owner still runs is left alone (:meth:`~ckptd.tiers.object.ObjectTier.abort_incomplete_uploads`). Failures are counted in the
 metrics and handed to ``record_error``.
 """
 
@@ -61,8 +61,8 @@ class Upkeep:
                       if tier is not None and keep is not None])
 
     def abort_abandoned_uploads(self, runtime: RootRuntime) -> int:
-        """Abort the multipart uploads no live writer owns on the root's object tier, at the first call for
-        the root and every ``gc_abandoned_s`` after that; returns how many were aborted."""
+        """Abort the multipart uploads no live writer owns on the root's object tier: at every call until one
+        leaves no upload open, then every ``gc_abandoned_s``; returns how many were aborted."""
         tier = runtime.remote
         if tier is None or not tier.capabilities.multipart_uploads:
             return 0
@@ -73,11 +73,15 @@ class Upkeep:
             return 0
         try:
             aborted = tier.abort_incomplete_uploads(threshold)
+            left = tier.incomplete_uploads()
         except CkptdError as error:
             self.record_error("uploads", runtime.name, None, str(error))
             log.warning("aborting the abandoned uploads of %s failed: %s", tier.label, error)
             return 0
-        self._uploads_checked_at[runtime.name] = now
+        if not left:
+            # an upload is spared while its key has a live owner, even one uploading that key anew (a
+            # restarted daemon re-sends the chunk a dead one left half sent): look again until none is open
+            self._uploads_checked_at[runtime.name] = now
         if aborted:
             log.info("aborted %d multipart upload(s) a dead writer left on %s", aborted, tier.label)
         return aborted
