@@ -8,8 +8,8 @@ object tier, mended from the others) and the replicas buddies sent here, never a
 network (the buddy scrubs that itself). Uploads left open on an object tier by a writer that died (this
 daemon's previous process, SIGKILLed mid-upload, or a trainer's uploader) are aborted from the first pass
 after the daemon starts, at every pass until none is left open, then every ``gc_abandoned_s``; an upload
-whose owner still runs is left alone (:meth:`~ckptd.tiers.object.ObjectTier.abort_incomplete_uploads`). Failures are counted in the
-metrics and handed to ``record_error``.
+whose owner still runs is left alone (:meth:`~ckptd.tiers.object.ObjectTier.abort_incomplete_uploads`).
+Failures are counted in the metrics and handed to ``record_error``.
 """
 
 from __future__ import annotations
