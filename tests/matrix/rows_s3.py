@@ -40,7 +40,7 @@ LAYOUT = {"chunk_bytes": 16 * MIB, "s3_part_bytes": 5 * MIB}
 FAST_BACKOFF = {"s3_backoff_base_s": 0.01, "s3_backoff_max_s": 0.2}
 #: A stalled request outlives the client's read timeout many times over; a save held up by the object tier
 #: would take at least this long.
-STALL_S = 8.0
+STALL_S = 30.0
 
 
 def _remote_checks(ctx: RunContext, loc: Any, workload: SyntheticWorkload, step: int, *,
