@@ -4,6 +4,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ckptd-installed
 INTEGRATIONS_STAMP := $(VENV)/.ckptd-integrations-installed
+#: pytest-xdist workers for the default suite (each test file runs whole on one worker).
+TEST_WORKERS ?= 2
 #: The torch the venv has, as a requirement: installing other packages never swaps it (no CUDA build).
 TORCH_PIN = "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 
@@ -33,7 +35,7 @@ demo: setup
 # The default suite, then the framework tests (marker integrations) once their extras are installed;
 # with PYTORCH_TESTS=<dir> also PyTorch's own DCP tests against ckptd's plugins (test-pytorch-dcp).
 test: setup
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 	$(MAKE) test-integrations
 	@if [ -n "$(PYTORCH_TESTS)" ]; then $(MAKE) test-pytorch-dcp; fi
 

@@ -73,7 +73,7 @@ def test_a_lost_node_restores_from_its_buddy_then_from_s3_when_the_buddy_is_gone
             object_tier = open_tier(remote, storage_options=s3_options)
             wait_until(lambda: object_tier.committed_steps() == [1, 2, 3]
                        and replicas.is_dir() and LocalTier(replicas).committed_steps() == [1, 2, 3],
-                       90, "steps 1-3 promoted to S3 and replicated to node-b")
+                       180, "steps 1-3 promoted to S3 and replicated to node-b")
             daemon.kill()  # node A is lost: its daemon and its NVMe
         shutil.rmtree(a_root)
         a_root.mkdir()
