@@ -251,6 +251,9 @@ class LocalTier(StorageTier):
         except OSError as exc:
             raise _storage_error(exc, self.root, "creating the checkpoint directory") from exc
         self._locks: dict[int, int] = {}
+        #: Ranks opened without their writer lock (the root was read-only); taken before the next write.
+        self._unlocked: set[int] = set()
+        self._unlocked_guard = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str, *, storage_options: dict[str, Any] | None = None,
@@ -356,6 +359,7 @@ class LocalTier(StorageTier):
         """Start writing a file that becomes visible only on :meth:`AtomicFile.commit` (with direct I/O
         where possible when ``direct``; see :class:`AtomicFile`)."""
         target = self._path(path)
+        self._lock_before_writing()
         try:
             make_directory(target.parent)
         except OSError as exc:
@@ -374,6 +378,7 @@ class LocalTier(StorageTier):
             self._refuse_unless_identical(path, data)
 
     def delete_files(self, paths: list[str]) -> None:
+        self._lock_before_writing()
         parents = set()
         for path in paths:
             target = self._path(path)
@@ -419,8 +424,10 @@ class LocalTier(StorageTier):
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             if exc.errno == errno.EROFS:  # nobody writes through a read-only mount: restores may go on
-                log.warning("%s is on a read-only file system: opened without the writer lock of rank %d; "
-                            "restores work, saves fail until it is writable", self.root, rank)
+                if rank not in self._unlocked:
+                    log.warning("%s is on a read-only file system: opened without the writer lock of rank %d; "
+                                "restores work, saves fail until it is writable", self.root, rank)
+                self._unlocked.add(rank)
                 return
             raise _storage_error(exc, lock_path, "creating the lock file") from exc
         try:
@@ -438,7 +445,17 @@ class LocalTier(StorageTier):
         except OSError:
             pass
         self._locks[rank] = fd
+        self._unlocked.discard(rank)
         _LOCK_HOLDERS.add(self)
+
+    def _lock_before_writing(self) -> None:
+        """Take the writer locks skipped because the root was read-only, before anything is written: a file
+        system remounted read-write may meanwhile have let another manager take them (LockedError)."""
+        if not self._unlocked:
+            return
+        with self._unlocked_guard:
+            for rank in sorted(self._unlocked):
+                self.acquire_lock(rank)
 
     def _drop_inherited_locks(self) -> None:
         """In a forked child: close the inherited lock descriptors without unlocking (an unlock would

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import calendar
+import datetime
 import email.utils
 import socket
 from collections.abc import Iterator
@@ -96,11 +97,15 @@ def inspect(exc: BaseException) -> S3Failure:
 
 
 def http_date(value: Any) -> float | None:
-    """An HTTP ``Date`` header as seconds since the epoch (None when absent or malformed)."""
+    """An HTTP ``Date`` header as seconds since the epoch (None when absent or malformed). HTTP dates are
+    UTC: one without a zone (the asctime format, or ``-0000``) is read as UTC, never as local time."""
     try:
-        return email.utils.parsedate_to_datetime(str(value)).timestamp() if value else None
+        parsed = email.utils.parsedate_to_datetime(str(value)) if value else None
     except (TypeError, ValueError):
         return None
+    if parsed is None:
+        return None
+    return (parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=datetime.timezone.utc)).timestamp()
 
 
 def signing_clock() -> float:
