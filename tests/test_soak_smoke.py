@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.multirank, pytest.mark.s3]
+# Minutes on a loaded 2-core machine: outside the default run (``pytest -m slow tests/test_soak_smoke.py``).
+pytestmark = [pytest.mark.slow, pytest.mark.multirank, pytest.mark.s3]
 
 SOAK = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
 
