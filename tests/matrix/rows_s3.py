@@ -111,7 +111,8 @@ def slowdown_on_a_fraction(ctx: RunContext) -> Outcome:
 # --- rows 24 and 25: the tier fails, the step stays pending locally, lands once healed -----------------
 
 def _pending_then_healed(ctx: RunContext, proxy: FaultProxy | None, loc: Any, failing_options: dict[str, Any],
-                         heal: Any, expect: type[BaseException] | None) -> tuple[list[Check], float | None, str]:
+                         heal: Any, expect: type[BaseException] | None,
+                         failing_settings: dict[str, Any]) -> tuple[list[Check], float | None, str]:
     """Save step 1 through a manager whose object tier fails: the save returns, the promotion fails with
     ``expect`` (when given), the step stays pinned and restorable locally, a warning is logged and the lag
     says the object tier is behind. Then ``heal()``: a restarted manager promotes the pending step.
@@ -119,7 +120,7 @@ def _pending_then_healed(ctx: RunContext, proxy: FaultProxy | None, loc: Any, fa
     local = ctx.path("local")
     checks: list[Check] = []
     policy = Policy(keep_local=None, keep_remote=KeepEvery(1))  # the pending step is never superseded
-    with warnings_logged() as logged:
+    with override(**failing_settings), warnings_logged() as logged:  # short timeouts only while it fails
         manager = CheckpointManager(local, remote=loc.url, storage_options=failing_options, capture_rng=False,
                                     policy=policy, daemon="off")
         try:
@@ -173,21 +174,21 @@ def persistent_slowdown(ctx: RunContext) -> Outcome:
     restorable), a warning names the step and the promotion lag shows it; once the proxy heals, the next
     start promotes it. recovery_s: heal to remote-restorable."""
     loc = ctx.s3()
-    with override(**FAST_BACKOFF, s3_retries=2, s3_metadata_retries=2, wait_timeout_s=30.0,
-                  close_timeout_s=30.0), \
-            FaultProxy(loc.endpoint_url, fraction=1.0, kinds=("503",), seed=ctx.rng.randrange(2 ** 32)) as proxy:
-        failing = proxy.storage_options(loc.storage_options)
+    failing = {**FAST_BACKOFF, "s3_retries": 2, "s3_metadata_retries": 2, "wait_timeout_s": 60.0,
+               "close_timeout_s": 60.0}
+    with FaultProxy(loc.endpoint_url, fraction=1.0, kinds=("503",), seed=ctx.rng.randrange(2 ** 32)) as proxy:
+        options = proxy.storage_options(loc.storage_options)
 
         def heal() -> None:
             proxy.fraction = 0.0
 
-        checks, recovery, note = _pending_then_healed(ctx, proxy, loc, failing, heal, None)
+        checks, recovery, note = _pending_then_healed(ctx, proxy, loc, options, heal, None, failing)
     return outcome(checks, recovery_s=recovery, detail=f"{proxy.counts['503']} requests refused; {note}")
 
 
 STALL_SETTINGS = {"s3_read_timeout_s": 0.3, "s3_metadata_read_timeout_s": 0.3, "s3_connect_timeout_s": 0.3,
                   "s3_metadata_connect_timeout_s": 0.3, "s3_retries": 1, "s3_metadata_retries": 2,
-                  "wait_timeout_s": 30.0, "close_timeout_s": 30.0, **FAST_BACKOFF}
+                  "wait_timeout_s": 60.0, "close_timeout_s": 60.0, **FAST_BACKOFF}
 
 
 @row(25, "Stalled endpoint (read timeout)", short_runs=1, long_runs=100)
@@ -196,16 +197,16 @@ def stalled_endpoint(ctx: RunContext) -> Outcome:
     fires, the save returns long before the endpoint would have answered, the promotion fails as
     unreachable and stays pending; once healed it lands."""
     loc = ctx.s3()
-    with override(**STALL_SETTINGS), \
-            FaultProxy(loc.endpoint_url, fraction=1.0, kinds=("stall",), stall_s=STALL_S,
-                       seed=ctx.rng.randrange(2 ** 32)) as proxy:
+    with FaultProxy(loc.endpoint_url, fraction=1.0, kinds=("stall",), stall_s=STALL_S,
+                    seed=ctx.rng.randrange(2 ** 32)) as proxy:
         failing = proxy.storage_options(loc.storage_options)
 
         def heal() -> None:
             proxy.fraction = 0.0
 
         started = time.monotonic()
-        checks, recovery, note = _pending_then_healed(ctx, proxy, loc, failing, heal, TierUnreachableError)
+        checks, recovery, note = _pending_then_healed(ctx, proxy, loc, failing, heal, TierUnreachableError,
+                                                      STALL_SETTINGS)
         bounded = time.monotonic() - started
     checks.append(Check("L2", proxy.counts["stall"] > 0, f"{proxy.counts['stall']} request(s) stalled"))
     return outcome(checks, recovery_s=recovery, detail=f"{note}; whole run {bounded:.1f}s, stall {STALL_S}s")
@@ -217,10 +218,11 @@ def unaccepted_connections(ctx: RunContext) -> Outcome:
     fires, the save is not held up, the step stays pending; a restart reaching the store (the same bucket
     and prefix through a working endpoint) promotes it."""
     loc = ctx.s3()
-    with override(**STALL_SETTINGS), blackhole_endpoint() as endpoint:
+    with blackhole_endpoint() as endpoint:
         failing = dict(loc.storage_options)
         failing["client_kwargs"] = dict(loc.storage_options.get("client_kwargs") or {}, endpoint_url=endpoint)
-        checks, recovery, note = _pending_then_healed(ctx, None, loc, failing, lambda: None, TierUnreachableError)
+        checks, recovery, note = _pending_then_healed(ctx, None, loc, failing, lambda: None, TierUnreachableError,
+                                                      STALL_SETTINGS)
     return outcome(checks, recovery_s=recovery, detail=note)
 
 
