@@ -20,9 +20,8 @@ from pathlib import Path
 import pytest
 
 from ckptd.testing import crash_replay
-from ckptd.testing.crash_replay import (FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION, PACKED_AND_DIRECT, TWO_RANKS,
-                                        check_state,
-                                        record_save, replay)
+from ckptd.testing.crash_replay import (FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION, LEFTOVER_STEP_DIRECTORY,
+                                        PACKED_AND_DIRECT, TWO_RANKS, check_state, record_save, replay)
 from ckptd.testing.crash_states import SECTOR, CrashModel, CrashState, replay_everything, tree_differences, tree_of
 from ckptd.testing.fs_recorder import Trace, record
 
@@ -169,6 +168,7 @@ def test_every_crash_state_of_a_save_recovers(tmp_path: Path, shape: crash_repla
     report = replay(recording, tmp_path / "scratch", random.Random(4), cap=10_000, resume=resume)
     assert report.enumerated == report.states_in_model and report.sampled == 0, "every state was enumerated"
     assert report.checked > 15
+    assert 0 < report.with_recorded_step < report.checked, "states before and after the commit were checked"
     assert report.failures == [], "\n\n".join(f"{f.description}\n{f.problems}" for f in report.failures)
 
 
@@ -176,7 +176,7 @@ def test_every_crash_state_of_a_save_recovers(tmp_path: Path, shape: crash_repla
 def test_sampled_crash_states_of_larger_saves_recover(tmp_path: Path, shape: crash_replay.SaveShape) -> None:
     recording = record_save(shape, tmp_path / "root")
     report = replay(recording, tmp_path / "scratch", random.Random(5), cap=3)
-    assert report.sampled > 0 and report.checked > 20
+    assert report.sampled > 0 and report.checked > 20 and report.with_recorded_step > 0
     assert report.failures == [], "\n\n".join(f"{f.description}\n{f.problems}" for f in report.failures)
 
 
@@ -213,6 +213,19 @@ def test_the_replay_finds_a_checkpoint_root_whose_name_is_not_durable(tmp_path: 
     assert report.failures, "the root's mkdir is not durable without an fsync of its parent"
     assert "dropped #0 mkdir run" in report.failures[0].description
     assert "L2: acknowledged step(s) [1] lost" in report.failures[0].problems[0]
+
+
+def test_a_step_directory_left_by_a_killed_attempt_is_made_durable(tmp_path: Path) -> None:
+    """Regression (found in review): an attempt killed between the step directory's ``mkdir`` and the
+    fsync of the root leaves a directory that is not durable; the restarted job's save went into it
+    without fsyncing the root (another process had created it), so a power loss after that save's
+    acknowledged commit could take the step away, and with ``keep_local=1`` the step before it too."""
+    recording = record_save(LEFTOVER_STEP_DIRECTORY, tmp_path / "root")
+    assert recording.trace.ops[0].kind == "mkdir" and recording.trace.ops[0].path == "step-000000000002"
+    report = replay(recording, tmp_path / "scratch", random.Random(8), cap=10_000, stop_after_failures=1,
+                    resume=False, first_point=recording.acknowledged_at + 1)
+    assert report.failures == [], "\n\n".join(f"{f.description}\n{f.problems}" for f in report.failures)
+    assert report.checked > 0 and report.with_recorded_step == report.checked
 
 
 def test_the_replay_finds_a_data_file_renamed_without_its_fsync(tmp_path: Path) -> None:

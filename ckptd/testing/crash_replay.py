@@ -25,6 +25,7 @@ into place: that is when ckptd reports the step committed (:class:`~ckptd.tiers.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import threading
@@ -52,7 +53,10 @@ class SaveShape:
     retention, settings (``ckptd.config.override`` values) and the state's tensors (name -> element
     count of float32; the values depend on step and rank). With ``fresh_root`` the recording starts
     before the managers are built, on a directory whose checkpoint root (``run/``) does not exist yet,
-    so the root's creation and the managers' start are in the trace too."""
+    so the root's creation and the managers' start are in the trace too. With ``leftover_step_directory``
+    the recording starts with the ``mkdir`` of the recorded step's directory by an attempt killed before
+    it fsynced the root (a process kill keeps the page cache: that entry is in the file system, not
+    durable), and the save goes into that directory."""
 
     name: str
     step: int = 1
@@ -62,6 +66,7 @@ class SaveShape:
     tensors: tuple[tuple[str, int], ...] = (("weight", 3000), ("bias", 40), ("moment", 1500))
     settings: tuple[tuple[str, Any], ...] = ()
     fresh_root: bool = False
+    leftover_step_directory: bool = False
 
     def checkpoint_root(self, directory: Path) -> Path:
         """The managers' local root inside a recorded (or materialised) ``directory``."""
@@ -93,8 +98,10 @@ PACKED_AND_DIRECT = SaveShape(
     settings=(("pack_below_bytes", 16384), ("direct_io", True), ("direct_io_min_bytes", 16384),
               ("chunk_bytes", 65536), ("io_threads", 2)))
 TWO_RANKS = SaveShape("two_ranks", step=2, previous_steps=(1,), world_size=2, keep_local=1)
+LEFTOVER_STEP_DIRECTORY = SaveShape("leftover_step_directory", step=2, previous_steps=(1,), keep_local=1,
+                                    leftover_step_directory=True)
 SHAPES = {shape.name: shape for shape in (FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION, PACKED_AND_DIRECT,
-                                          TWO_RANKS)}
+                                          TWO_RANKS, LEFTOVER_STEP_DIRECTORY)}
 
 
 def in_ranks(world_size: int, work: Callable[[int, Any], Any]) -> list[Any]:
@@ -195,7 +202,8 @@ def record_save(shape: SaveShape, root: Path) -> Recording:
                 manager.close()
 
         recording: dict[str, Any] = {}
-        barrier = _RecordingBarrier(shape.world_size, root, recording)
+        leftover = shape.checkpoint_root(root) / step_dir(shape.step) if shape.leftover_step_directory else None
+        barrier = _RecordingBarrier(shape.world_size, root, recording, leftover)
         try:
             if shape.fresh_root:
                 barrier.start()
@@ -207,16 +215,19 @@ def record_save(shape: SaveShape, root: Path) -> Recording:
     if differences:
         raise AssertionError("the recorded trace does not replay to the directory the save left: "
                              + "; ".join(differences[:5]))
-    return Recording(shape, root, trace, acknowledged_commit(trace, shape.step, shape))
+    acknowledged = acknowledged_commit(trace, shape.step, shape)
+    if acknowledged is None:  # the save returned, so its commit is in the trace: else L2 would check nothing
+        raise AssertionError(f"no acknowledged commit of step {shape.step} in the trace ({trace.summary()})")
+    return Recording(shape, root, trace, acknowledged)
 
 
 class _RecordingBarrier:
     """Starts the recording when every rank has saved its previous steps, and stops it (keeping the
     tree the save left) when every rank's recorded save is done."""
 
-    def __init__(self, parties: int, root: Path, out: dict[str, Any]) -> None:
+    def __init__(self, parties: int, root: Path, out: dict[str, Any], leftover: Path | None = None) -> None:
         self._barrier = threading.Barrier(parties, action=self._toggle)
-        self._root, self._out = root, out
+        self._root, self._out, self._leftover = root, out, leftover
         self._context: Any = None
         self._calls = 0
 
@@ -224,6 +235,8 @@ class _RecordingBarrier:
         """Start recording now (before the managers are built) instead of at the first barrier."""
         self._context = record(self._root)
         self._out["trace"] = self._context.__enter__()
+        if self._leftover is not None:
+            os.mkdir(self._leftover)
 
     def stop(self) -> None:
         """Stop recording, if it still runs (a rank failed before the end of its save)."""
@@ -363,7 +376,7 @@ class Failure:
 class ReplayReport:
     """What :func:`replay` did: operations in the trace, crash points, states the model counts, states
     drawn (enumerated in full where a crash point has at most ``cap`` of them, else sampled), distinct
-    trees checked, and the failures."""
+    trees checked, of those the states in which the recorded step was committed, and the failures."""
 
     shape: str
     ops: int
@@ -372,6 +385,7 @@ class ReplayReport:
     enumerated: int = 0
     sampled: int = 0
     checked: int = 0
+    with_recorded_step: int = 0
     failures: list[Failure] = field(default_factory=list)
     worst_recovery_s: float = 0.0
 
@@ -399,6 +413,7 @@ def replay(recording: Recording, scratch: Path, rng: random.Random, *, cap: int 
             verdict = check_state(recording, state, directory, resume=resume)
             shutil.rmtree(directory, ignore_errors=True)
             report.checked += 1
+            report.with_recorded_step += recording.shape.step in verdict.committed
             report.worst_recovery_s = max(report.worst_recovery_s, verdict.recovery_s)
             if not verdict.held:
                 report.failures.append(Failure(state, state.describe(recording.trace), verdict.problems))

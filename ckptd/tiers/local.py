@@ -88,9 +88,13 @@ def fsync_directory(directory: Path) -> None:
 def make_directory(directory: Path) -> None:
     """Create ``directory`` and its missing parents durably: after each ``mkdir`` the directory holding the
     new one is fsynced, since fsyncing files inside a new directory, or the directory itself, does not
-    make its own name durable (a power loss could take a committed step's whole directory away). A
-    directory another process created first is left to that process, which fsyncs its parent before it
-    writes into it (and so before any step in it can be committed)."""
+    make its own name durable (a power loss could take a committed step's whole directory away).
+
+    When ``directory`` already exists its parent is fsynced too: the process that created it may have
+    been killed before its fsync (a kill keeps the entry in the page cache, not on disk), and the files
+    committed into it now are only as durable as its name. A parent this process may not open (a
+    directory made for it by an administrator, mode ``--x``) or on a read-only file system is not
+    fsynced: whoever made the directory there did."""
     missing = []
     current = directory
     while not current.is_dir():
@@ -102,8 +106,13 @@ def make_directory(directory: Path) -> None:
         except FileExistsError:
             if not path.is_dir():
                 raise
-            continue
         fsync_directory(path.parent)
+    if not missing:
+        try:
+            fsync_directory(directory.parent)
+        except OSError as exc:
+            if not isinstance(exc, PermissionError) and exc.errno != errno.EROFS:
+                raise
 
 
 class AtomicFile:
@@ -254,6 +263,9 @@ class LocalTier(StorageTier):
         #: Ranks opened without their writer lock (the root was read-only); taken before the next write.
         self._unlocked: set[int] = set()
         self._unlocked_guard = threading.Lock()
+        #: Step directories made durable by :meth:`open_file`, with the inode they had then.
+        self._durable_directories: dict[Path, int] = {}
+        self._durable_lock = threading.Lock()
 
     @classmethod
     def from_url(cls, url: str, *, storage_options: dict[str, Any] | None = None,
@@ -361,10 +373,22 @@ class LocalTier(StorageTier):
         target = self._path(path)
         self._lock_before_writing()
         try:
-            make_directory(target.parent)
+            self._make_durable_directory(target.parent)
         except OSError as exc:
             raise _storage_error(exc, target.parent, "creating a step directory") from exc
         return AtomicFile(target, direct=direct)
+
+    def _make_durable_directory(self, directory: Path) -> None:
+        """:func:`make_directory`, once per directory (and again if it was removed and made anew)."""
+        try:
+            inode = os.stat(directory).st_ino
+        except FileNotFoundError:
+            inode = None
+        if inode is not None and self._durable_directories.get(directory) == inode:
+            return
+        with self._durable_lock:
+            make_directory(directory)
+            self._durable_directories[directory] = os.stat(directory).st_ino
 
     def write_bytes(self, path: str, data: Buffer, *, if_absent: bool = False) -> None:
         if if_absent and self.exists(path):  # early answer; the hard link in commit() is the real check
@@ -398,6 +422,7 @@ class LocalTier(StorageTier):
         directory = self.root / step_dir(step)
         if not directory.is_dir():
             return
+        self._durable_directories.pop(directory, None)
         for leftover in directory.iterdir():
             leftover.unlink(missing_ok=True)
         try:

@@ -16,14 +16,15 @@ Shapes: the first step of a run; the first step into a checkpoint root that does
 recording starts before the manager is built, so the root's creation is in the trace); a later step
 with ``keep_local=1`` (the old step's unlinks are in the trace); packed small chunks next to large
 chunks written with ``O_DIRECT`` into parallel data files; and two ranks (threads with one in-process
-c10d store) writing into one directory. No root needed: the states are built from the trace, not from a
+c10d store) writing into one directory; a later step saved into the step directory an attempt killed
+before its root fsync left (that ``mkdir`` is in the trace, not durable). No root needed: the states are built from the trace, not from a
 block device.
 """
 
 from __future__ import annotations
 
-from ckptd.testing.crash_replay import (FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION, PACKED_AND_DIRECT, TWO_RANKS,
-                                        SaveShape, check_state, record_save)
+from ckptd.testing.crash_replay import (FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION, LEFTOVER_STEP_DIRECTORY,
+                                        PACKED_AND_DIRECT, TWO_RANKS, SaveShape, check_state, record_save)
 from ckptd.testing.matrix import Outcome, RunContext, row
 
 TITLE = "Power loss / reordering of writes not yet fsynced"
@@ -81,3 +82,9 @@ def power_loss_packed_and_direct_io(ctx: RunContext) -> Outcome:
 def power_loss_two_ranks_one_directory(ctx: RunContext) -> Outcome:
     """Two ranks sharing a directory (rank 0 owns the commit marker and retention, keep_local=1)."""
     return _power_loss(ctx, TWO_RANKS)
+
+
+@row(4, TITLE, short_runs=2, long_runs=500)
+def power_loss_into_a_killed_attempts_step_directory(ctx: RunContext) -> Outcome:
+    """A save into the step directory an attempt killed before the fsync of the root left behind."""
+    return _power_loss(ctx, LEFTOVER_STEP_DIRECTORY)
