@@ -28,7 +28,7 @@ def confined_path(root: Path, relative: str, *, tier: str) -> Path:
         current = current / part
         try:
             mode = os.lstat(current).st_mode
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # the caller's own call fails as it should
             break
         if stat.S_ISLNK(mode):
             raise UnsafePathError("refusing a path through a symbolic link", path=relative, tier=tier,
