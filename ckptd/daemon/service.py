@@ -416,7 +416,38 @@ class Daemon:
             if self.journal.open_tasks(runtime.config.name, step):
                 continue  # claimed meanwhile: it runs from its pin
             log.warning("step %d of root %s: %d task(s) skipped, %s", step, runtime.config.name, skipped, reason)
+            self._announce_release(runtime, step)
             self._unpin(runtime, step)
+
+    def _announce_release(self, runtime: RootRuntime, step: int) -> None:
+        """A step this root holds only some ranks of (a multi-node job), dropped unpromoted by the pin cap: tell
+        the object tier (:func:`~ckptd.promotion.promoter.announce_release`, on a thread of its own, so that a
+        slow tier never holds up the watcher), so that the daemon committing it elsewhere stops waiting for
+        these shares at once and the others skip it."""
+        from ckptd.format.layout import MANIFEST_NAME, step_file
+        from ckptd.promotion.promoter import announce_release
+
+        remote = runtime.remote
+        if remote is None:
+            return
+        try:
+            manifest_bytes = runtime.pins.tier.read_bytes(step_file(step, MANIFEST_NAME))
+            manifest = load_step_manifest(runtime.pins.tier, step)
+            held = sorted(ranks_held(runtime.pins.tier, step, manifest))
+        except CkptdError as error:
+            log.debug("step %d of root %s: no release to announce: %s", step, runtime.config.name, error)
+            return
+        if len(held) == manifest.world_size:
+            return
+
+        def announce() -> None:
+            try:
+                announce_release(remote, step, held, manifest_bytes)  # type: ignore[arg-type]
+            except CkptdError as error:
+                log.warning("could not announce that root %s dropped its share of step %d: %s",
+                            runtime.config.name, step, error)
+
+        threading.Thread(target=announce, name="ckptd-daemon-release", daemon=True).start()
 
     # --- workers ------------------------------------------------------------------------------------
     def _work(self, kind: str) -> None:
@@ -493,6 +524,11 @@ class Daemon:
             else:
                 result = self._replicate(runtime, source, task.step)
         except Exception as error:  # noqa: BLE001 - every failure is journaled and retried
+            if _share_released(error):  # another node dropped its share: this step is never committed
+                self.journal.skip(task.id, str(error))
+                log.info("%s of step %d of root %s skipped: %s", task.kind, task.step, task.root, error)
+                self._unpin_if_done(runtime, task.step)
+                return
             self._failed(task, error, source)
             return
         self.journal.finish(task.id, result)
@@ -731,6 +767,13 @@ def _never_succeeds(error: BaseException, source: StorageTier | None, attempts: 
     if isinstance(error, IntegrityError):
         return source is not None and error.tier == source.label and attempts >= INTEGRITY_ATTEMPTS
     return type(error) is CommitError and "different step" in error.message
+
+
+def _share_released(error: BaseException) -> bool:
+    """Whether a promotion stopped because another node dropped its share of the step (never committed)."""
+    from ckptd.promotion.promoter import ShareReleasedError
+
+    return isinstance(error, ShareReleasedError)
 
 
 def _created(tier: StorageTier, step: int) -> float | None:

@@ -20,13 +20,18 @@ it again):
    clear the bad records of the chunks uploaded again;
 6. with several ranks promoting their own shares, each writes ``rank-NNNNN.promoted`` and the committing
    rank (the share that includes rank 0, unless the caller names another) waits for all of them, at most
-   ``CKPTD_COMMIT_TIMEOUT_S`` and never past :attr:`Promoter.give_up_at`, logging which ranks it waits for;
+   ``CKPTD_COMMIT_TIMEOUT_S`` and never past :attr:`Promoter.give_up_at`, logging which ranks it waits for.
+   A rank that dropped its pin of the step unpromoted (its pin cap, a leftover it settled as lost) says so
+   with ``rank-NNNNN.released`` (:func:`announce_release`, holding the digest of the step's manifest, so that
+   only this very step counts): the committing rank then stops waiting at once (CommitError), and a rank that
+   has not started its share skips it;
 7. write ``manifest.json`` last: the exact bytes of the local manifest.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import threading
 import time
@@ -55,6 +60,8 @@ PhaseHook = Callable[[str], None]
 ProgressHook = Callable[[int], None]
 #: A rank committing a step logs which other ranks' shares it still waits for this often (seconds).
 _WAIT_LOG_S = 10.0
+#: ... and looks this often whether one of them announced that it dropped its share (seconds).
+_RELEASED_LOOK_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,29 @@ class PromotionReport:
 def promoted_marker_name(rank: int) -> str:
     """Name of the object a rank writes once its share of a step is uploaded and verified."""
     return f"rank-{rank:05d}.promoted"
+
+
+class ShareReleasedError(CommitError):
+    """Another rank dropped its share of the step unpromoted (``rank-NNNNN.released``): it cannot be committed,
+    and retrying does not help."""
+
+
+def released_marker_name(rank: int) -> str:
+    """Name of the object a rank writes when it dropped its pin of a step without promoting its share."""
+    return f"rank-{rank:05d}.released"
+
+
+def manifest_digest(manifest_bytes: bytes) -> bytes:
+    """What a ``rank-NNNNN.released`` marker holds: it names one step's manifest, not any step with its number."""
+    return hashlib.sha256(manifest_bytes).hexdigest().encode()
+
+
+def announce_release(remote: ObjectTier, step: int, ranks: list[int], manifest_bytes: bytes) -> None:
+    """Tell the object tier that ``ranks`` dropped their pins of ``step`` unpromoted, so that the rank committing
+    it stops waiting for their shares at once (StorageError when the tier does not answer)."""
+    digest = manifest_digest(manifest_bytes)
+    for rank in ranks:
+        remote.write_bytes(step_file(step, released_marker_name(rank)), digest)
 
 
 def stored_chunks(remote: ObjectTier) -> dict[str, int]:
@@ -113,7 +143,7 @@ class Promoter:
         """Promote one committed local step; returns what was uploaded. Raises NotFoundError when the step
         is not committed locally, IntegrityError when a local chunk is corrupt, StorageError when the
         object tier fails past its retry budget, CommitError when the remote holds a different step or
-        another rank's share did not arrive in time. ``commits`` (default: ``ranks`` includes rank 0) says
+        another rank's share did not arrive in time (ShareReleasedError when another rank dropped its share). ``commits`` (default: ``ranks`` includes rank 0) says
         whether this share commits the step once every other rank's marker exists."""
         started = time.monotonic()
         contents = read_step_contents(self.local, step, ranks)
@@ -125,6 +155,8 @@ class Promoter:
                                   tier=self.remote.label, path=step_file(step, MANIFEST_NAME),
                                   hint="delete it there (ckptd gc) or promote into another prefix")
             return self._report(contents, 0, 0, True, started)
+        self._stop_if_released(contents, [entry.rank for entry in contents.manifest.ranks
+                                          if ranks is not None and entry.rank not in ranks])
         uploaded_bytes = 0
         for share in contents.shares:  # 3. in-flight marker
             self._write_once(step, step_file(step, share.index_name), share.index_bytes)
@@ -234,18 +266,39 @@ class Promoter:
                                   step=contents.step, tier=self.remote.label, path=path,
                                   hint="promote the step again")
 
+    def _stop_if_released(self, contents: StepContents, ranks: list[int]) -> None:
+        """CommitError when one of ``ranks`` announced that it dropped its share of this very step."""
+        if not ranks:
+            return
+        digest = manifest_digest(contents.manifest_bytes)
+        for rank in ranks:
+            path = step_file(contents.step, released_marker_name(rank))
+            try:
+                released = self.remote.read_bytes(path) == digest
+            except NotFoundError:
+                continue
+            if released:
+                raise ShareReleasedError(f"rank {rank} dropped its pin of this step without promoting its share (its pin "
+                                  "cap, or its copy was lost): the step is not committed on the object tier",
+                                  step=contents.step, tier=self.remote.label, path=path,
+                                  hint="nothing to do: a newer step is promoted instead")
+
     def _wait_for_other_ranks(self, contents: StepContents, ranks: list[int] | None) -> None:
         """Wait until every other rank's marker exists: at most ``CKPTD_COMMIT_TIMEOUT_S``, never past
         :attr:`give_up_at` (DeadlineError naming the ranks), logging the ranks still waited for."""
         waiting = [entry.rank for entry in contents.manifest.ranks if ranks is not None and entry.rank not in ranks]
         limit = settings().commit_timeout_s
         started = logged = time.monotonic()
+        looked = started - _RELEASED_LOOK_S
         while waiting:
             waiting = [rank for rank in waiting
                        if not self.remote.exists(step_file(contents.step, promoted_marker_name(rank)))]
             if not waiting:
                 return
             now = time.monotonic()
+            if now - looked >= _RELEASED_LOOK_S:
+                looked = now
+                self._stop_if_released(contents, waiting)
             give_up_at = self.give_up_at()
             if now - started >= limit or (give_up_at is not None and now >= give_up_at):
                 why = f"within {limit:g} s" if now - started >= limit else "before this uploader closed"

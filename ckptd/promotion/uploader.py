@@ -41,7 +41,12 @@ schedule every rank publishes the steps it holds pinned (:meth:`~BackgroundUploa
 holding a leftover step waits (at most ``CKPTD_COMMIT_TIMEOUT_S``, never past the deadline of ``close``,
 logging) for every rank's answer, then promotes its share with the other ranks that hold it or releases its
 pin with a warning (:mod:`ckptd.promotion.leftovers`), so that no rank waits for a share a lost node took
-with it. The committing rank's wait for the other shares is bounded the same way.
+with it. The committing rank's wait for the other shares is bounded the same way. A rank other than rank 0
+that drops a pin unpromoted (the pin cap, a leftover settled as lost, a step announced after it stopped
+waiting) announces it on the object tier (:func:`~ckptd.promotion.promoter.announce_release`, written from
+the uploader thread, never the save path), so that the committing rank stops waiting for that share at once
+instead of after ``CKPTD_COMMIT_TIMEOUT_S`` (ranks that switch from a daemon to in-process promotion at
+different steps disagree about which steps are leftovers: this settles it within a step).
 :attr:`~BackgroundUploader.lag` says how far the object tier is behind, without any I/O.
 
 The node daemon reuses this class with its own queue of steps.
@@ -57,7 +62,7 @@ from collections import deque
 from ckptd.background import BackgroundWorker, FailureRecord, raise_failures
 from ckptd.config import settings
 from ckptd.errors import CkptdError, DeadlineError, StillRunningError, StorageError, UnpromotedError
-from ckptd.format.layout import MANIFEST_NAME, rank_files
+from ckptd.format.layout import MANIFEST_NAME, rank_files, step_file
 from ckptd.stepio.rank_writer import lower_thread_priority
 from ckptd.stepio.step_reader import load_step_manifest
 from ckptd.policy import Policy
@@ -65,7 +70,7 @@ from ckptd.promotion.gc import collect_garbage
 from ckptd.promotion.lag import PromotionLag, lag_between, promotion_lag
 from ckptd.promotion.leftovers import holders_of, settle_leftover
 from ckptd.promotion.pinning import PinCap, PinnedSteps, pins_over_cap
-from ckptd.promotion.promoter import Promoter, PromotionReport
+from ckptd.promotion.promoter import Promoter, PromotionReport, ShareReleasedError, announce_release
 from ckptd.promotion.schedule import Decision, PromotionSchedule
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
@@ -139,6 +144,8 @@ class BackgroundUploader:
         #: Steps an earlier run left pinned and not yet promoted or released (see :meth:`resume_pending`), and
         #: every rank's published pins once all answered (or why they did not).
         self._leftovers: set[int] = set()
+        #: Steps whose pin this rank dropped unpromoted, with their manifest, to announce (uploader thread).
+        self._to_announce: deque[tuple[int, bytes]] = deque(maxlen=_KEPT_STEP_NUMBERS)
         self._pins_shared: dict[int, list[int]] | None = None
         self._pins_unshared: str | None = None
         self._worker: BackgroundWorker[int] = BackgroundWorker(
@@ -383,10 +390,27 @@ class BackgroundUploader:
 
     def _release_pins(self, steps: list[int]) -> None:
         for step in steps:
+            if self.world_size > 1 and self.rank != 0:  # the committing rank may wait for this share
+                try:
+                    manifest = self.pins.tier.read_bytes(step_file(step, MANIFEST_NAME))
+                except CkptdError:
+                    manifest = None
+                if manifest is not None:
+                    self._to_announce.append((step, manifest))
             try:
                 self.pins.release(step, None if self.world_size == 1 else self._own_files(self.pins.tier, step))
             except CkptdError as error:  # the pin stays; the next start resumes it
                 log.warning("could not release the pin of step %d: %s", step, error)
+
+    def _announce_releases(self) -> None:
+        """Uploader thread: announce the pins this rank dropped unpromoted (see the module docstring)."""
+        while self._to_announce:
+            step, manifest = self._to_announce.popleft()
+            try:
+                announce_release(self.remote, step, [self.rank], manifest)
+            except CkptdError as error:  # the committing rank then waits until its own deadline
+                log.warning("rank %d could not announce that it dropped its share of step %d: %s", self.rank, step,
+                            error)
 
     def _unpin(self, step: int) -> None:
         self.pins.unpin(step, None if self.world_size == 1 else self._own_files(self.pins.tier, step))
@@ -456,6 +480,13 @@ class BackgroundUploader:
         first, and the other ranks promote it only once rank 0 announced it."""
         if self.world_size > 1 and not self._schedule_known.is_set():
             self._schedule_known.wait(_SCHEDULE_GRACE_S)
+        try:
+            self._promote_one(step)
+        finally:
+            self._announce_releases()
+
+    def _promote_one(self, step: int) -> None:
+        self._announce_releases()
         with self._lock:
             leftover = step in self._leftovers
         committer = None
@@ -475,8 +506,16 @@ class BackgroundUploader:
                 self._last_announced = step
             self.pins.make_durable(step)
             ranks = None if self.world_size == 1 else [self.rank]
-            report = self.promoter.promote(step, ranks=ranks,
-                                           commits=None if committer is None else committer == self.rank)
+            try:
+                report = self.promoter.promote(step, ranks=ranks,
+                                               commits=None if committer is None else committer == self.rank)
+            except ShareReleasedError as error:  # never committed: released like a superseded step
+                with self._lock:
+                    self._withdraw([step])
+                    self.released.append(step)
+                log.info("step %d is not promoted to %s: %s", step, self.remote.label, error)
+                self._release_pins([step])
+                return
             self.reports.append(report)
             created = self._commit_times.get(step)
             if created is None:
@@ -647,6 +686,7 @@ class BackgroundUploader:
                 logged = now
                 log.info("rank %d waits for rank 0's promotion decision about step %d (%.0f s so far)", self.rank,
                          step, now - started)
+            self._announce_releases()
             self._read_decisions(min(_DECISION_POLL_S, max(0.0, started + limit - now)))
             if self._cap_due:
                 self._cap_due = False
@@ -701,7 +741,9 @@ class BackgroundUploader:
         return [FailureRecord("promotion", error, step=step, rank=self.rank)]
 
     def _collect_if_due(self) -> None:
-        """Uploader thread, when no promotion is queued: apply ``keep_remote`` and collect garbage."""
+        """Uploader thread, when no promotion is queued: announce dropped shares, apply ``keep_remote`` and
+        collect garbage."""
+        self._announce_releases()
         if self._collection_due:
             self._collection_due = False
             collect_garbage(self.remote, retention=self.policy.remote_retention)

@@ -1,0 +1,139 @@
+"""A rank that drops its share of a step unpromoted says so, and the committing rank stops waiting for it.
+
+Soak findings F1 and F3: the committing rank of a multi-node step waited ``CKPTD_COMMIT_TIMEOUT_S`` (300 s) for
+a share another rank had already dropped, so that a job hung in ``close()`` after a daemon loss (F1), and
+lagging daemons, each capping its pins alone, committed almost nothing (F3). A rank (an in-process uploader or
+a daemon) that drops a pin unpromoted now writes ``rank-NNNNN.released`` holding the digest of the step's
+manifest, and the committing rank gives that step up at once.
+
+- F1, two real gloo ranks with a node each and a daemon stand-in serving the real control socket: rank 0's
+  daemon refuses step 2 (rank 0 turns to in-process promotion there), rank 1 hears of it only at step 3, which
+  is then a leftover of an earlier hand-off for rank 1 and a live step for rank 0. Rank 1 settles it as lost
+  and releases it; rank 0 announces it and (before the fix) waited for rank 1's share until its commit
+  timeout, so that ``wait_uploads`` raised. Now step 3 is given up at once and the later steps reach S3 with
+  both shares, byte-checked.
+- F3, the promoter alone on one step of a two-rank job: the committing share stops with ShareReleasedError as
+  soon as the other rank's marker appears, a rank that has not begun skips a step the other dropped, and a
+  marker left for another step with the same number (other manifest bytes) stops nothing.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptd.config import override
+from ckptd.errors import StorageError
+from ckptd.format.layout import MANIFEST_NAME, step_file
+from ckptd.promotion.promoter import Promoter, ShareReleasedError, announce_release, released_marker_name
+from ckptd.stepio.step_reader import load_step_manifest, verify_step
+from ckptd.testing import run_multirank
+from ckptd.tiers import open_tier
+from ckptd.tiers.atomicity import ranks_held
+from ckptd.tiers.local import LocalTier
+from test_daemon_handoff_loss import _TwoNodes, nodes  # noqa: F401 - the fixture
+from test_promotion_leftover_pins import earlier_run  # noqa: F401 - the fixture
+from test_promotion_support import object_tier
+
+pytestmark = [pytest.mark.s3, pytest.mark.multirank]
+
+
+def _rank_zero_loses_first(daemon: _TwoNodes) -> None:
+    """Make the stand-in answer every commit, except rank 0's step 2: refused (as a stopping daemon does) once
+    rank 1 has sent its own step 2, so that rank 1 hands step 2 to its daemon and hears of the loss only at
+    step 3."""
+
+    def notice_commit(root_name: str, step: int) -> bool:
+        if root_name == "a" and step == 2:
+            deadline = time.monotonic() + 20
+            while ("b", 2) not in daemon.commits and time.monotonic() < deadline:
+                time.sleep(0.01)
+            daemon.commits.append((root_name, step))
+            raise StorageError("the daemon is stopping: the step is not journaled", step=step, tier="local")
+        daemon.commits.append((root_name, step))
+        return True
+
+    daemon.notice_commit = notice_commit  # type: ignore[method-assign]
+
+
+def _train(rank: int, world_size: int, roots: list[str], remote: str, options: dict[str, Any],
+           env: dict[str, str]) -> dict[str, Any]:
+    import os
+
+    import ckptd
+
+    os.environ.update(env)
+    with ckptd.CheckpointManager(roots[rank], remote=remote, storage_options=options, capture_rng=False,
+                                 policy=ckptd.Policy(keep_local=None)) as manager:
+        for step in range(1, 6):
+            manager.save(step, {f"rank{rank}": torch.full((16 * 1024,), float(rank * 100 + step))})
+            manager.wait()
+        manager.wait_uploads()
+        uploader = manager.uploader
+        return {"uploaded": [report.step for report in manager.upload_reports],
+                "released": sorted(uploader.released) if uploader is not None else None}
+
+
+def test_a_share_dropped_as_a_leftover_is_given_up_at_once_by_the_committing_rank(nodes):  # noqa: F811
+    _rank_zero_loses_first(nodes["daemon"])
+    env = {"CKPTD_DAEMON_SOCKET": str(nodes["socket"]), "CKPTD_DAEMON_REQUEST_TIMEOUT_S": "30",
+           "CKPTD_COMMIT_TIMEOUT_S": "25", "CKPTD_PIN_MAX_STEPS": "16"}
+    roots = [str(nodes["roots"]["a"]), str(nodes["roots"]["b"])]
+    results = run_multirank(_train, 2, roots, nodes["remote"], nodes["options"], env, timeout_s=150)
+    remote = open_tier(nodes["remote"], storage_options=nodes["options"])
+    assert 3 in results[1]["released"], results  # rank 1 settled its leftover step 3 as lost
+    assert remote.exists(step_file(3, released_marker_name(1))), "rank 1 announced it"
+    assert 3 not in remote.committed_steps() and 3 not in results[0]["uploaded"], results
+    assert 5 in results[0]["uploaded"] and 5 in remote.committed_steps(), results
+    assert ("b", 2) in nodes["daemon"].commits and ("b", 3) not in nodes["daemon"].commits, "the ranks' switch"
+    for step in results[0]["uploaded"]:
+        manifest = load_step_manifest(remote, step)
+        assert set(ranks_held(remote, step, manifest)) == {0, 1}
+        assert list(verify_step(remote, step)) == []
+
+
+def _announce_later(bucket: str, options: dict[str, Any], prefix: str, step: int, manifest: bytes) -> None:
+    remote = object_tier(bucket, options, prefix=prefix)
+    deadline = time.monotonic() + 30
+    while not remote.exists(step_file(step, "rank-00000.promoted")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    announce_release(remote, step, [1], manifest)
+
+
+def test_the_committing_share_stops_once_the_other_rank_announces_it_dropped_its_share(
+        earlier_run, s3_bucket: str, s3_options: dict[str, Any]) -> None:  # noqa: F811
+    local = LocalTier(earlier_run[0] / "node0")
+    manifest = local.read_bytes(step_file(3, MANIFEST_NAME))
+    remote = object_tier(s3_bucket, s3_options, prefix="dropped")
+    other = multiprocessing.get_context("spawn").Process(
+        target=_announce_later, args=(s3_bucket, s3_options, "dropped", 3, manifest))
+    other.start()
+    try:
+        with override(commit_timeout_s=120.0), pytest.raises(ShareReleasedError, match="rank 1 dropped its pin"):
+            Promoter(local, remote).promote(3, ranks=[0])
+    finally:
+        other.join(30)
+    assert remote.committed_steps() == [], "nothing is committed without rank 1's share"
+
+
+def test_a_rank_skips_a_step_the_committing_rank_dropped_and_a_marker_of_another_step_stops_nothing(
+        earlier_run, s3_bucket: str, s3_options: dict[str, Any]) -> None:  # noqa: F811
+    base: Path = earlier_run[0]
+    remote = object_tier(s3_bucket, s3_options, prefix="skipped")
+    manifest = LocalTier(base / "node0").read_bytes(step_file(2, MANIFEST_NAME))
+    announce_release(remote, 2, [0], manifest)
+    with pytest.raises(ShareReleasedError, match="rank 0 dropped its pin"):
+        Promoter(LocalTier(base / "node1"), remote).promote(2, ranks=[1])
+    assert not remote.exists(step_file(2, "rank-00001.promoted")), "rank 1 uploaded nothing of it"
+    announce_release(remote, 2, [1], b"another step 2's manifest")  # e.g. an earlier incarnation of step 2
+    other = object_tier(s3_bucket, s3_options, prefix="skipped")
+    other.delete_files([step_file(2, released_marker_name(0))])
+    Promoter(LocalTier(base / "node1"), remote).promote(2, ranks=[1])
+    with override(commit_timeout_s=60.0):
+        Promoter(LocalTier(base / "node0"), remote).promote(2, ranks=[0])
+    assert 2 in remote.committed_steps() and list(verify_step(remote, 2)) == []
