@@ -80,7 +80,11 @@ def test_the_failed_fsync_is_not_retried(checkpoint_dir: Path, manager_factory: 
     assert not list(checkpoint_dir.glob(f"*/*{TEMP_MARKER}*"))
 
 
+@pytest.mark.slow
 def test_fsync_eio_on_one_rank_fails_the_step_on_every_rank(tmp_path: Path) -> None:
+    """Out of the default run: fault-matrix row 18 runs the same two gloo ranks by default (an EIO on rank
+    1's data write) and draws a write or an fsync in its long mode; the fsync EIO itself is checked on one
+    rank above."""
     from ckptd.testing.multirank import run_multirank
     from ckptd.testing.rank_faults import save_through_a_fault
 

@@ -15,6 +15,9 @@ request signed more than 15 minutes off with 403 RequestTimeTooSkewed, as AWS do
   abort a live multipart upload of another host, delete a step whose promotion is in flight, or touch a
   committed step, and a lease taken by a collector whose clock runs behind must still look fresh to a
   promoter with a true clock (else promoters would skip chunks the collection deletes).
+
+Both are out of the short mode (``short_runs=0``: 10-30 s a run against moto on a loaded machine):
+``tests/test_clock_skew.py`` checks every one of these behaviours in the default run, with fixed skews.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def _tier(location: S3Location, options: dict[str, Any] | None = None) -> Object
     return ObjectTier(location.url, storage_options=options or location.storage_options)
 
 
-@row(30, "Clock skew ~20 min on a promoter: RequestTimeTooSkewed reported, bounded retries", short_runs=1,
+@row(30, "Clock skew ~20 min on a promoter: RequestTimeTooSkewed reported, bounded retries", short_runs=0,
      long_runs=20)
 def skewed_promoter_is_refused(ctx: RunContext) -> Outcome:
     skew = _skew_s(ctx)
@@ -106,7 +109,7 @@ def _live_upload(tier: ObjectTier, location: S3Location, path: str, refreshed: f
     return str(client.create_multipart_upload(Bucket=tier.bucket, Key=tier.key(path))["UploadId"])
 
 
-@row(30, "Clock skew ~20 min on a collector or promoter: GC and leases spare live work", short_runs=1,
+@row(30, "Clock skew ~20 min on a collector or promoter: GC and leases spare live work", short_runs=0,
      long_runs=20)
 def skewed_collector_spares_live_work(ctx: RunContext) -> Outcome:
     skew = _skew_s(ctx)

@@ -342,15 +342,18 @@ else:
 
 # --- row 18: a background write error on one rank -----------------------------------------------------
 
-@row(18, "Background write error on one rank (2 gloo ranks, EIO on rank 1's data write)", short_runs=1, long_runs=20)
+@row(18, "Background write error on one rank (2 gloo ranks, EIO on rank 1's data write or fsync)", short_runs=1,
+     long_runs=20)
 def write_error_on_one_rank(ctx: RunContext) -> Outcome:
     from ckptd.testing.multirank import run_multirank
     from ckptd.testing.rank_faults import save_through_a_fault
 
     root = ctx.path("local")
     skip, codec, threads = ctx.rng.randrange(4), ctx.rng.choice(["raw", "zstd"]), ctx.rng.randint(1, 3)
+    operation = ctx.rng.choice(["write", "fsync"])  # drawn last: earlier seeds keep their other draws
+    skip = skip if operation == "write" else 0
     ctx.stopwatch.fault()
-    rule = ErrnoRule("write", errno.EIO, step=FAILED, name="rank-00001*data", skip=skip)
+    rule = ErrnoRule(operation, errno.EIO, step=FAILED, name="rank-00001*data", skip=skip)
     results = run_multirank(save_through_a_fault, 2, str(root), 1, rule, STATE_BYTES, CHUNK_BYTES, codec, threads,
                             timeout_s=90)
     checks = []
@@ -367,4 +370,4 @@ def write_error_on_one_rank(ctx: RunContext) -> Outcome:
                                              f"{result['committed']}: {result['differences'] or 'bit-exact'}"))
     checks += [inv.check_nothing_partial(root, allowed=[NEXT]), inv.check_no_temporaries(root)]
     recovery = max(result["recovery_s"] for result in results)
-    return inv.outcome(checks, recovery_s=recovery, detail=f"rank 1 write {skip + 1} failed; codec {codec}")
+    return inv.outcome(checks, recovery_s=recovery, detail=f"rank 1 {operation} {skip + 1} failed; codec {codec}")
