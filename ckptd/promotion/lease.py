@@ -15,6 +15,13 @@ ignored; so is a lease whose owner ran on this host and is no longer alive (a co
 SIGKILL must not hold up the restarted job's uploads).
 The host is :func:`ckptd.tiers.upload_owners.this_host` (``CKPTD_HOST_ID`` or the host name), the same
 identity that multipart uploads' owner records carry.
+
+A collection that cannot remove its lease (the store answers 503 for the whole of its retries) leaves a
+lease whose collection has ended. Its own process knows: each lease carries a token, and one naming this
+process with a token of no collection running here is ignored by this process's promoters and taken over
+by its next collection at once. Other processes cannot tell, so the release is retried in the background
+(backing off to ``_RETRY_MAX_S``) until the lease is gone, replaced by another collection's, or expired;
+promoters elsewhere wait only until the store heals, not for the lease's whole ``gc_lease_s``.
 """
 
 from __future__ import annotations
@@ -23,11 +30,14 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
+import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from ckptd.config import settings
-from ckptd.errors import DeadlineError, LockedError, NotFoundError
+from ckptd.errors import CkptdError, DeadlineError, LockedError, NotFoundError
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.upload_owners import process_exists, this_host
 
@@ -35,7 +45,34 @@ from ckptd.tiers.upload_owners import process_exists, this_host
 LEASE_PATH = "gc.lease"
 _POLL_S = 0.2
 _LOG_S = 10.0
+_RETRY_FIRST_S = 1.0
+_RETRY_MAX_S = 30.0
+#: A lease older than this fraction of ``gc_lease_s`` is no longer released in the background: past its
+#: expiry another collector may take the tier, and its lease must not be deleted in its place.
+_RETRY_UNTIL = 0.9
 log = logging.getLogger("ckptd.promotion")
+
+
+@dataclass
+class _PendingRelease:
+    """A lease of this process whose collection ended but whose object could not be deleted."""
+
+    token: str
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    cancelled: bool = False
+
+
+_state_lock = threading.Lock()
+_running: set[str] = set()  # tokens of the collections running in this process
+_pending: dict[str, _PendingRelease] = {}  # by tier label
+
+
+def _ended_here(body: dict[str, object]) -> bool:
+    """Whether the lease was taken by this process for a collection that is no longer running."""
+    if body.get("host") != this_host() or body.get("pid") != os.getpid():
+        return False
+    with _state_lock:
+        return body.get("token") not in _running
 
 
 def _owner_is_dead(body: dict[str, object]) -> bool:
@@ -54,7 +91,7 @@ def _lease_age(tier: StorageTier) -> float | None:
     stamp (the collector's clock) counts only where the tier cannot tell."""
     try:
         body = json.loads(tier.read_bytes(LEASE_PATH))
-        if _owner_is_dead(body):
+        if _owner_is_dead(body) or _ended_here(body):
             return None
         age = tier.age_s(LEASE_PATH)
         if age is None:
@@ -93,14 +130,83 @@ def wait_for_collector(tier: StorageTier) -> float:
 
 @contextlib.contextmanager
 def gc_lease(tier: StorageTier) -> Iterator[None]:
-    """Hold the GC lease of a tier; raises LockedError when another collector holds a fresh one."""
+    """Hold the GC lease of a tier; raises LockedError when another collector holds a fresh one.
+
+    A lease this process left behind (its release failed) is taken over. When the release at the end
+    fails, the collection still ends normally: the release is retried in the background (see the module
+    docstring; :func:`release_pending` says whether one is still owed)."""
     if lease_is_fresh(tier):
         raise LockedError("another garbage collection is running on this tier", path=LEASE_PATH,
                           tier=tier.label, hint=f"wait for it, or delete {LEASE_PATH} if it crashed")
-    owner = f"pid {os.getpid()} on {this_host()}"
-    body = {"owner": owner, "host": this_host(), "pid": os.getpid(), "created": time.time()}
-    tier.write_bytes(LEASE_PATH, json.dumps(body).encode())
+    token = uuid.uuid4().hex
+    body = {"owner": f"pid {os.getpid()} on {this_host()}", "host": this_host(), "pid": os.getpid(),
+            "created": time.time(), "token": token}
+    with _state_lock:
+        _running.add(token)
+        earlier = _pending.pop(tier.label, None)
     try:
+        if earlier is not None:
+            with earlier.lock:  # a background release in progress finishes before the lease is rewritten
+                earlier.cancelled = True
+        tier.write_bytes(LEASE_PATH, json.dumps(body).encode())
         yield
     finally:
+        with _state_lock:
+            _running.discard(token)
+        _release(tier, token)
+
+
+def release_pending(tier: StorageTier) -> bool:
+    """Whether a lease of this process on ``tier`` is still being released in the background."""
+    with _state_lock:
+        return tier.label in _pending
+
+
+def _release(tier: StorageTier, token: str) -> None:
+    try:
         tier.delete_files([LEASE_PATH])
+    except CkptdError as error:
+        log.warning("could not remove the GC lease %s on %s (retrying in the background; until then other "
+                    "processes' promotions wait for it): %s", LEASE_PATH, tier.label, error)
+        pending = _PendingRelease(token)
+        with _state_lock:
+            _pending[tier.label] = pending
+        threading.Thread(target=_retry_release, args=(tier, pending), name="ckptd-gc-lease-release",
+                         daemon=True).start()
+
+
+def _retry_release(tier: StorageTier, pending: _PendingRelease) -> None:
+    delay = _RETRY_FIRST_S
+    try:
+        while True:
+            time.sleep(delay)
+            delay = min(2 * delay, _RETRY_MAX_S)
+            with pending.lock:
+                if pending.cancelled or _release_once(tier, pending.token):
+                    return
+    finally:
+        with _state_lock:
+            if _pending.get(tier.label) is pending:
+                del _pending[tier.label]
+
+
+def _release_once(tier: StorageTier, token: str) -> bool:
+    """One attempt to delete this collection's lease; True when nothing is left to do."""
+    try:
+        body = json.loads(tier.read_bytes(LEASE_PATH))
+        if not isinstance(body, dict) or body.get("token") != token:
+            return True  # gone, or another collection's
+        age = tier.age_s(LEASE_PATH)
+        if age is None:
+            age = time.time() - float(body["created"])
+        if age >= _RETRY_UNTIL * settings().gc_lease_s:
+            log.warning("gave up removing the GC lease on %s: it expires now (%s can go)", tier.label, LEASE_PATH)
+            return True
+        tier.delete_files([LEASE_PATH])
+    except (NotFoundError, ValueError, KeyError, TypeError):
+        return True  # gone, or not the lease this process wrote
+    except CkptdError as error:
+        log.debug("removing the GC lease on %s failed again: %s", tier.label, error)
+        return False
+    log.info("removed the GC lease %s on %s that an earlier attempt could not", LEASE_PATH, tier.label)
+    return True

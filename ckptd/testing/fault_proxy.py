@@ -19,6 +19,10 @@ With ``check_skew=True`` the proxy also does what AWS does and moto does not: a 
 time (``X-Amz-Date``) is more than ``max_skew_s`` (15 minutes) from the proxy's clock gets
 ``403 RequestTimeTooSkewed`` and never reaches the endpoint (counted as ``"skewed"``).
 
+With ``target`` (a predicate on a request's method, path with query, and body) only the requests it
+accepts may get a fault (every kind but ``"cut"``, which is chosen before the body is read): e.g. 503 on
+the DeleteObjects request that removes one chosen key.
+
 Usage::
 
     with FaultProxy(s3_server.endpoint_url, fraction=0.2, seed=1) as proxy:
@@ -39,6 +43,7 @@ import threading
 import time
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from typing import Any
 
 #: Every fault kind the proxy can inject.
@@ -59,7 +64,8 @@ class FaultProxy:
 
     def __init__(self, upstream: str, *, fraction: float = 0.0, kinds: tuple[str, ...] = FAULT_KINDS,
                  stall_s: float = 2.0, seed: int = 0, upstream_timeout_s: float = 120.0,
-                 cut_after_bytes: int = 1024, check_skew: bool = False, max_skew_s: float = 900.0) -> None:
+                 cut_after_bytes: int = 1024, check_skew: bool = False, max_skew_s: float = 900.0,
+                 target: Callable[[str, str, bytes], bool] | None = None) -> None:
         parsed = urllib.parse.urlsplit(upstream)
         if parsed.scheme != "http" or parsed.hostname not in _LOOPBACK or parsed.port is None:
             raise ValueError(f"upstream must be http://127.0.0.1:PORT, got {upstream!r}")
@@ -71,6 +77,7 @@ class FaultProxy:
         self.fraction = fraction
         self.cut_after_bytes = cut_after_bytes
         self.check_skew, self.max_skew_s = check_skew, max_skew_s
+        self.target = target
         #: The proxy's clock, taken when it is built: a test that then skews this process's ``time.time``
         #: (:mod:`ckptd.testing.clock_skew`) skews its client, not the store's side.
         self.clock = time.time
@@ -195,6 +202,10 @@ class _Handler(BaseHTTPRequestHandler):
             self.proxy.forgo(fault)
             fault = None
         body = self._read_body()
+        target = self.proxy.target
+        if fault is not None and target is not None and not target(self.command, self.path, body):
+            self.proxy.forgo(fault)
+            fault = None
         if fault in _ERROR_BODIES:
             self._send_error(*_ERROR_BODIES[fault])
             return
