@@ -17,8 +17,8 @@ recording starts before the manager is built, so the root's creation is in the t
 with ``keep_local=1`` (the old step's unlinks are in the trace); packed small chunks next to large
 chunks written with ``O_DIRECT`` into parallel data files; and two ranks (threads with one in-process
 c10d store) writing into one directory; a later step saved into the step directory an attempt killed
-before its root fsync left (that ``mkdir`` is in the trace, not durable). No root needed: the states are built from the trace, not from a
-block device.
+before its root fsync left (that ``mkdir`` is in the trace, not durable). No root needed: the states are
+built from the trace, not from a block device.
 """
 
 from __future__ import annotations
