@@ -11,17 +11,17 @@ collectives on the default process group (without a process group, a single proc
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
 
 from ckptd.format.values import manager_skeleton, parse_values
+from ckptd.state.live_reader import TensorReader, live_reader
 from ckptd.state.tree import flatten, skeleton_tensor_names
 from ckptd.tiers.base import StorageTier
 
-#: Reads a saved tensor by name into ``out`` (or fresh), as :mod:`ckptd.state.tree` expects.
-TensorReader = Callable[[str, "torch.Tensor | None"], torch.Tensor]
+__all__ = ["TensorReader", "live_reader", "resharded_source"]
 
 
 def resharded_source(tiers: list[StorageTier], step: int, live: MutableMapping[str, Any], *, rank: int,
@@ -70,24 +70,3 @@ def resharded_source(tiers: list[StorageTier], step: int, live: MutableMapping[s
 
     return skeleton, read
 
-
-def live_reader(read: TensorReader) -> TensorReader:
-    """Wrap a reader so that a live DTensor target receives its local shard in place and is returned
-    itself (the state keeps its DTensors)."""
-
-    def wrapped(name: str, out: torch.Tensor | None) -> torch.Tensor:
-        local = _local(out)
-        result = read(name, local)
-        return out if out is not None and local is not out else result
-
-    return wrapped
-
-
-def _local(out: torch.Tensor | None) -> torch.Tensor | None:
-    if out is None:
-        return None
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return out
-    return out.to_local() if isinstance(out, DTensor) else out

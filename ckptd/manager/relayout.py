@@ -26,8 +26,7 @@ from typing import Any
 
 import torch
 
-from ckptd.dcp.reader import CkptdStorageReader
-from ckptd.dcp.resharding import TensorReader, live_reader
+from ckptd.state.live_reader import TensorReader, live_reader
 from ckptd.errors import CkptdError, ResumeMismatchError
 from ckptd.format.records import DTYPE_NAMES, Manifest
 from ckptd.format.values import manager_skeleton, parse_values
@@ -123,6 +122,8 @@ def relayout_source(tiers: list[StorageTier], step: int, live: MutableMapping[st
     settle); loads the tensors that need resharding through DCP first (see the module docstring)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from ckptd.dcp.reader import CkptdStorageReader
 
     opened = CkptdStorageReader(list(tiers), step, allow_pickle=allow_pickle)
     opened.read_metadata()

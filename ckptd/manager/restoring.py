@@ -36,8 +36,7 @@ from typing import Any
 import torch
 
 from ckptd.format.values import manager_skeleton, parse_values
-from ckptd.dcp.reader import CkptdStorageReader
-from ckptd.dcp.resharding import TensorReader, live_reader, resharded_source
+from ckptd.state.live_reader import TensorReader, live_reader
 from ckptd.errors import CkptdError, NoIntactCheckpointError, NotFoundError, PickleRefusedError, \
     ResumeMismatchError, StorageError, TierUnreachableError
 from ckptd.format.records import DTYPE_NAMES, Manifest, RankIndex
@@ -230,7 +229,7 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
     # The first round also tells every rank which tiers some rank could not list, so that all ranks
     # decide alike whether "nothing to restore" means a fresh run.
     exchanged = coordinator.exchange("restore-candidates", {"steps": candidates, "failed": listings.failed,
-                                                            "missing": missing})
+                                                            "missing": missing, "tiers": [t.label for t in tiers]})
     lists = [answer["steps"] for answer in exchanged]
     failed_tiers = {label: why for answer in exchanged for label, why in answer["failed"].items()}
     lacking = [answer["missing"] for answer in exchanged if answer["missing"]]
@@ -282,15 +281,54 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
         candidates = [c for c in candidates if c != agreed]
         lists = coordinator.exchange("restore-candidates", candidates)
     if result.skipped or any(lists):
-        raise NoIntactCheckpointError("no step is intact on every rank: " + " | ".join(result.skipped),
-                                      tier=", ".join(t.label for t in tiers),
-                                      hint=_failed_hint(failed_tiers) or "`ckptd verify` shows every bad file")
+        message, hint = _no_common_step(exchanged, result.skipped)
+        raise NoIntactCheckpointError(message, tier=", ".join(t.label for t in tiers),
+                                      hint=_failed_hint(failed_tiers) or hint)
     if failed_tiers:
         raise TierUnreachableError("no tier that answered holds a committed step, and "
                                    f"{', '.join(sorted(failed_tiers))} could not be listed: it may hold the "
                                    "job's checkpoints, so this is not treated as a fresh run",
                                    tier=", ".join(sorted(failed_tiers)), hint=_failed_hint(failed_tiers))
     return result
+
+
+def _no_common_step(exchanged: list[dict[str, Any]], skipped: list[str]) -> tuple[str, str]:
+    """(message, hint) when no step is intact on every rank: which ranks had which intact steps at the
+    start (a rank with none is named with the tiers it tried), then why the steps tried failed."""
+    by_text: dict[str, list[int]] = {}
+    for rank, answer in enumerate(exchanged):
+        if answer["steps"]:
+            text = f"step(s) {', '.join(map(str, sorted(answer['steps'])))} to try"
+        else:
+            text = f"no intact committed step on any tier it tried ({', '.join(answer.get('tiers') or ['none'])})"
+        by_text.setdefault(text, []).append(rank)
+    parts = [f"{_ranks(ranks)}: {text}" for text, ranks in by_text.items()]
+    message = "no step is intact on every rank: " + "; ".join(parts)
+    if skipped:
+        message += "; steps tried: " + " | ".join(skipped)
+    bare = [rank for rank, answer in enumerate(exchanged) if not answer["steps"]]
+    if bare:
+        hint = (f"{_ranks(bare)} found no intact copy of any step on its tiers (as when a node is lost before any "
+                "of its steps was replicated to a peer or promoted to the object store): give those ranks the tier "
+                "that holds their steps, or start the job fresh (move its checkpoint directories aside)")
+    else:
+        hint = "the ranks hold no step in common: `ckptd ls` lists each node's steps, `ckptd verify` every bad file"
+    return message, hint
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3`` or ``ranks 0-3, 6``."""
+    spans: list[str] = []
+    start = previous = ranks[0]
+    following: list[int | None] = [*ranks[1:], None]
+    for rank in following:
+        if rank is not None and rank == previous + 1:
+            previous = rank
+            continue
+        spans.append(str(start) if start == previous else f"{start}-{previous}")
+        if rank is not None:
+            start = previous = rank
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(spans)
 
 
 def _failed_hint(failed: dict[str, str]) -> str | None:
@@ -371,6 +409,8 @@ def _source(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
     if reshard:
         holding = metadata.listings.holding(step)
         result.resharded, result.tier = True, holding[0].label
+        from ckptd.dcp.resharding import resharded_source  # DCP: imported only when a step is resharded
+
         skeleton, resharded = resharded_source(holding, step, state, rank=rank, allow_pickle=allow_pickle)
         share = rank if rank < saved_world else 0  # the saved rank whose share resharded_source reads
         own = next((metadata.rank_index(tier, step, share) for tier in holding
@@ -502,6 +542,8 @@ def _reshard_vote(metadata: _Metadata, step: int, state: MutableMapping[str, Any
 def _reshard_ready(listings: TierListings, step: int, *, rank: int, allow_pickle: bool) -> str | None:
     """None when this rank can open the manifest and every saved rank's index of ``step`` (what a resharded
     restore reads before ``dcp.load``), else why not."""
+    from ckptd.dcp.reader import CkptdStorageReader  # DCP: imported only when a step is resharded
+
     try:
         CkptdStorageReader(listings.holding(step), step, allow_pickle=allow_pickle).read_metadata()
     except Exception as error:  # noqa: BLE001 - any failure here would leave the other ranks in dcp.load
