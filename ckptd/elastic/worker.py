@@ -42,7 +42,10 @@ until the supervisor kills that peer (its peers then see a connection reset), no
 
 Before the first generation :func:`run` calls ``setup_fn`` (what does not depend on the rank: model,
 optimizer, loader; ``ctx.setup`` holds its value) and freezes what exists then out of the garbage
-collector. A warm spare (``CKPTD_ELASTIC_SPARE`` set) then waits to be given a rank
+collector. A survivor whose managers hold no committed step when a peer fails calls ``setup_fn`` again
+before the next generation: that generation's restore finds nothing, and every rank, the replacement
+included, starts from the initial state (only the failed rank is restarted, as when a step exists).
+State that ``train_fn`` keeps outside ``ctx.setup`` and its own locals is not rebuilt. A warm spare (``CKPTD_ELASTIC_SPARE`` set) then waits to be given a rank
 (:func:`ckptd.elastic.spares.become_rank`) and goes on as that rank.
 
 The managers of :meth:`WorkerContext.checkpoint_manager` keep the staged copies of their two newest saves
@@ -308,6 +311,17 @@ class _ManagerRegistry:
             except CkptdError as error:  # the save the failure interrupted: restore picks an older step
                 log.info("rank %d: a save of generation %d failed: %s", rank, generation, error)
 
+    def any_committed(self) -> bool:
+        """Whether the local tier of some manager holds a committed step (one that cannot be listed counts
+        as none)."""
+        for manager in self._managers.values():
+            try:
+                if manager.committed_steps():
+                    return True
+            except CkptdError:
+                continue
+        return False
+
     def close_all(self, rank: int, *, quietly: bool) -> None:
         managers, self._managers = list(self._managers.values()), {}
         for manager in managers:
@@ -559,5 +573,13 @@ def run(train_fn: Callable[[WorkerContext], T], *, setup_fn: Callable[[], Any] |
                     _stop_cleanly(managers, env.rank, store)
                 raise
             rejoined += 1
+            if setup_fn is not None and not managers.any_committed():
+                # no step committed here: the next restore finds none (a step is committed for every rank or
+                # none) and every rank must start from the initial state, as the replacement does from its
+                # setup, but this rank's setup objects were trained on (weights, sample position). Building
+                # them again is safe whatever the restore finds: it loads over them
+                log.warning("rank %d: no step was committed before the failure; it builds its setup again to "
+                            "start afresh with the replacement", env.rank)
+                prepared = setup_fn()
         finally:
             watcher.stop()
