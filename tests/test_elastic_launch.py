@@ -83,6 +83,23 @@ def test_only_the_failed_rank_restarts_and_the_run_ends_bit_for_bit(tmp_path: Pa
     assert f"restarting it alone in generation 1" in result.stderr
 
 
+def test_a_rank_lost_before_the_first_commit_restarts_alone_and_the_survivor_starts_afresh(
+        tmp_path: Path, reference: list[bytes]) -> None:
+    # fault matrix row 20, seed 2000007: rank 1 dies at step 2 before its save, so no step was ever committed;
+    # the next generation restores nothing, and the survivor (not restarted) must start from its setup's
+    # initial state as the replacement does, not from its trained weights and advanced sample position
+    job = ["--kill-rank", "1", "--kill-step", "2", "--kill-signal", "KILL", "--kill-phase", "before-save"]
+    result = launch_job(tmp_path, *job)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert finals(tmp_path / "out") == reference, "the run restarted from nothing differs from the uninterrupted one"
+    survivor, victim = generations(tmp_path / "out", 0), generations(tmp_path / "out", 1)
+    assert sorted(survivor) == [0, 1] and survivor[0]["pid"] == survivor[1]["pid"], "the survivor was restarted"
+    assert sorted(victim) == [0, 1] and victim[0]["pid"] != victim[1]["pid"]
+    assert survivor[1]["restored"] is None and victim[1]["restored"] is None
+    assert "rank 0: no step was committed before the failure; it builds its setup again" in result.stderr
+    assert "restarting it alone in generation 1" in result.stderr
+
+
 def test_a_hang_outlasting_the_collective_and_rejoin_timeouts_restarts_only_the_hung_rank(
         tmp_path: Path, reference: list[bytes]) -> None:
     # the hang outlasts the configured collective timeout and the rejoin timeout: the survivor must keep

@@ -118,13 +118,13 @@ def rank_killed_mid_training(ctx: RunContext) -> Outcome:
                        detail=f"rank {victim} SIGKILLed at step {step} ({phase})")
 
 
-@row(20, "a rank SIGKILLed before any step is committed under ckptd launch", short_runs=0, long_runs=3)
+@row(20, "a rank SIGKILLed before any step is committed under ckptd launch", short_runs=1, long_runs=3)
 def rank_killed_before_the_first_commit(ctx: RunContext) -> Outcome:
     """The failure of seed 2000007 made deterministic: rank 1 dies at step 2 before its save, so no step was
     ever committed; the generation that follows restores nothing, and the survivor must start again from the
-    state its setup built, as the replacement does. Out of the short mode (``short_runs=0``) until the
-    supervisor resets a survivor that rejoins with no committed step (reported; it trains on from its live,
-    advanced state and the run diverges)."""
+    state its setup built, as the replacement does (:func:`ckptd.elastic.run` builds the survivor's setup
+    again when its managers hold no committed step; before that it trained on from its live, advanced state
+    and the run diverged)."""
     job = ["--kill-rank", "1", "--kill-step", "2", "--kill-signal", "KILL", "--kill-phase", "before-save"]
     _reference()
     result = launch_job(ctx.workdir, *job)
