@@ -137,3 +137,50 @@ def test_a_rank_skips_a_step_the_committing_rank_dropped_and_a_marker_of_another
     with override(commit_timeout_s=60.0):
         Promoter(LocalTier(base / "node0"), remote).promote(2, ranks=[0])
     assert 2 in remote.committed_steps() and list(verify_step(remote, 2)) == []
+
+
+def test_a_close_waiting_for_its_uploads_runs_while_closing_on_its_own_thread(
+        tmp_path: Path, s3_bucket: str, s3_options: dict[str, Any]) -> None:
+    """F1's second half: a close that waits for the object tier (here: a collector's GC lease holds the
+    promotion) runs ``while_closing`` (a launched rank's heartbeat) on the closing thread until it ends."""
+    import threading
+
+    import ckptd
+    from ckptd.promotion.lease import gc_lease
+
+    collector = object_tier(s3_bucket, s3_options, prefix="closing")
+    holding, done = threading.Event(), threading.Event()
+
+    def collect() -> None:
+        with gc_lease(collector):
+            holding.set()
+            done.wait(60)
+
+    thread = threading.Thread(target=collect)
+    thread.start()
+    assert holding.wait(30)
+    beats: list[int] = []
+
+    def beat() -> None:
+        beats.append(threading.get_ident())
+        if len(beats) >= 3:
+            done.set()  # the collection ends: the promotion goes on
+
+    weights = torch.arange(64 * 1024, dtype=torch.float32)
+    try:
+        with override(gc_lease_s=120.0):
+            manager = ckptd.CheckpointManager(tmp_path / "root", remote=f"s3://{s3_bucket}/closing",
+                                              storage_options=s3_options, capture_rng=False, daemon="off")
+            manager.while_closing = beat
+            assert manager.save(1, {"weights": weights})
+            manager.close(timeout_s=60)
+    finally:
+        done.set()
+        thread.join(30)
+    assert len(beats) >= 3 and set(beats) == {threading.get_ident()}, beats
+    assert collector.committed_steps() == [1] and list(verify_step(collector, 1)) == []
+    restored = {"weights": torch.zeros_like(weights)}
+    with ckptd.CheckpointManager(tmp_path / "empty", remote=f"s3://{s3_bucket}/closing", storage_options=s3_options,
+                                 capture_rng=False, daemon="off") as reader:
+        assert reader.restore(restored) == 1
+    assert torch.equal(restored["weights"], weights), "S3's step 1 is the bytes saved"

@@ -199,6 +199,7 @@ class _BeatingManager(CheckpointManager):
         #: The options it was made with, as :meth:`WorkerContext.checkpoint_manager` compares them.
         self.options = described
         super().__init__(local, **options)
+        self.while_closing = _touch_heart  # a close waiting for the object tier is no hang
         #: The staging buffers not in use by the newest save: they hold the save before it.
         self._spare_stager = Stager(budget_bytes=self._saver.stager.budget_bytes, pin=self._saver.stager.pin)
         self._older: MemoryCopy | None = None  # the staged copy of the save before the newest
@@ -377,6 +378,12 @@ class _Heart:
 
 
 _heart: _Heart | None = None
+
+
+def _touch_heart() -> None:
+    """The rank is alive (a manager's close waits for its uploads): touch the heartbeat, if this is a launched rank."""
+    if _heart is not None:
+        _heart.touch()
 
 
 def heartbeat(step: int | None = None) -> None:

@@ -4,7 +4,10 @@ step restored from the object tier back to the (empty or stale) local tier."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from ckptd.errors import CkptdError, ConfigError
@@ -16,6 +19,33 @@ from ckptd.tiers import StorageTier, open_tier
 from ckptd.tiers.local import LocalTier
 
 log = logging.getLogger("ckptd.promotion")
+
+
+#: How often a close that waits for uploads runs its ``while_waiting`` callback (seconds).
+_WAITING_BEAT_S = 0.5
+
+
+def _run_beating(work: Callable[[], None], while_waiting: Callable[[], None]) -> None:
+    """Run ``work`` on a helper thread and ``while_waiting`` on this one until it ends; re-raise its error."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as error:  # noqa: BLE001 - re-raised on the calling thread
+            failure.append(error)
+
+    helper = threading.Thread(target=run, name="ckptd-close-uploads", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(_WAITING_BEAT_S)
+        if helper.is_alive():
+            try:
+                while_waiting()
+            except Exception as error:  # noqa: BLE001 - a failed beat must not abandon the close half-way
+                log.debug("the callback of a close waiting for uploads failed: %s", error)
+    if failure:
+        raise failure[0]
 
 
 class _Listings(Protocol):
@@ -104,10 +134,14 @@ class RemoteSync:
         if self.uploader is not None:
             self.uploader.wait(timeout_s)
 
-    def close(self, timeout_s: float | None = None) -> None:
+    def close(self, timeout_s: float | None = None, *, while_waiting: Callable[[], None] | None = None) -> None:
         """Finish queued uploads and release the object tier within ``timeout_s`` (see
-        :meth:`BackgroundUploader.close`: raises UnpromotedError listing the steps left pinned locally)."""
-        if self.uploader is not None:
+        :meth:`BackgroundUploader.close`: raises UnpromotedError listing the steps left pinned locally).
+        ``while_waiting`` runs on the calling thread about twice a second while the uploads finish (a
+        launched rank's heartbeat: a close that waits for the object tier is no hang)."""
+        if self.uploader is None:
+            self.remote.close()
+        elif while_waiting is None:
             self.uploader.close(timeout_s)
         else:
-            self.remote.close()
+            _run_beating(functools.partial(self.uploader.close, timeout_s), while_waiting)
