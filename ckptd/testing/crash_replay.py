@@ -141,16 +141,19 @@ def _manager(shape: SaveShape, root: Path, rank: int, store: Any) -> CheckpointM
 
 @dataclass
 class Recording:
-    """A recorded save: its shape, directory, trace and the op index of its acknowledged commit."""
+    """A recorded save: its shape, directory, trace and the op index of its acknowledged commit; its
+    crash states keep each directory's entry changes in order unless ``ordered_entries`` is False (see
+    :class:`~ckptd.testing.crash_states.CrashModel`)."""
 
     shape: SaveShape
     root: Path
     trace: Trace
     acknowledged_at: int | None
+    ordered_entries: bool = True
 
     @property
     def model(self) -> CrashModel:
-        return CrashModel(self.trace)
+        return CrashModel(self.trace, ordered_entries=self.ordered_entries)
 
     def committed_before(self) -> list[int]:
         """The steps committed when the recorded save began (after retention)."""
@@ -416,7 +419,8 @@ def replay(recording: Recording, scratch: Path, rng: random.Random, *, cap: int 
             report.with_recorded_step += recording.shape.step in verdict.committed
             report.worst_recovery_s = max(report.worst_recovery_s, verdict.recovery_s)
             if not verdict.held:
-                report.failures.append(Failure(state, state.describe(recording.trace), verdict.problems))
+                description = state.describe(recording.trace, ordered_entries=recording.ordered_entries)
+                report.failures.append(Failure(state, description, verdict.problems))
                 if len(report.failures) >= stop_after_failures:
                     return report
     return report

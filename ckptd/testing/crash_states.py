@@ -54,23 +54,24 @@ SECTOR = 4096
 
 @dataclass(frozen=True)
 class CrashState:
-    """One crash state: the crash point, how many pending entry operations persisted per directory, and
-    the fate of each pending data operation (by operation index)."""
+    """One crash state: the crash point, which pending entry operations persisted per directory (how many,
+    as a prefix; in a model with ``ordered_entries=False`` a bit mask over them), and the fate of each
+    pending data operation (by operation index)."""
 
     crash_point: int
     directory_kept: tuple[tuple[str, int], ...] = ()
     fates: tuple[tuple[int, str], ...] = ()
 
-    def describe(self, trace: Trace) -> str:
+    def describe(self, trace: Trace, *, ordered_entries: bool = True) -> str:
         """Which operations were pending at the crash and what became of each (for failure reports)."""
-        model = CrashModel(trace)
+        model = CrashModel(trace, ordered_entries=ordered_entries)
         pending = model.pending(self.crash_point)
         lines = [f"crash after op #{self.crash_point - 1}" if self.crash_point else "crash before any op"]
         kept = dict(self.directory_kept)
         for directory, indexes in pending.directory_ops.items():
-            count = kept.get(directory, 0)
-            for position, index in enumerate(indexes):
-                lines.append(f"  {'kept   ' if position < count else 'dropped'} {trace.ops[index].describe()}")
+            persisted = set(model.kept_entries(indexes, kept.get(directory, 0)))
+            for index in indexes:
+                lines.append(f"  {'kept   ' if index in persisted else 'dropped'} {trace.ops[index].describe()}")
         for index, fate in self.fates:
             lines.append(f"  {fate:<7} {trace.ops[index].describe()}")
         return "\n".join(lines)
@@ -124,11 +125,26 @@ class TreeState:
 
 
 class CrashModel:
-    """Crash states of one :class:`~ckptd.testing.fs_recorder.Trace` (see the module docstring)."""
+    """Crash states of one :class:`~ckptd.testing.fs_recorder.Trace` (see the module docstring).
 
-    def __init__(self, trace: Trace) -> None:
+    With ``ordered_entries=False`` the pending entry operations of a directory persist as any subset,
+    not only a prefix (POSIX promises no order; journaling file systems keep it): a save that relied on
+    that order without a directory fsync in between would show up there."""
+
+    def __init__(self, trace: Trace, *, ordered_entries: bool = True) -> None:
         self.trace = trace
         self.ops = trace.ops
+        self.ordered_entries = ordered_entries
+
+    def _entry_choices(self, pending_ops: int) -> int:
+        """How many ways the pending entry operations of one directory can persist."""
+        return pending_ops + 1 if self.ordered_entries else 2 ** pending_ops
+
+    def kept_entries(self, indexes: list[int], choice: int) -> list[int]:
+        """The pending entry operations (``indexes``, in order) that persisted under ``choice``."""
+        if self.ordered_entries:
+            return indexes[:choice]
+        return [index for bit, index in enumerate(indexes) if choice >> bit & 1]
 
     @property
     def crash_points(self) -> range:
@@ -168,7 +184,7 @@ class CrashModel:
     def count(self, crash_point: int) -> int:
         """The number of crash states at ``crash_point``."""
         pending = self.pending(crash_point)
-        directories = math.prod(len(ops) + 1 for ops in pending.directory_ops.values())
+        directories = math.prod(self._entry_choices(len(ops)) for ops in pending.directory_ops.values())
         return directories * math.prod(len(self._fate_kinds(self.ops[i])) for i in pending.data_ops)
 
     def total(self) -> int:
@@ -180,7 +196,7 @@ class CrashModel:
         everything pending dropped, everything kept, then random draws."""
         pending = self.pending(crash_point)
         directories = sorted(pending.directory_ops)
-        dir_choices = [range(len(pending.directory_ops[d]) + 1) for d in directories]
+        dir_choices = [range(self._entry_choices(len(pending.directory_ops[d]))) for d in directories]
         fate_choices = [self._fate_kinds(self.ops[i]) for i in pending.data_ops]
 
         def build(kept: tuple[int, ...], kinds: tuple[str, ...]) -> CrashState:
@@ -213,7 +229,7 @@ class CrashModel:
         point = rng.choice(self.crash_points) if crash_point is None else crash_point
         pending = self.pending(point)
         directories = sorted(pending.directory_ops)
-        kept = tuple(rng.randint(0, len(pending.directory_ops[d])) for d in directories)
+        kept = tuple(rng.randrange(self._entry_choices(len(pending.directory_ops[d]))) for d in directories)
         fates = tuple((i, self._resolve(self.ops[i], rng.choice(self._fate_kinds(self.ops[i])), rng))
                       for i in pending.data_ops)
         return CrashState(point, tuple(zip(directories, kept)), fates)
@@ -228,8 +244,8 @@ class CrashModel:
         """The tree the crash ``state`` leaves."""
         pending = self.pending(state.crash_point)
         persisted = set(pending.durable_directory_ops)
-        for directory, count in state.directory_kept:
-            persisted.update(pending.directory_ops.get(directory, [])[:count])
+        for directory, choice in state.directory_kept:
+            persisted.update(self.kept_entries(pending.directory_ops.get(directory, []), choice))
         fates = dict(state.fates)
         snapshot: Snapshot = self.trace.snapshot
         directories, names = set(snapshot.directories), dict(snapshot.files)
