@@ -5,6 +5,8 @@
   a collector took live uploads and in-flight steps for hours old.
 - A root opened without the writer lock because its file system was read-only must not write without the
   lock once the file system is writable again (``mount -o remount,rw``): a second manager may hold it.
+- A commit undone after its directory fsync failed unlinks only its own file, never one another writer
+  renamed over the name meanwhile (the race is injected around the real ``fsync_directory``).
 """
 
 from __future__ import annotations
@@ -59,3 +61,28 @@ def test_a_root_writable_again_takes_the_writer_lock_before_it_writes(
     assert unlocked.committed_steps() == [2, 3]
     unlocked.close()
     assert sorted(os.listdir(checkpoint_dir)).count("step-000000000001") == 0
+
+
+def test_an_undone_rename_never_unlinks_a_file_another_writer_put_there(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The directory fsync after a rename fails (EIO), so the commit is undone by unlinking the final name;
+    if another writer renamed its own file over that name meanwhile, its file stays."""
+    from ckptd.errors import StorageError
+    from ckptd.tiers import local as local_module
+
+    tier = local_module.LocalTier(tmp_path / "root", create=True)
+    final = tier.root / "step-000000000001" / "shared.json"
+    tier.write_bytes("step-000000000001/other.json", b"made durable first")  # the directory exists
+    real_fsync_directory = local_module.fsync_directory
+
+    def racing_then_failing(directory: Path) -> None:
+        theirs = directory / "theirs.tmp"
+        theirs.write_bytes(b"theirs")
+        os.replace(theirs, final)  # the other writer's commit lands between our rename and our fsync
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    monkeypatch.setattr(local_module, "fsync_directory", racing_then_failing)
+    with pytest.raises(StorageError, match="fsync of the directory"):
+        tier.write_bytes("step-000000000001/shared.json", b"mine")
+    monkeypatch.setattr(local_module, "fsync_directory", real_fsync_directory)
+    assert final.read_bytes() == b"theirs"

@@ -36,6 +36,8 @@ from ckptd.tiers.confined import confined_path
 
 log = logging.getLogger("ckptd.tiers")
 
+#: errno values of an fsync of a directory that cannot be done at all (not a failed write-back: EIO).
+_UNSYNCABLE = frozenset({errno.EACCES, errno.EPERM, errno.EROFS, errno.EINVAL})
 #: errno values of file systems that refuse hard links (FAT, some FUSE and network mounts).
 _NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK})
 
@@ -92,9 +94,10 @@ def make_directory(directory: Path) -> None:
 
     When ``directory`` already exists its parent is fsynced too: the process that created it may have
     been killed before its fsync (a kill keeps the entry in the page cache, not on disk), and the files
-    committed into it now are only as durable as its name. A parent this process may not open (a
-    directory made for it by an administrator, mode ``--x``) or on a read-only file system is not
-    fsynced: whoever made the directory there did."""
+    committed into it now are only as durable as its name. That fsync is best effort where it cannot be
+    done at all (:data:`_UNSYNCABLE`: a parent this process may not open, such as a directory made for
+    it by an administrator with mode ``--x``; a read-only file system; one that cannot fsync
+    directories), so that such a root still opens for restores: whoever made the directory there did."""
     missing = []
     current = directory
     while not current.is_dir():
@@ -111,8 +114,19 @@ def make_directory(directory: Path) -> None:
         try:
             fsync_directory(directory.parent)
         except OSError as exc:
-            if not isinstance(exc, PermissionError) and exc.errno != errno.EROFS:
+            if exc.errno not in _UNSYNCABLE:
                 raise
+
+
+def _unlink_if_same_file(path: Path, written: os.stat_result) -> None:
+    """Unlink ``path`` only while it is still the file ``written`` describes: another writer may have
+    renamed its own file over the name since."""
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return
+    if (now.st_dev, now.st_ino) == (written.st_dev, written.st_ino):
+        path.unlink(missing_ok=True)
 
 
 class AtomicFile:
@@ -196,6 +210,7 @@ class AtomicFile:
             if self.aligned:  # the last range may have been written unpadded, through the page cache
                 os.ftruncate(self._fd, self.size)  # type: ignore[arg-type]
             os.fsync(self._fd)  # type: ignore[arg-type]
+            written = os.fstat(self._fd)  # type: ignore[arg-type]
             os.close(self._fd)  # type: ignore[arg-type]
             self._fd = None
             phase = "renaming into place"
@@ -210,7 +225,7 @@ class AtomicFile:
         except OSError as exc:
             self.abort()
             if placed:  # the rename may not survive a power loss: the commit did not happen
-                self.final.unlink(missing_ok=True)
+                _unlink_if_same_file(self.final, written)
             where = self.final.parent if phase == "fsync of the directory" else self.final
             raise _storage_error(exc, where, f"committing ({phase})") from exc
 
