@@ -184,3 +184,39 @@ def test_a_close_waiting_for_its_uploads_runs_while_closing_on_its_own_thread(
                                  capture_rng=False, daemon="off") as reader:
         assert reader.restore(restored) == 1
     assert torch.equal(restored["weights"], weights), "S3's step 1 is the bytes saved"
+
+
+def test_a_daemon_skips_at_once_the_steps_another_node_dropped_and_commits_the_one_both_hold(
+        earlier_run, tmp_path: Path, s3_bucket: str, s3_options: dict[str, Any]) -> None:  # noqa: F811
+    """F3 on a real daemon process: node 0's daemon (rank 0's root of a two-node job, steps 1..6) promotes every
+    step and commits each once rank 1's share is there. Node 1 dropped steps 1..5 under its pin cap (their
+    markers) and promoted step 6: the daemon skips steps 1..5 at once, for good, and commits step 6 (before the
+    fix it waited CKPTD_COMMIT_TIMEOUT_S for each dropped share, and S3 stayed behind)."""
+    import shutil
+
+    from ckptd.testing.daemon_process import DaemonProcess, write_config
+
+    base: Path = earlier_run[0]
+    root, state = tmp_path / "node0", tmp_path / "state"
+    shutil.copytree(base / "node0", root)
+    remote = object_tier(s3_bucket, s3_options, prefix="run1")
+    node1 = LocalTier(base / "node1")
+    for step in range(1, 6):
+        announce_release(remote, step, [1], node1.read_bytes(step_file(step, MANIFEST_NAME)))
+    Promoter(node1, remote).promote(6, ranks=[1])
+    config = write_config(tmp_path / "daemon.toml", [{"name": "run1", "local": str(root),
+                                                      "remote": f"s3://{s3_bucket}/run1",
+                                                      "storage_options": s3_options}],
+                          state_dir=str(state), listen="127.0.0.1:0", node_id="node-a", poll_interval_s=0.2,
+                          retry_backoff_s=0.2, scrub_interval_s=0)
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "CKPTD_COMMIT_TIMEOUT_S": "300"}
+    with DaemonProcess(config, state, env=env) as daemon:
+        daemon.wait_ready()
+        daemon.wait_for(lambda: 6 in remote.committed_steps(), 60, f"step 6 committed; log:\n{daemon.log()}")
+        promotes = {task["step"]: task for task in daemon.tasks() if task["kind"] == "promote"}
+        assert all(promotes[step]["state"] == "skipped" and "dropped its pin" in promotes[step]["error"]
+                   for step in range(1, 6)), promotes
+        assert daemon.terminate() == 0
+    assert remote.committed_steps() == [6]
+    manifest = load_step_manifest(remote, 6)
+    assert set(ranks_held(remote, 6, manifest)) == {0, 1} and list(verify_step(remote, 6)) == []
