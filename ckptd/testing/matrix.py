@@ -293,3 +293,26 @@ def crash_injector() -> Any:
 def stop_shared_endpoints() -> None:
     """Stop the S3 endpoint the runs of this process shared (call once at the end)."""
     _S3.stop()
+
+
+def short_params(module: str) -> list[Any]:
+    """The short mode's runs of the scenarios defined in rows module ``module`` (e.g. ``"rows_crash"``), as
+    ``pytest.param(entry, seed)`` with ids ``rowNN-<scenario>-seed<S>``: one test file per rows module, so
+    that pytest-xdist spreads the modules over its workers."""
+    import pytest
+
+    return [pytest.param(entry, seed_for(entry.number, index),
+                         id=f"row{entry.number:02d}-{entry.scenario.__name__}-seed{seed_for(entry.number, index)}")
+            for entry in scenarios() if entry.scenario is not None and entry.scenario.__module__ == module
+            for index in range(entry.short_runs)]
+
+
+def check_short_run(entry: Row, seed: int) -> None:
+    """Run ``entry`` once with ``seed`` and fail (AssertionError naming row, scenario, seed, scratch and the
+    replay command) unless it held with nothing lost."""
+    record = run_row(entry, seed, keep_failed=True)
+    outcome = record.outcome
+    assert outcome.held, (f"row {entry.number} ({entry.title}) scenario {record.scenario} did not hold with seed "
+                          f"{seed}: {outcome.detail}\n{record.error}scratch kept in {record.workdir}; replay: "
+                          f"python tests/matrix/long_run.py --replay {entry.number}:{record.scenario}:{seed}")
+    assert outcome.bytes_lost == 0, f"row {entry.number} seed {seed}: {outcome.bytes_lost} bytes lost, yet held"

@@ -1,27 +1,26 @@
 """The fault matrix's short mode: each scenario of each row runs ``short_runs`` times with seeds derived
-from its row number (``seed_for``), and must hold. A failure names the row, the scenario, the seed and
+from its row number (``seed_for``), and must hold (in ``test_short_<area>.py``, one file per rows module; this
+file checks that every row and every rows module is covered). A failure names the row, the scenario, the seed and
 what broke; ``python tests/matrix/long_run.py --replay ROW:SEED`` replays it with its scratch directory
 kept. The long mode (``long_run.py``) runs the same scenarios ``long_runs`` times and writes the report."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
 from ckptd.testing import matrix
 
-CASES = [pytest.param(entry, matrix.seed_for(entry.number, index),
-                      id=f"row{entry.number:02d}-{entry.scenario.__name__}-seed{matrix.seed_for(entry.number, index)}")
-         for entry in matrix.scenarios() if entry.scenario is not None for index in range(entry.short_runs)]
+HERE = Path(__file__).parent
 
 
-@pytest.mark.parametrize(("entry", "seed"), CASES)
-def test_row_holds(entry: matrix.Row, seed: int) -> None:
-    record = matrix.run_row(entry, seed, keep_failed=True)
-    outcome = record.outcome
-    assert outcome.held, (f"row {entry.number} ({entry.title}) scenario {record.scenario} did not hold with seed "
-                          f"{seed}: {outcome.detail}\n{record.error}scratch kept in {record.workdir}; replay: "
-                          f"python tests/matrix/long_run.py --replay {entry.number}:{record.scenario}:{seed}")
-    assert outcome.bytes_lost == 0, f"row {entry.number} seed {seed}: {outcome.bytes_lost} bytes lost, yet held"
+def test_every_rows_module_has_its_short_mode_file() -> None:
+    """The short mode runs in ``test_short_<area>.py``, one per ``rows_<area>.py`` (so that pytest-xdist
+    spreads them): a rows module without its file would never run by default. (A module whose scenarios all
+have ``short_runs=0`` has none: its rows are checked by default elsewhere, as its docstring says.)"""
+    modules = {path.stem.removeprefix("rows_") for path in HERE.glob("rows_*.py") if matrix.short_params(path.stem)}
+    files = {path.stem.removeprefix("test_short_") for path in HERE.glob("test_short_*.py")}
+    assert modules == files, f"rows modules without a test_short file: {sorted(modules - files)}; " \
+                             f"test_short files without a rows module: {sorted(files - modules)}"
 
 
 def test_every_row_has_a_scenario_or_a_reason() -> None:

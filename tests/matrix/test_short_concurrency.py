@@ -1,0 +1,12 @@
+"""Short mode of the scenarios in ``rows_concurrency.py`` (see ``test_matrix.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptd.testing import matrix
+
+
+@pytest.mark.parametrize(("entry", "seed"), matrix.short_params("rows_concurrency"))
+def test_row_holds(entry: matrix.Row, seed: int) -> None:
+    matrix.check_short_run(entry, seed)
