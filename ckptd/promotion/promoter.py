@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from ckptd.background import run_jobs
 from ckptd.config import settings
 from ckptd.errors import AlreadyCommittedError, CommitError, DeadlineError, NotFoundError
+from ckptd.format.hashing import chunk_digest
 from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
 from ckptd.tiers.atomicity import step_commit
 from ckptd.format.records import ChunkRecord, Manifest
@@ -176,6 +177,7 @@ class Promoter:
             self.remote.write_bytes(step_file(step, promoted_marker_name(share.rank)), b"")
         if commits:
             self._wait_for_other_ranks(contents, ranks)
+            self._check_other_indexes(contents, ranks)
             try:
                 step_commit(self.remote).commit(step, contents.manifest_bytes)
             except AlreadyCommittedError:  # another promoter committed it meanwhile
@@ -214,6 +216,26 @@ class Promoter:
                 tier=self.remote.label, path=path,
                 hint="give every job its own object-tier prefix; the files of an interrupted promotion are "
                      "removed by `ckptd gc` once CKPTD_GC_ABANDONED_S has passed, then promote again") from error
+
+    def _check_other_indexes(self, contents: StepContents, ranks: list[int] | None) -> None:
+        """CommitError unless every other rank's stored index is the one this manifest names: a
+        ``rank-NNNNN.promoted`` marker may be a leftover of another incarnation of this step number, whose
+        written-once index stays until GC removes it as abandoned."""
+        for entry in contents.manifest.ranks:
+            if ranks is None or entry.rank in ranks:
+                continue
+            path = step_file(contents.step, entry.index_file)
+            try:
+                stored = chunk_digest(self.remote.read_bytes(path))
+            except NotFoundError:
+                stored = "none"
+            if stored != entry.index_digest:
+                raise CommitError(
+                    f"rank {entry.rank}'s index of step {contents.step} on the object tier is not the one this "
+                    "step's manifest names (a leftover of an interrupted promotion of other content with this "
+                    "step number); the step is not committed", step=contents.step, tier=self.remote.label,
+                    path=path, hint="the leftover is removed by `ckptd gc` once CKPTD_GC_ABANDONED_S has passed; "
+                                    "then promote the step again, or let a newer step be promoted")
 
     def _upload(self, missing: list[tuple[RankShare, ChunkRecord]], packs: list[tuple[RankShare, int]],
                 progress: ProgressHook | None) -> int:
