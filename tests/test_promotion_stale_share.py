@@ -10,13 +10,14 @@ written). Now rank 0 checks every other rank's stored index against its manifest
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from ckptd.errors import CommitError
-from ckptd.format.layout import step_file
+from ckptd.format.layout import step_dir, step_file
 from ckptd.promotion.promoter import Promoter, promoted_marker_name
 from ckptd.stepio.step_reader import verify_step
 from ckptd.tiers.local import LocalTier
@@ -46,6 +47,14 @@ def test_a_leftover_share_of_another_incarnation_of_the_step_is_not_committed_ov
     assert "rank 1" in message and "rank-00001.index.json" in message and f"step {STEP}" in message, message
     assert STEP not in remote.committed_steps(), "a step whose rank 1 index is another one's was committed"
     assert remote.read_bytes(index) == other, "the leftover is left to GC"
+    # GC takes it once nothing in the step directory changed for gc_abandoned_s: a retry (a daemon retries
+    # every few minutes) must not refresh the directory, else the leftover is never abandoned
+    before = {obj.path: obj.modified for obj in remote.list_objects(step_dir(STEP))}
+    time.sleep(1.1)  # the store stamps times to the second
+    with pytest.raises(CommitError):
+        Promoter(rank0, remote).promote(STEP, ranks=[0])
+    after = {obj.path: obj.modified for obj in remote.list_objects(step_dir(STEP))}
+    assert after == before, "a failing retry rewrote files of the step directory"
     # once GC removed the leftover, both shares go up and the step commits, bit-exact
     remote.delete_files([path for path in (step_file(STEP, name) for name in remote.list_files(STEP))
                          if "rank-00001" in path])

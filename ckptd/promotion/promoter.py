@@ -174,7 +174,9 @@ class Promoter:
         mark_uploaded(self.remote, [chunk.object_key for _, chunk in missing])
         self.on_phase("verified")
         for share in contents.shares if ranks is not None else ():
-            self.remote.write_bytes(step_file(step, promoted_marker_name(share.rank)), b"")
+            # written once too: a retry must not refresh the step directory, or GC never finds a leftover of
+            # another incarnation of this step abandoned
+            self._write_once(step, step_file(step, promoted_marker_name(share.rank)), b"")
         if commits:
             self._wait_for_other_ranks(contents, ranks)
             self._check_other_indexes(contents, ranks)
