@@ -7,7 +7,7 @@ a pin; scrub checks this node's copies (the local root, mended from the object t
 object tier, mended from the others) and the replicas buddies sent here, never a buddy's copy over the
 network (the buddy scrubs that itself). Uploads left open on an object tier by a writer that died (this
 daemon's previous process, SIGKILLed mid-upload, or a trainer's uploader) are aborted from the first pass
-after the daemon starts, at every pass until none is left open, then every ``gc_abandoned_s``; an upload
+after the daemon starts, at every pass while two open uploads share a key, then every ``gc_abandoned_s``; an upload
 whose owner still runs is left alone (:meth:`~ckptd.tiers.object.ObjectTier.abort_incomplete_uploads`).
 Failures are counted in the metrics and handed to ``record_error``.
 """
@@ -62,7 +62,7 @@ class Upkeep:
 
     def abort_abandoned_uploads(self, runtime: RootRuntime) -> int:
         """Abort the multipart uploads no live writer owns on the root's object tier: at every call until one
-        leaves no upload open, then every ``gc_abandoned_s``; returns how many were aborted."""
+        leaves no two open uploads of one key, then every ``gc_abandoned_s``; returns how many were aborted."""
         tier = runtime.remote
         if tier is None or not tier.capabilities.multipart_uploads:
             return 0
@@ -78,9 +78,11 @@ class Upkeep:
             self.record_error("uploads", runtime.name, None, str(error))
             log.warning("aborting the abandoned uploads of %s failed: %s", tier.label, error)
             return 0
-        if not left:
+        keys = [path for path, _, _ in left]
+        if len(set(keys)) == len(keys):
             # an upload is spared while its key has a live owner, even one uploading that key anew (a
-            # restarted daemon re-sends the chunk a dead one left half sent): look again until none is open
+            # restarted daemon re-sends the chunk a dead one left half sent): look again at every pass while
+            # a key has two open uploads, not while any is open (other writers' live uploads nearly always are)
             self._uploads_checked_at[runtime.name] = now
         if aborted:
             log.info("aborted %d multipart upload(s) a dead writer left on %s", aborted, tier.label)
