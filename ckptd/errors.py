@@ -110,6 +110,11 @@ class CommitError(CkptdError):
     exit_code = 5
 
 
+class ShareReleasedError(CommitError):
+    """Another rank dropped its share of the step unpromoted (``rank-NNNNN.released``): it cannot be committed,
+    and retrying does not help."""
+
+
 class AlreadyCommittedError(CommitError):
     """A file that must be written only once (a commit marker) already exists; nothing was replaced."""
 

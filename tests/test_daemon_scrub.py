@@ -325,6 +325,25 @@ def test_a_copy_stored_in_another_codec_mends_a_raw_chunk(tmp_path):
 
 def test_a_data_file_reached_through_a_link_out_of_the_root_is_never_written(tiers, tmp_path):
     local, remote = tiers
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    data_file, offset, _ = chunk_location(local.root, 2, "trained")
+    linked = outside / data_file.name
+    shutil.move(data_file, linked)
+    data_file.symlink_to(linked)
+    flip_bit(linked, offset)
+    before = _files(outside)
+
+    report = Scrubber(bytes_per_s=math.inf).scrub_tier(local, repair_from=[remote])
+
+    path = str(data_file.relative_to(local.root))
+    assert path in report.bad and path in report.unrepaired, report
+    assert "symbolic link" in dict(report.reasons)[path]
+    assert _files(outside) == before
+
+
+def test_a_step_directory_that_is_a_link_out_of_the_root_is_not_a_step_and_never_written(tiers, tmp_path):
+    local, remote = tiers
     outside = tmp_path / "elsewhere" / step_dir(2)
     shutil.move(local.root / step_dir(2), outside)
     (local.root / step_dir(2)).symlink_to(outside, target_is_directory=True)
@@ -334,9 +353,8 @@ def test_a_data_file_reached_through_a_link_out_of_the_root_is_never_written(tie
 
     report = Scrubber(bytes_per_s=math.inf).scrub_tier(local, repair_from=[remote])
 
-    path = str(data_file.relative_to(local.root))
-    assert report.bad == (path,) and report.unrepaired == (path,)
-    assert "outside the tier root" in dict(report.reasons)[path]
+    assert 2 not in local.committed_steps()
+    assert not any(path.startswith(step_dir(2)) for path in report.bad + report.repaired), report
     assert _files(outside.parent) == before
 
 

@@ -71,9 +71,13 @@ def test_a_lost_node_restores_from_its_buddy_then_from_s3_when_the_buddy_is_gone
             assert run_trainer(a_root, 1, 3, keep_local=None) == [1, 2, 3]
             replicas = b_state / "replicas" / "node-a" / "run1"
             object_tier = open_tier(remote, storage_options=s3_options)
-            wait_until(lambda: object_tier.committed_steps() == [1, 2, 3]
-                       and replicas.is_dir() and LocalTier(replicas).committed_steps() == [1, 2, 3],
-                       180, "steps 1-3 promoted to S3 and replicated to node-b")
+            try:
+                wait_until(lambda: object_tier.committed_steps() == [1, 2, 3]
+                           and replicas.is_dir() and LocalTier(replicas).committed_steps() == [1, 2, 3],
+                           180, "steps 1-3 promoted to S3 and replicated to node-b")
+            except AssertionError as error:  # say what the daemons did (this wait timed out twice under load)
+                raise AssertionError(f"{error}\nnode-a's daemon:\n{daemon.log()[-6000:]}\n"
+                                     f"node-b's daemon:\n{buddy.log()[-3000:]}") from None
             daemon.kill()  # node A is lost: its daemon and its NVMe
         shutil.rmtree(a_root)
         a_root.mkdir()

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from ckptd.background import run_jobs
 from ckptd.config import settings
-from ckptd.errors import AlreadyCommittedError, CommitError, DeadlineError, NotFoundError
+from ckptd.errors import AlreadyCommittedError, CommitError, DeadlineError, NotFoundError, ShareReleasedError
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
 from ckptd.tiers.atomicity import step_commit
@@ -86,11 +86,6 @@ class PromotionReport:
 def promoted_marker_name(rank: int) -> str:
     """Name of the object a rank writes once its share of a step is uploaded and verified."""
     return f"rank-{rank:05d}.promoted"
-
-
-class ShareReleasedError(CommitError):
-    """Another rank dropped its share of the step unpromoted (``rank-NNNNN.released``): it cannot be committed,
-    and retrying does not help."""
 
 
 def released_marker_name(rank: int) -> str:
