@@ -87,8 +87,11 @@ def test_the_background_release_never_deletes_a_lease_another_collector_took_sin
     # past our lease's expiry a collector elsewhere took the tier: its lease must survive our retry
     theirs = {"owner": "pid 1 on elsewhere", "host": "elsewhere", "pid": 1, "created": time.time(), "token": "theirs"}
     direct.write_bytes(LEASE_PATH, json.dumps(theirs).encode())
-    proxy.fraction = 0.0
+    # Deletes still fail until the retry has seen the new lease: a retry that read our lease just before it
+    # was replaced cannot then delete theirs (read-then-delete is not atomic; in use another collector takes
+    # the lease only once ours expired, when the retry has stopped: test_an_owed_release_gives_up...).
     assert _wait_until(lambda: not release_pending(faulty)), "the retry stops"
+    proxy.fraction = 0.0
     assert _lease_body(direct) == theirs, "another collector's lease is left alone"
     assert lease_is_fresh(faulty), "and it holds this process's promoters back"
 
