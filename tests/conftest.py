@@ -30,3 +30,17 @@ def s3_bucket(s3_server: EmbeddedS3) -> str:
 def s3_options(s3_server: EmbeddedS3) -> dict[str, Any]:
     """fsspec/s3fs storage options that reach the test server."""
     return s3_server.storage_options
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter: Any) -> Iterator[None]:
+    """After every other summary, the ids of the failed tests alone, one per line: CI shows only the
+    tail of the output, and an untruncated assertion message can push the short summary out of it."""
+    result = yield
+    failed = [report.nodeid for key in ("failed", "error") for report in terminalreporter.stats.get(key, [])
+              if getattr(report, "nodeid", None)]
+    if failed:
+        terminalreporter.write_sep("=", f"{len(failed)} failed or erred (ids only)")
+        for nodeid in failed:
+            terminalreporter.write_line(nodeid)
+    return result
