@@ -16,6 +16,10 @@ step in the next generation, the restarted rank from a tier on disk and the surv
 every step a rank directory advertises verifies and the ranks' directories hold the same committed steps
 (L3). Recovery: from the signal to the restarted rank's restore (``recovery_s``) and to its first completed
 step (``step_recovery_s``), from the wall-clock times the ranks wrote.
+
+All three are out of the short mode (``short_runs=0``: each run is a ckptd launch of a 2-rank job, 10-20 s on two
+busy cores): ``tests/test_elastic_launch.py`` runs a hang found by timeout, SIGKILLs at several steps and
+phases, and seed 2000007 (a rank lost before the first commit) in the default run.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ def _check_run(ctx: RunContext, result: Any, victim: int, cause: str, *, committ
     return checks, recovery_s, step_recovery_s
 
 
-@row(19, "a rank hangs (SIGSTOP) in the save barrier under ckptd launch", short_runs=1, long_runs=30)
+@row(19, "a rank hangs (SIGSTOP) in the save barrier under ckptd launch", short_runs=0, long_runs=30)
 def rank_hangs_in_save_barrier(ctx: RunContext) -> Outcome:
     victim = ctx.rng.choice(range(WORLD))
     step = EVERY * ctx.rng.randint(2, STEPS // EVERY - 1)  # a step that saves
@@ -106,7 +110,7 @@ def rank_hangs_in_save_barrier(ctx: RunContext) -> Outcome:
                        detail=f"rank {victim} SIGSTOPped after staging step {step}")
 
 
-@row(20, "a rank SIGKILLed mid-training under ckptd launch", short_runs=1, long_runs=30)
+@row(20, "a rank SIGKILLed mid-training under ckptd launch", short_runs=0, long_runs=30)
 def rank_killed_mid_training(ctx: RunContext) -> Outcome:
     victim = ctx.rng.choice(range(WORLD))
     step = ctx.rng.randint(3, STEPS - 1)
@@ -123,7 +127,7 @@ def rank_killed_mid_training(ctx: RunContext) -> Outcome:
                        detail=f"rank {victim} SIGKILLed at step {step} ({phase})")
 
 
-@row(20, "a rank SIGKILLed before any step is committed under ckptd launch", short_runs=1, long_runs=3)
+@row(20, "a rank SIGKILLed before any step is committed under ckptd launch", short_runs=0, long_runs=3)
 def rank_killed_before_the_first_commit(ctx: RunContext) -> Outcome:
     """The failure of seed 2000007 made deterministic: rank 1 dies at step 2 before its save, so no step was
     ever committed; the generation that follows restores nothing, and the survivor must start again from the
