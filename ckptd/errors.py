@@ -115,6 +115,12 @@ class ShareReleasedError(CommitError):
     and retrying does not help."""
 
 
+class StepSetAsideError(CommitError):
+    """The step was set aside locally while being promoted (a restore went back to an older step on every
+    rank): its promotion stops, nothing of it is committed, and the step saved again with that number is
+    promoted instead."""
+
+
 class AlreadyCommittedError(CommitError):
     """A file that must be written only once (a commit marker) already exists; nothing was replaced."""
 

@@ -372,6 +372,9 @@ class CheckpointManager:
         deleted), so that those saves do not meet a committed step. ``restore(step=N)`` sets nothing aside:
         a later save of a committed step is refused."""
         failure: str | None = None
+        uploader = self.uploader
+        if uploader is not None:  # first: a promotion of a step renamed under it would fail
+            uploader.set_aside_after(restored)
         try:
             if self.sharing.is_owner:
                 self._set_aside_in(self.local.root, sorted(committed), restored, report=True)

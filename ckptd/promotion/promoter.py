@@ -40,7 +40,8 @@ from dataclasses import dataclass
 
 from ckptd.background import run_jobs
 from ckptd.config import settings
-from ckptd.errors import AlreadyCommittedError, CommitError, DeadlineError, NotFoundError, ShareReleasedError
+from ckptd.errors import (AlreadyCommittedError, CommitError, DeadlineError, NotFoundError, ShareReleasedError,
+                          StepSetAsideError)
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
 from ckptd.tiers.atomicity import step_commit
@@ -133,6 +134,9 @@ class Promoter:
         #: The monotonic time past which the committing rank stops waiting for the other ranks' shares (None:
         #: only ``CKPTD_COMMIT_TIMEOUT_S`` bounds it); read while waiting (an uploader's close sets it).
         self.give_up_at: Callable[[], float | None] = lambda: None
+        #: Whether the step being promoted was set aside meanwhile (read while waiting for the other ranks'
+        #: shares: StepSetAsideError then; an uploader sets it). Default: never.
+        self.set_aside: Callable[[], bool] = lambda: False
 
     def promote(self, step: int, *, ranks: list[int] | None = None, progress: ProgressHook | None = None,
                 commits: bool | None = None) -> PromotionReport:
@@ -314,6 +318,11 @@ class Promoter:
                        if not self.remote.exists(step_file(contents.step, promoted_marker_name(rank)))]
             if not waiting:
                 return
+            if self.set_aside():
+                raise StepSetAsideError("training went back to an older step and set this one aside before rank(s) "
+                                        f"{', '.join(map(str, waiting))} promoted their share: it is not committed "
+                                        "on the object tier", step=contents.step, tier=self.remote.label,
+                                        hint="nothing to do: the step saved again with this number is promoted")
             now = time.monotonic()
             if now - looked >= _RELEASED_LOOK_S:
                 looked = now

@@ -61,7 +61,8 @@ from collections import deque
 
 from ckptd.background import BackgroundWorker, FailureRecord, raise_failures
 from ckptd.config import settings
-from ckptd.errors import CkptdError, DeadlineError, StillRunningError, StorageError, UnpromotedError
+from ckptd.errors import (CkptdError, DeadlineError, StepSetAsideError, StillRunningError, StorageError,
+                          UnpromotedError)
 from ckptd.format.layout import MANIFEST_NAME, rank_files, step_file
 from ckptd.stepio.rank_writer import lower_thread_priority
 from ckptd.stepio.step_reader import load_step_manifest
@@ -106,11 +107,16 @@ class BackgroundUploader:
         self.pin_cap = pin_cap or PinCap.from_settings()
         self.promoter = Promoter(self.pins.tier, remote)
         self.promoter.give_up_at = self._give_up_at
+        self.promoter.set_aside = self._current_set_aside
         self.reports: list[PromotionReport] = []
         #: The latest steps dropped, unpromoted, because a newer step superseded them (oldest first).
         self.superseded: deque[int] = deque(maxlen=_KEPT_STEP_NUMBERS)
         #: The latest steps whose pins the pin cap released before they were promoted (oldest first).
         self.released: deque[int] = deque(maxlen=_KEPT_STEP_NUMBERS)
+        #: The latest steps dropped, unpromoted, because a restore set them aside (oldest first).
+        self.set_aside: deque[int] = deque(maxlen=_KEPT_STEP_NUMBERS)
+        #: The step in flight when a restore set it aside (its promotion stops; see :meth:`set_aside_after`).
+        self._abandoned: int | None = None
         self._queued: set[int] = set()
         #: Steps handed to this uploader and not promoted yet (queued, running or failed): pinned locally.
         self._unpromoted: set[int] = set()
@@ -206,6 +212,36 @@ class BackgroundUploader:
             self._release_pins(dropped)
         self._enqueue(step)
         self._apply_pin_cap()
+
+    def set_aside_after(self, step: int) -> None:
+        """Training thread, once a restore of ``step`` set the newer committed local steps aside, their pins
+        included (every rank does, see :meth:`CheckpointManager.restore`): those steps are not promoted.
+        The one in flight stops at its next wait for the other ranks (their shares of it may never come: a
+        lost rank's new directory never held it) without a failure, and the steps saved again with these
+        numbers are promoted as new steps (rank 0 announces them again)."""
+        with self._lock:
+            dropped = sorted(pending for pending in self._unpromoted if pending > step)
+            self._withdraw(dropped)
+            self._leftovers.difference_update(dropped)
+            self.set_aside.extend(dropped)
+            self._failed_steps = {failed: why for failed, why in self._failed_steps.items() if failed <= step}
+            self._commit_times = {kept: at for kept, at in self._commit_times.items() if kept <= step}
+            if self._current is not None and self._current > step:
+                self._abandoned = self._current
+            if self._last_announced is not None and self._last_announced > step:
+                self._last_announced = step
+            self._decisions = deque(decision for decision in self._decisions
+                                    if decision.step is None or decision.step <= step)
+            if self._local_newest is not None and self._local_newest[0] > step:
+                self._local_newest = (step, None)
+        if dropped:
+            log.info("rank %d: step(s) %s were set aside by the restore of step %d: they are not promoted to %s",
+                     self.rank, ", ".join(map(str, dropped)), step, self.remote.label)
+
+    def _current_set_aside(self) -> bool:
+        """Whether the step being promoted was set aside (the promoter reads it while it waits)."""
+        with self._lock:
+            return self._abandoned is not None and self._abandoned == self._current
 
     @property
     def lag(self) -> PromotionLag:
@@ -488,6 +524,7 @@ class BackgroundUploader:
     def _promote_one(self, step: int) -> None:
         self._announce_releases()
         with self._lock:
+            self._abandoned = None
             leftover = step in self._leftovers
         committer = None
         if leftover:
@@ -509,6 +546,9 @@ class BackgroundUploader:
             try:
                 report = self.promoter.promote(step, ranks=ranks,
                                                commits=None if committer is None else committer == self.rank)
+            except StepSetAsideError as error:  # its pins are set aside; the step saved again is another one
+                log.info("step %d is not promoted to %s: %s", step, self.remote.label, error)
+                return
             except ShareReleasedError as error:  # never committed: released like a superseded step
                 with self._lock:
                     self._withdraw([step])
@@ -517,6 +557,11 @@ class BackgroundUploader:
                 self._release_pins([step])
                 return
             self.reports.append(report)
+            with self._lock:
+                abandoned = self._abandoned == step
+            if abandoned:  # its pins went aside meanwhile: those of the step saved again stay
+                log.info("step %d was promoted to %s as it was set aside", step, self.remote.label)
+                return
             created = self._commit_times.get(step)
             if created is None:
                 created = load_step_manifest(self.pins.tier, step).created
@@ -720,7 +765,13 @@ class BackgroundUploader:
 
     def _failed(self, step: int, error: BaseException) -> list[FailureRecord]:
         """Uploader thread: log a failed promotion and keep it; while closing, a tier that fails drops the
-        steps still queued (they stay pinned and are reported by close)."""
+        steps still queued (they stay pinned and are reported by close). A step set aside while it was
+        promoted (its pinned files renamed under it) is no failure."""
+        with self._lock:
+            abandoned, self._abandoned = self._abandoned == step, None
+        if abandoned:
+            log.info("the promotion of step %d, set aside meanwhile, stopped: %s", step, error)
+            return []
         if isinstance(error, CkptdError):
             log.warning("promotion of step %d on %s failed; local copies stay and pinned steps are retried on the "
                         "next start: %s", step, self.remote.label, error)

@@ -19,7 +19,9 @@ staged a step ``rank<r>-staged.json`` (the steps staged, by generation). Its mod
 are built by ``setup_fn`` (:func:`ckptd.elastic.run`); a warm spare writes ``spare-<pid>.json`` (its pid and
 node) once it has built them, and ``--kill-when-spare-ready`` holds the kill until one of the victim's node has (``--kill-spare-first``: then the
 victim SIGKILLs that spare first; ``--spare-setup-until-assigned``: a spare's setup ends only once it was
-handed a rank). ``--also-kill-rank R`` kills rank R too, at the same step and phase.
+handed a rank). ``--also-kill-rank R`` kills rank R too, at the same step and phase. With an
+object tier (:mod:`ckptd.testing.elastic_tiered_training`) ``--kill-once-promoted`` holds the victim's signal
+until that tier holds a committed step.
 
 ``--step-sleep S`` makes every step S seconds longer (a job still running when a test acts on it).
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import signal
 import time
@@ -110,6 +113,22 @@ def _save(manager: ckptd.CheckpointManager, step: int, state: dict[str, Any], *,
             if name.startswith("model") and tensor.is_floating_point():
                 tensor.fill_(float("nan"))
     return saved
+
+
+def _wait_for_a_promoted_step(manager: ckptd.CheckpointManager, timeout_s: float = 120.0) -> None:
+    """``--kill-once-promoted``: until the manager's object tier holds a committed step."""
+    deadline = time.monotonic() + timeout_s
+    while manager.remote is None or not manager.remote.committed_steps():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no step was committed on the object tier within {timeout_s} s")
+        time.sleep(0.05)
+
+
+def _die(args: argparse.Namespace, manager: ckptd.CheckpointManager) -> None:
+    """The victim's signal (``--kill-signal``), once the object tier holds a step with ``--kill-once-promoted``."""
+    if args.kill_once_promoted:
+        _wait_for_a_promoted_step(manager)
+    _signal_self(args.kill_signal)
 
 
 def _die_before_commit_marker(manager: ckptd.CheckpointManager, step: int, others: list[Path]) -> None:
@@ -234,7 +253,7 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
         if victim:
             (out / f"rank{ctx.rank}-killed.json").write_text(json.dumps({"step": step, "at": time.time()}))
         if victim and args.kill_phase == "before-step":
-            _signal_self(args.kill_signal)
+            _die(args, manager)
         if step == (start or 0) + 2:  # the first step of this generation completed
             record_path.write_text(json.dumps(record | {"first_step_at": time.time()}))
         elastic.heartbeat()
@@ -252,7 +271,7 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
         if victim and args.kill_phase == "before-save-committed":
             manager.wait()  # the earlier saves are committed on every rank; this step's never will be
         if victim and args.kill_phase in ("before-save", "before-save-committed"):
-            _signal_self(args.kill_signal)
+            _die(args, manager)
         poisoned = ctx.generation == 0 and ctx.rank == args.poison_rank and step == args.poison_step
         if _save(manager, step, state, poison=args.poison_how if poisoned else None):
             staged.setdefault(str(ctx.generation), []).append(step)
@@ -260,7 +279,7 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
         if victim and args.kill_phase == "after-commit":
             manager.wait()
         if victim and args.kill_phase in ("after-save", "after-commit"):
-            _signal_self(args.kill_signal)
+            _die(args, manager)
     manager.close()
     optimizer_state = {f"{index}.{name}": _hex(value) if isinstance(value, torch.Tensor) else repr(value)
                        for index, entry in optim.state_dict()["state"].items() for name, value in entry.items()}
@@ -282,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-phase", choices=("before-step", "before-save", "before-save-committed", "after-save",
                                                        "after-commit", "before-commit-marker"),
                         default="after-save")
+    parser.add_argument("--kill-once-promoted", action="store_true",
+                        help="the victim's signal waits until the object tier holds a committed step")
     parser.add_argument("--kill-generations", type=int, default=1)
     parser.add_argument("--kill-when-spare-ready", action="store_true")
     parser.add_argument("--kill-spare-first", action="store_true",
@@ -295,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--poison-step", type=int, default=-1)
     parser.add_argument("--poison-how", choices=("saved", "memory"), default="saved")
     args = parser.parse_args(argv)
+    if os.environ.get("CKPTD_TEST_LOG_LEVEL"):  # a test that reads ckptd's INFO lines from the ranks' output
+        logging.basicConfig(level=os.environ["CKPTD_TEST_LOG_LEVEL"], format=f"rank %(process)d: %(message)s")
     torch.set_num_threads(1)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     elastic.run(lambda ctx: _train(ctx, args), setup_fn=lambda: _setup(args))
