@@ -57,16 +57,25 @@ def _endpoint(value: str | None, nnodes: int) -> tuple[str, int]:
 @click.option("--node-timeout", type=float, default=30.0, show_default=True, envvar="CKPTD_NODE_TIMEOUT",
               help="Seconds without a heartbeat from a node's supervisor after which the other nodes take it for "
                    "lost and wait for a new supervisor with its --node-rank. [env: CKPTD_NODE_TIMEOUT]")
+@click.option("--checkpoint-on-stop", is_flag=True, envvar="CKPTD_CHECKPOINT_ON_STOP",
+              help="SIGTERM or SIGINT to a supervisor first has every rank save and commit one agreed step (on "
+                   "every tier it reaches within --stop-timeout), then stops the job; a new launch resumes from "
+                   "it. Pass it to every node's supervisor. [env: CKPTD_CHECKPOINT_ON_STOP]")
+@click.option("--stop-timeout", type=float, default=120.0, show_default=True, envvar="CKPTD_STOP_TIMEOUT",
+              help="With --checkpoint-on-stop: seconds the ranks get for the final checkpoint before SIGTERM. "
+                   "[env: CKPTD_STOP_TIMEOUT]")
 @click.option("-m", "--module", "as_module", is_flag=True, help="Run SCRIPT as a module (python -m SCRIPT).")
 @click.argument("script")
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, max_restarts: int,
            max_restarts_per_rank: int | None, hang_timeout: float, crash_loop: int, restart_backoff: float,
-           spares: int, node_timeout: float, as_module: bool, script: str, script_args: tuple[str, ...]) -> None:
+           spares: int, node_timeout: float, checkpoint_on_stop: bool, stop_timeout: float, as_module: bool,
+           script: str, script_args: tuple[str, ...]) -> None:
     """Start a training script on every rank of this node and restart only the rank that fails.
 
     A supervisor started with the --node-rank of a lost node (and the job's --rdzv-endpoint) joins the
-    running job in its place. SIGTERM or SIGINT to any supervisor stops the whole job gracefully (exit 15);
+    running job in its place. SIGTERM or SIGINT to any supervisor stops the whole job gracefully (exit 15;
+    with --checkpoint-on-stop after every rank saved one agreed step);
     see ckptd.elastic.supervisor for every exit code."""
     from ckptd.elastic.supervisor import LaunchSpec, Supervisor  # imports torch: only when the command runs
 
@@ -77,5 +86,6 @@ def launch(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str 
                       rdzv_host=host, rdzv_port=port, max_restarts=max_restarts,
                       max_restarts_per_rank=max_restarts_per_rank, hang_timeout_s=hang_timeout,
                       crash_loop=crash_loop, restart_backoff_s=restart_backoff, spares=spares,
-                      node_timeout_s=node_timeout)
+                      node_timeout_s=node_timeout, checkpoint_on_stop=checkpoint_on_stop,
+                      stop_timeout_s=stop_timeout)
     Supervisor(spec).run()

@@ -20,10 +20,15 @@ ENV_SPARE = "CKPTD_ELASTIC_SPARE"
 #: generation that replaces a hung peer.
 ENV_HANG_TIMEOUT = "CKPTD_ELASTIC_HANG_TIMEOUT_S"
 
+#: Set to "1" when the supervisor was started with ``--checkpoint-on-stop`` (see :mod:`ckptd.elastic.stop_checkpoint`).
+ENV_CHECKPOINT_ON_STOP = "CKPTD_ELASTIC_CHECKPOINT_ON_STOP"
+
 #: The current generation, a decimal string; raised by the supervisor that sees a rank fail.
 GENERATION = "elastic/generation"
 #: Set (JSON: exit code, rank, cause) when the job stops: every supervisor stops its ranks.
 STOP = "elastic/stop"
+#: (Under the generation prefix.) The step every rank saves before it leaves a job stopping with a checkpoint.
+STOP_STEP = "elastic/stop-step"
 #: Restarts spent by the whole job (a store counter).
 RESTARTS = "elastic/restarts"
 #: Set by the node-rank-0 supervisor once the job's keys exist.

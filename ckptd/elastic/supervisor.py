@@ -38,7 +38,10 @@ Its loop, every ``poll_s``:
 - SIGTERM or SIGINT to any supervisor stops the whole job gracefully: it sets ``elastic/stop``, every rank
   leaves at its next step (:func:`ckptd.elastic.run` exits with code 15), every supervisor waits
   ``_LEAVE_GRACE_S`` (20 s) for its ranks before SIGTERM, and 5 s more before SIGKILL, and every
-  supervisor exits with JobStoppedError (exit 15). Committed steps are kept.
+  supervisor exits with JobStoppedError (exit 15). Committed steps are kept. With ``checkpoint_on_stop``
+  (``--checkpoint-on-stop``) the stop takes a final checkpoint first: every rank saves one agreed step, waits
+  for its commit and closes its managers (the object tier gets the step), then leaves
+  (:mod:`ckptd.elastic.stop_checkpoint`); the supervisors wait ``stop_timeout_s`` for that instead of 20 s.
 
 Exit codes of ``ckptd launch``: 0 (every rank finished), 12 (a restart budget spent, a lost node not
 replaced in time, or a supervisor replaced by a newer one), 14 (crash loop), 15 (stopped on request).
@@ -101,6 +104,11 @@ class LaunchSpec:
     #: Seconds without a supervisor heartbeat after which the other nodes take that node for lost.
     node_timeout_s: float = 30.0
     poll_s: float = 0.01
+    #: A stop (SIGTERM or SIGINT) first has every rank save and commit one agreed step.
+    checkpoint_on_stop: bool = False
+    #: Seconds the ranks of a stopping job get to leave on their own (their final checkpoint, with
+    #: ``checkpoint_on_stop``) before SIGTERM; without ``checkpoint_on_stop`` 20 s.
+    stop_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1 or self.nnodes < 1:
@@ -111,6 +119,8 @@ class LaunchSpec:
                0 if self.max_restarts_per_rank is None else self.max_restarts_per_rank, self.spares) < 0:
             raise ConfigError("--max-restarts, --max-restarts-per-rank, --spares, --hang-timeout, --crash-loop and "
                               "--restart-backoff must not be negative")
+        if self.stop_timeout_s <= 0:
+            raise ConfigError(f"--stop-timeout {self.stop_timeout_s:g} must be above 0")
         if self.node_timeout_s <= 0:
             raise ConfigError(f"--node-timeout {self.node_timeout_s:g} must be above 0")
         if not self.command:
@@ -242,6 +252,7 @@ class Supervisor:
             "GROUP_WORLD_SIZE": str(spec.nnodes), "MASTER_ADDR": spec.rdzv_host, "MASTER_PORT": str(spec.rdzv_port),
             "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
             keys.ENV_STORE: f"{spec.rdzv_host}:{spec.rdzv_port}", keys.ENV_HANG_TIMEOUT: str(spec.hang_timeout_s),
+            keys.ENV_CHECKPOINT_ON_STOP: "1" if spec.checkpoint_on_stop else "0",
         }
 
     def _rank_variables(self, rank: _Rank) -> dict[str, str]:
@@ -302,8 +313,13 @@ class Supervisor:
         name = signal.Signals(self._signalled).name
         if self.store is not None and not self.store.check([keys.STOP]):
             message = f"node {self.spec.node_rank}'s supervisor got {name}"
-            self.store.set(keys.STOP, json.dumps({"rank": -1, "cause": name, "message": message, "stopped": True}))
-            log.warning("%s: stopping the job; every rank leaves at its next step", message)
+            checkpoint = self.spec.checkpoint_on_stop
+            self.store.set(keys.STOP, json.dumps({
+                "rank": -1, "cause": name, "message": message, "stopped": True, "checkpoint": checkpoint,
+                "grace_s": self.spec.stop_timeout_s if checkpoint else _LEAVE_GRACE_S}))
+            log.warning("%s: stopping the job; %s", message, "every rank saves a final checkpoint at its next step, "
+                        f"then leaves (--stop-timeout {self.spec.stop_timeout_s:g} s)" if checkpoint
+                        else "every rank leaves at its next step")
         self._check_stop()
         raise JobStoppedError(f"the job stopped: node {self.spec.node_rank}'s supervisor got {name}")
 
@@ -549,8 +565,9 @@ class Supervisor:
         step; ``_LEAVE_GRACE_S``), then SIGTERM, then SIGKILL ``_TERM_GRACE_S`` later."""
         running = [rank for rank in self.ranks if rank.process is not None and rank.process.poll() is None]
         stopping = self.store is not None and self._store_says_stop()
+        grace = self._leave_grace_s() if stopping else _LEAVE_GRACE_S
         for signal_next in ((None,) if stopping else ()) + (signal.SIGTERM, signal.SIGKILL):
-            deadline = time.monotonic() + (_LEAVE_GRACE_S if signal_next is None else _TERM_GRACE_S)
+            deadline = time.monotonic() + (grace if signal_next is None else _TERM_GRACE_S)
             for rank in running:
                 if signal_next is not None and rank.process.poll() is None:
                     rank.process.send_signal(signal_next)
@@ -580,9 +597,16 @@ class Supervisor:
                       and node not in self._lost]
             wait_for(lambda: self.store.check([keys.node_stopped(node) for node in joined]),
                      what=f"nodes {joined} to stop their ranks",
-                     timeout_s=_LEAVE_GRACE_S + 2 * _TERM_GRACE_S + 5.0, poll_s=0.05)
+                     timeout_s=self._leave_grace_s() + 2 * _TERM_GRACE_S + 5.0, poll_s=0.05)
         except Exception as error:  # noqa: BLE001 - the job is over either way
             log.warning("not every node said it stopped: %s", error)
+
+    def _leave_grace_s(self) -> float:
+        """Seconds the ranks of the stopping job get to leave on their own (the stop request says)."""
+        try:
+            return float(json.loads(self.store.get(keys.STOP)).get("grace_s", _LEAVE_GRACE_S))
+        except Exception:  # noqa: BLE001 - no request, or the store is gone
+            return _LEAVE_GRACE_S
 
     def _store_says_stop(self) -> bool:
         try:

@@ -34,7 +34,9 @@ What :func:`run` does for generation ``g`` (``CKPTD_GENERATION`` at start):
 Every heartbeat (:func:`heartbeat`, each save) after the generation ended raises GenerationEndedError: a
 rank leaves at its next step instead of entering a collective with a dead peer. When the job stops (a
 supervisor got SIGTERM, or a budget is spent: ``elastic/stop``) a rank leaves the same way, lets its
-managers finish or fail their round, closes them and exits with code 15 (``SystemExit``).
+managers finish or fail their round, closes them and exits with code 15 (``SystemExit``). Under ``ckptd launch
+--checkpoint-on-stop`` it first saves the job's agreed stop step and closes its managers
+(:mod:`ckptd.elastic.stop_checkpoint`).
 
 The process group's timeout is ``CKPTD_ELASTIC_COLLECTIVE_TIMEOUT_S`` or, when longer,
 :func:`collective_timeout_s` of the supervisor's hang timeout: a collective blocked on a hung peer lasts
@@ -60,6 +62,7 @@ Outside ``ckptd launch`` (no ``CKPTD_ELASTIC_STORE``) :func:`run` raises ConfigE
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -74,14 +77,16 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from ckptd.config import settings
-from ckptd.errors import CkptdError, ConfigError, GenerationEndedError, StillRunningError
+from ckptd.errors import CkptdError, ConfigError, GenerationEndedError, NoIntactCheckpointError, StillRunningError
 from ckptd.elastic import keys
 from ckptd.elastic.generation_store import GenerationStore
 from ckptd.elastic.waiting import wait_for
 from ckptd.elastic.restore_check import RestoreCheck, checked_restore, finite_tensors
 from ckptd.elastic.spares import become_rank
+from ckptd.elastic.stop_checkpoint import StopCheckpoint, close_timeout_s, stop_request
 from ckptd.manager.commit import StoreCoordinator
 from ckptd.manager.manager import CheckpointManager
+from ckptd.manager.restoring import TierListings
 from ckptd.manager.saving import MemoryCopy
 from ckptd.state.staging import Stager
 
@@ -150,6 +155,13 @@ class WorkerContext:
     #: Generations this process took part in before this one (0: the first one it joined).
     rejoined: int
     _beat: Callable[[int | None], None] = field(repr=False)
+    #: The step to save before leaving a job stopping with a checkpoint, given the step being saved (None:
+    #: no such stop), and how long closing may take then (see :mod:`ckptd.elastic.stop_checkpoint`).
+    _stop_step: Callable[[int], int | None] = field(repr=False, default=lambda step: None)
+    _stop_close_s: Callable[[], float] = field(repr=False, default=lambda: settings().elastic_rejoin_timeout_s)
+    #: Whether every rank can start afresh, now, when no step is intact on every rank (in a recovery
+    #: generation, with a ``setup_fn`` that rebuilds the initial state; see :func:`run`).
+    _afresh: Callable[[], bool] = field(repr=False, default=lambda: False)
     _managers: _ManagerRegistry = field(repr=False, default_factory=lambda: _ManagerRegistry())
     #: What ``setup_fn`` returned (:func:`run`), built once per process before its rank was known (None
     #: without one). A survivor gets the same objects in every generation, trained on; restore loads into them.
@@ -173,7 +185,9 @@ class WorkerContext:
                 self._managers.keep(directory, kept)
                 return kept
             _ManagerRegistry.close(kept, self.rank, quietly=True)  # it holds the directory's lock
-        manager = _BeatingManager(Path(local), beat=self._beat, described=described, rank=self.rank,
+        manager = _BeatingManager(Path(local), beat=self._beat, stop_step=self._stop_step,
+                                  stop_close_s=self._stop_close_s, described=described, rank=self.rank,
+                                  afresh=self._afresh,
                                   world_size=self.world_size, store=self.store, **options)
         self._managers.keep(directory, manager)
         return manager
@@ -192,8 +206,13 @@ class _BeatingManager(CheckpointManager):
     (:mod:`ckptd.elastic.restore_check`); and it can move to a new generation (:meth:`rejoin`)."""
 
     def __init__(self, local: Path, *, beat: Callable[[int | None], None], described: str,
+                 stop_step: Callable[[int], int | None] = lambda step: None,
+                 stop_close_s: Callable[[], float] = lambda: settings().elastic_rejoin_timeout_s,
+                 afresh: Callable[[], bool] = lambda: False,
                  restore_check: RestoreCheck | None = finite_tensors, **options: Any) -> None:
         self._beat = beat
+        self._afresh = afresh
+        self._stop_step, self._stop_close_s = stop_step, stop_close_s
         self._close_called = False
         self._restore_check = restore_check
         #: The options it was made with, as :meth:`WorkerContext.checkpoint_manager` compares them.
@@ -209,6 +228,29 @@ class _BeatingManager(CheckpointManager):
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
         self._beat(step)
+        stop_at = self._stop_step(step)
+        if stop_at is not None and step >= stop_at:  # the job stops with a checkpoint: this step, then leave
+            self._save_kept(step, state, force=True)
+            self._leave_with_checkpoint(step)
+        return self._save_kept(step, state, force=force)
+
+    def _leave_with_checkpoint(self, step: int) -> None:
+        """The final checkpoint of a stopping job is staged: wait for its local commit, close (the object tier
+        or the daemon gets it within the stop's deadline), then leave the generation."""
+        try:
+            self.wait()
+            uploader = self.uploader
+            if uploader is not None and not uploader.wants(step) and step in self.committed_steps():
+                uploader.submit(step, supersede=uploader.decides)  # every rank does: rank 0 announces it
+            self.close(timeout_s=self._stop_close_s())
+        except CkptdError as error:  # the committed steps stay; the rank leaves all the same
+            log.warning("rank %d: the final checkpoint of the stopping job (step %d): %s", self.rank, step, error)
+        else:
+            log.warning("rank %d saved step %d before the job stops", self.rank, step)
+        raise GenerationEndedError(f"rank {self.rank}: the job stops after its final checkpoint, step {step}")
+
+    def _save_kept(self, step: int, state: Any, *, force: bool) -> bool:
+        """:meth:`CheckpointManager.save`, keeping the staged copy of the save before."""
         before = self._saver.memory
         try:
             saved = super().save(step, state, force=force)
@@ -241,16 +283,41 @@ class _BeatingManager(CheckpointManager):
         """:meth:`CheckpointManager.restore`; restoring the newest step (no ``step``, no ``keys``) also runs
         the restore check on every rank and rolls back from a poisoned copy (see
         :mod:`ckptd.elastic.restore_check`)."""
-        if self._restore_check is None or step is not None or keys is not None:
+        if step is not None or keys is not None:
             restored = self.restore_unchecked(state, step, keys=keys)
         else:
-            restored = checked_restore(self, state, self._restore_check)
+            try:
+                restored = self.restore_unchecked(state, None) if self._restore_check is None else \
+                    checked_restore(self, state, self._restore_check)
+            except NoIntactCheckpointError as error:
+                self._start_afresh_or_raise(error)
+                raise
         if restored is not None:  # the steps after it are set aside and saved again with new contents
             self._committed_here.difference_update([done for done in list(self._committed_here) if done > restored])
         if self._older is not None and (restored is None or self._older.step > restored):
             self._older = None
         self._refused_memory.clear()
         return restored
+
+    def _start_afresh_or_raise(self, error: NoIntactCheckpointError) -> None:
+        """Every rank, after the same NoIntactCheckpointError: when a rank of a recovery generation holds no
+        step on any tier (its node was lost before any of its steps left it) and every rank can rebuild its
+        initial state, every rank sets its committed local steps aside (kept) and raises _StartAfresh, so
+        that :func:`run` builds the setup again and every rank starts from the initial state, as the
+        replacement does. Otherwise returns (the caller re-raises ``error``)."""
+        listings = TierListings(self.tiers)
+        held = listings.all_committed()
+        answers = self.coordinator.exchange("elastic-start-afresh", {
+            "bare": not held and not listings.failed, "unlisted": sorted(listings.failed), "afresh": self._afresh()})
+        bare = [rank for rank, answer in enumerate(answers) if answer["bare"]]
+        if not bare or not all(answer["afresh"] for answer in answers) or any(answer["unlisted"] for answer in answers):
+            return
+        log.warning("rank %d: no step is intact on every rank and rank(s) %s hold none on any tier (%s): every rank "
+                    "starts afresh from its setup; this rank's committed steps %s are set aside (kept)", self.rank,
+                    bare, str(error).splitlines()[0], held or "none")
+        self.set_aside_after(0)
+        self._older = None
+        raise _StartAfresh(f"no step is intact on every rank; rank(s) {bare} hold none: every rank starts afresh")
 
     def restore_unchecked(self, state: Any, step: int | None, *, keys: Sequence[str] | None = None) -> int | None:
         """:meth:`CheckpointManager.restore` without the restore check."""
@@ -284,6 +351,11 @@ class _BeatingManager(CheckpointManager):
         self.coordinator.join()
         self._repeat_start_exchanges()
         return True
+
+
+class _StartAfresh(Exception):
+    """Raised by a manager's restore on every rank at once: :func:`run` builds the setup again and calls the
+    training function again in the same generation; its restore then finds nothing and returns None."""
 
 
 class _ManagerRegistry:
@@ -323,15 +395,19 @@ class _ManagerRegistry:
                 continue
         return False
 
-    def close_all(self, rank: int, *, quietly: bool) -> None:
+    def close_all(self, rank: int, *, quietly: bool, timeout_s: float | None = None) -> None:
         managers, self._managers = list(self._managers.values()), {}
         for manager in managers:
-            self.close(manager, rank, quietly=quietly)
+            self.close(manager, rank, quietly=quietly, timeout_s=timeout_s)
 
     @staticmethod
-    def close(manager: CheckpointManager, rank: int, *, quietly: bool) -> None:
+    def close(manager: CheckpointManager, rank: int, *, quietly: bool, timeout_s: float | None = None) -> None:
+        """Close ``manager``; ``quietly``: log its errors, and give it ``timeout_s`` (default
+        ``CKPTD_ELASTIC_REJOIN_TIMEOUT_S``)."""
+        if quietly and timeout_s is None:
+            timeout_s = settings().elastic_rejoin_timeout_s
         try:
-            manager.close(timeout_s=settings().elastic_rejoin_timeout_s if quietly else None)
+            manager.close(timeout_s=timeout_s)
         except CkptdError as error:
             if not quietly:
                 raise
@@ -346,10 +422,23 @@ class _Heart:
         self.generation, self.progress, self.sequence, self.step = -1, 0, 0, -1
         self._last_touch = 0.0
         self._view: GenerationStore | None = None
+        #: This generation's stop step, with ``--checkpoint-on-stop`` (None: a stop makes the rank leave at once).
+        self.stops: StopCheckpoint | None = None
 
     def enter(self, view: GenerationStore) -> None:
         self.generation, self.progress, self.step, self._view = view.generation, 0, -1, view
+        if os.environ.get(keys.ENV_CHECKPOINT_ON_STOP) == "1":
+            self.stops = StopCheckpoint(self.store, view.generation, self.rank)
         self._write()
+
+    def stop_step(self, saving: int) -> int | None:
+        """The step to save before leaving a job stopping with a checkpoint (None: no such stop)."""
+        return self.stops.step(saving) if self.stops is not None else None
+
+    def stop_close_s(self) -> float:
+        """How long the final checkpoint's close may take (the stop's deadline, less a margin)."""
+        request = self.stops.request if self.stops is not None else None
+        return close_timeout_s(request, settings().elastic_rejoin_timeout_s)
 
     def beat(self, step: int | None = None) -> None:
         """The training made progress (``step``: it completed that step); raises GenerationEndedError once
@@ -400,8 +489,10 @@ def heartbeat(step: int | None = None) -> None:
 class _GenerationWatcher:
     """A thread that ends ``view`` once the store's generation moves past it or the job stops."""
 
-    def __init__(self, env: WorkerEnvironment, view: GenerationStore) -> None:
+    def __init__(self, env: WorkerEnvironment, view: GenerationStore, *, checkpoints_on_stop: bool = False) -> None:
         self.env, self.view = env, view
+        #: A stop that asks for a checkpoint does not end the generation: the ranks save its stop step first.
+        self.checkpoints_on_stop = checkpoints_on_stop
         self._stop = threading.Event()
         self._store = env.connect()  # its own client: the training thread keeps the other
         self._thread = threading.Thread(target=self._run, name=f"ckptd-elastic-watch-rank{env.rank}", daemon=True)
@@ -415,12 +506,20 @@ class _GenerationWatcher:
             except Exception as error:  # noqa: BLE001 - the store is gone: the job is over
                 self.view.end(f"the job store cannot be reached: {error}")
                 return
-            if stopping:
+            if stopping and not self._checkpoint_first():
                 self.view.end("the job is stopping")
                 return
             if current > self.view.generation:
                 self.view.end(f"the supervisor started generation {current}")
                 return
+
+    def _checkpoint_first(self) -> bool:
+        if not self.checkpoints_on_stop:
+            return False
+        try:
+            return bool((stop_request(self._store) or {}).get("checkpoint"))
+        except Exception:  # noqa: BLE001 - unreadable: leave at once, as without a checkpoint
+            return False
 
     def stop(self) -> None:
         self._stop.set()
@@ -496,7 +595,11 @@ def _job_stopping(store: Any) -> bool:
 
 def _stop_cleanly(managers: _ManagerRegistry, rank: int, store: Any) -> None:
     """The job is stopping: close the managers (their committed steps stay) and exit with EXIT_STOPPED."""
-    managers.close_all(rank, quietly=True)
+    try:
+        request = stop_request(store)
+    except Exception:  # noqa: BLE001 - the store is gone: close as without a checkpoint
+        request = None
+    managers.close_all(rank, quietly=True, timeout_s=close_timeout_s(request, settings().elastic_rejoin_timeout_s))
     _destroy_group()
     try:
         reason = store.get(keys.STOP).decode()
@@ -544,10 +647,12 @@ def run(train_fn: Callable[[WorkerContext], T], *, setup_fn: Callable[[], Any] |
             gc.collect()
         view = GenerationStore(store, generation)
         heart.enter(view)
-        watcher = _GenerationWatcher(env, view)
+        watcher = _GenerationWatcher(env, view, checkpoints_on_stop=heart.stops is not None)
         context = WorkerContext(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
                                 node_rank=env.node_rank, generation=generation, store=view,
                                 restart_count=env.restart_count, rejoined=rejoined, _beat=heart.beat,
+                                _stop_step=heart.stop_step, _stop_close_s=heart.stop_close_s,
+                                _afresh=lambda: setup_fn is not None and heart.generation > 0,
                                 _managers=managers, setup=prepared)
         try:
             _barrier(view, keys.ready, env.rank, env.world_size, "join", heart.touch)
@@ -556,7 +661,12 @@ def run(train_fn: Callable[[WorkerContext], T], *, setup_fn: Callable[[], Any] |
                                     timeout=timedelta(seconds=collective_timeout_s(
                                         options.elastic_collective_timeout_s, env.hang_timeout_s)))
             log.info("rank %d formed the process group of generation %d", env.rank, generation)
-            result = train_fn(context)
+            try:
+                result = train_fn(context)
+            except _StartAfresh:
+                prepared = setup_fn() if setup_fn is not None else None  # the managers checked it is not None
+                context = dataclasses.replace(context, setup=prepared)
+                result = train_fn(context)
             heart.finish()
             managers.close_all(env.rank, quietly=False)
             _barrier(view, keys.done, env.rank, env.world_size, "finish", heart.touch)
