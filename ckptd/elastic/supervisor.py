@@ -38,7 +38,10 @@ Its loop, every ``poll_s``:
 - SIGTERM or SIGINT to any supervisor stops the whole job gracefully: it sets ``elastic/stop``, every rank
   leaves at its next step (:func:`ckptd.elastic.run` exits with code 15), every supervisor waits
   ``_LEAVE_GRACE_S`` (20 s) for its ranks before SIGTERM, and 5 s more before SIGKILL, and every
-  supervisor exits with JobStoppedError (exit 15). Committed steps are kept. With ``checkpoint_on_stop``
+  supervisor exits with JobStoppedError (exit 15). Committed steps are kept.
+- node 0's supervisor hosts the job's store: when it is lost the job ends. Every other supervisor stops its
+  ranks and exits with WorkerError (exit 12) saying so and what to do: start the job again on every node;
+  it resumes from the newest step committed for every rank. There is no store fail-over. With ``checkpoint_on_stop``
   (``--checkpoint-on-stop``) the stop takes a final checkpoint first: every rank saves one agreed step, waits
   for its commit and closes its managers (the object tier gets the step), then leaves
   (:mod:`ckptd.elastic.stop_checkpoint`); the supervisors wait ``stop_timeout_s`` for that instead of 20 s.
@@ -292,9 +295,24 @@ class Supervisor:
         except WorkerError:
             self._say_stopped()
             raise
+        except dist.DistError as error:  # the store's host, node 0, is gone: this job cannot go on
+            if self.store is None or self.spec.node_rank == 0:
+                raise
+            raise self._store_lost(error) from error
         finally:
             for signum, handler in self._handlers.items():
                 signal.signal(signum, handler)
+
+    def _store_lost(self, error: BaseException) -> WorkerError:
+        """The error a supervisor other than node 0's exits with once the job's store stopped answering."""
+        spec = self.spec
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return WorkerError(
+            f"node {spec.node_rank}: the job's store at {spec.rdzv_host}:{spec.rdzv_port}, hosted by node 0's "
+            f"supervisor, stopped answering ({first}): node 0 is lost, and with it the job (the store does not "
+            f"fail over); this node stopped its ranks {[rank.rank for rank in self.ranks]}",
+            hint="start the job again: `ckptd launch` with the same options on every node (node 0 first, a new "
+                 "machine may take its place); every rank resumes from the newest step committed for all of them")
 
     def _catch_stop_signals(self) -> dict[int, Any]:
         """SIGTERM and SIGINT stop the job gracefully (see the module docstring), from the main thread."""

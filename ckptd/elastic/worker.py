@@ -47,7 +47,11 @@ optimizer, loader; ``ctx.setup`` holds its value) and freezes what exists then o
 collector. A survivor whose managers hold no committed step when a peer fails calls ``setup_fn`` again
 before the next generation: that generation's restore finds nothing, and every rank, the replacement
 included, starts from the initial state (only the failed rank is restarted, as when a step exists).
-State that ``train_fn`` keeps outside ``ctx.setup`` and its own locals is not rebuilt. A warm spare (``CKPTD_ELASTIC_SPARE`` set) then waits to be given a rank
+State that ``train_fn`` keeps outside ``ctx.setup`` and its own locals is not rebuilt. The same holds
+when survivors do hold committed steps but no step is intact on every rank because a rank of the recovery
+generation holds none on any tier (its node was lost before any of its steps left it): the managers'
+restore sets every rank's committed local steps aside (kept), :func:`run` calls ``setup_fn`` again and then
+``train_fn`` again in the same generation, and every rank starts from the initial state. A warm spare (``CKPTD_ELASTIC_SPARE`` set) then waits to be given a rank
 (:func:`ckptd.elastic.spares.become_rank`) and goes on as that rank.
 
 The managers of :meth:`WorkerContext.checkpoint_manager` keep the staged copies of their two newest saves
