@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from ckptd.config import settings
 from ckptd.errors import CkptdError, DeadlineError, LockedError, NotFoundError
 from ckptd.tiers.base import StorageTier
-from ckptd.tiers.upload_owners import process_exists, this_host
+from ckptd.tiers.upload_owners import process_exists, process_start, this_host
 
 #: Object holding the lease, at the tier root (outside every step directory).
 LEASE_PATH = "gc.lease"
@@ -76,10 +76,11 @@ def _ended_here(body: dict[str, object]) -> bool:
 
 
 def _owner_is_dead(body: dict[str, object]) -> bool:
-    """Whether the lease's owner ran on this host and has exited (a pid reused since counts as alive)."""
+    """Whether the lease's owner ran on this host and has exited (a pid reused since by another process
+    counts as exited when the lease names its owner's start; in older leases it counts as alive)."""
     if body.get("host") != this_host() or not isinstance(body.get("pid"), int):
         return False
-    return not process_exists(int(body["pid"]))  # type: ignore[call-overload]
+    return not process_exists(int(body["pid"]), str(body.get("started") or ""))  # type: ignore[call-overload]
 
 
 def _lease_age(tier: StorageTier) -> float | None:
@@ -140,7 +141,7 @@ def gc_lease(tier: StorageTier) -> Iterator[None]:
                           tier=tier.label, hint=f"wait for it, or delete {LEASE_PATH} if it crashed")
     token = uuid.uuid4().hex
     body = {"owner": f"pid {os.getpid()} on {this_host()}", "host": this_host(), "pid": os.getpid(),
-            "created": time.time(), "token": token}
+            "started": process_start(os.getpid()), "created": time.time(), "token": token}
     with _state_lock:
         _running.add(token)
         earlier = _pending.pop(tier.label, None)

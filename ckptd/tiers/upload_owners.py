@@ -9,7 +9,8 @@ rewrites the record every third of that while its parts go up, and deletes it on
 completed or aborted.
 
 An upload is **abandoned** when no record for its key is alive; a record is alive while it is fresh
-and, when it was written on this host, its process still exists. Freshness is judged on the store's
+and, when it was written on this host, its process still exists (the same start of it: a pid reused by
+a later process, such as the restarted daemon itself, does not keep a dead writer's upload alive). Freshness is judged on the store's
 clock: the age of a record is the store's time now (the ``Date`` of its answer) minus the record
 object's ``LastModified``, both stamped by the store, so neither the writer's nor the collector's wall
 clock (skewed by minutes, or stepped by NTP) makes a live upload look abandoned. The ``refreshed``
@@ -60,14 +61,39 @@ def this_host() -> str:
     return f"{socket.gethostname()} (pid namespace {namespace})" if namespace else socket.gethostname()
 
 
-def process_exists(pid: int) -> bool:
-    """Whether a process with this pid exists on this host (one owned by another user counts)."""
+@functools.cache
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as handle:
+            return handle.read().strip()
+    except OSError:
+        return ""
+
+
+def process_start(pid: int) -> str:
+    """Which start of the process ``pid`` this is: the boot id and the start time in clock ticks since boot
+    (Linux ``/proc``), "" where that cannot be read. A pid reused by a later process gives another value."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            fields = handle.read().rpartition(")")[2].split()
+        return f"{_boot_id()}:{fields[19]}"  # field 22 of proc(5): starttime; fields[0] is field 3
+    except (OSError, IndexError):
+        return ""
+
+
+def process_exists(pid: int, started: str = "") -> bool:
+    """Whether the process ``pid`` exists on this host (one owned by another user counts). With ``started``
+    (its :func:`process_start` when it wrote a record), a process that reused the pid since does not count:
+    a restarted daemon often gets its dead predecessor's pid back (a container's pid 1, a small pid_max)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
+    if started:
+        now = process_start(pid)
+        return not now or now == started
     return True
 
 
@@ -80,14 +106,16 @@ class UploadOwner:
     pid: int
     refreshed: float
     lease_s: float
+    #: The writer's :func:`process_start` ("" in records of older ckptd versions: the pid alone counts).
+    started: str = ""
 
     @classmethod
     def mine(cls, key: str) -> UploadOwner:
         return cls(key=key, host=this_host(), pid=os.getpid(), refreshed=time.time(),
-                   lease_s=settings().s3_upload_owner_lease_s)
+                   lease_s=settings().s3_upload_owner_lease_s, started=process_start(os.getpid()))
 
     def refreshed_now(self) -> UploadOwner:
-        return UploadOwner(self.key, self.host, self.pid, time.time(), self.lease_s)
+        return UploadOwner(self.key, self.host, self.pid, time.time(), self.lease_s, self.started)
 
     def to_json_bytes(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
@@ -98,7 +126,8 @@ class UploadOwner:
         try:
             body = json.loads(raw)
             return cls(key=str(body["key"]), host=str(body["host"]), pid=int(body["pid"]),
-                       refreshed=float(body["refreshed"]), lease_s=float(body["lease_s"]))
+                       refreshed=float(body["refreshed"]), lease_s=float(body["lease_s"]),
+                       started=str(body.get("started") or ""))
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -110,7 +139,7 @@ class UploadOwner:
         age = ((time.time() if now is None else now) - self.refreshed) if age_s is None else age_s
         if age >= self.lease_s:
             return False
-        return self.host != this_host() or process_exists(self.pid)
+        return self.host != this_host() or process_exists(self.pid, self.started)
 
 
 def key_directory(key: str) -> str:
@@ -124,4 +153,5 @@ def new_record_path(key: str) -> str:
     return f"{key_directory(key)}/{host}-{os.getpid()}-{uuid.uuid4().hex[:12]}.json"
 
 
-__all__ = ["OWNERS_PREFIX", "UploadOwner", "key_directory", "new_record_path", "process_exists", "this_host"]
+__all__ = ["OWNERS_PREFIX", "UploadOwner", "key_directory", "new_record_path", "process_exists", "process_start",
+           "this_host"]
