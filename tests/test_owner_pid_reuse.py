@@ -87,3 +87,49 @@ def test_a_gc_lease_whose_owner_pid_was_reused_counts_as_ended(tmp_path) -> None
     finally:
         collector.kill()
         collector.wait()
+
+
+def test_an_upload_whose_abort_did_not_land_keeps_its_owner_record(s3_server, s3_bucket: str,
+                                                                   s3_options: dict) -> None:
+    """A part fails and the abort that follows is refused too (as when a draining daemon's uploads are
+    cancelled): the upload stays open on the store, so its owner record stays with it (before, the record
+    was deleted and the orphan upload waited gc_abandoned_s as one without a record); a collector then
+    finds its owner and aborts it once that owner is gone. A failed upload whose abort landed leaves no
+    record."""
+    from ckptd.errors import CkptdError
+    from ckptd.tiers.upload_owners import OWNERS_PREFIX
+
+    boto = s3_client(s3_server)
+
+    async def refuse(**_: object) -> None:  # botocore's before-send: the request never leaves
+        raise ConnectionResetError("injected")
+
+    for refused, record_kept in (({"UploadPart", "AbortMultipartUpload"}, True), ({"UploadPart"}, False)):
+        prefix = f"abort-{len(refused)}"
+        with override(s3_part_bytes=5 * 1024 * 1024, s3_retries=0, s3_connect_retries=0):
+            remote = object_tier(s3_bucket, s3_options, prefix=prefix)
+            try:
+                remote.connect()
+                for client in remote.lanes:
+                    for operation in refused:
+                        client._s3.meta.events.register(f"before-send.s3.{operation}", refuse)
+                with pytest.raises((CkptdError, OSError)):
+                    remote.write_bytes(_KEY, os.urandom(3 * 5 * 1024 * 1024))
+            finally:
+                remote.close()
+        uploads = [u for u in boto.list_multipart_uploads(Bucket=s3_bucket).get("Uploads", [])
+                   if u["Key"].startswith(f"{prefix}/")]
+        records = boto.list_objects_v2(Bucket=s3_bucket, Prefix=f"{prefix}/{OWNERS_PREFIX}/").get("Contents", [])
+        assert len(uploads) == (1 if record_kept else 0), (refused, uploads)
+        assert len(records) == (1 if record_kept else 0), (refused, records)
+        if record_kept:
+            body = boto.get_object(Bucket=s3_bucket, Key=records[0]["Key"])["Body"].read()
+            owner = UploadOwner.from_json_bytes(body)
+            assert owner is not None and owner.pid == os.getpid() and owner.started == process_start(os.getpid())
+            gone = UploadOwner(owner.key, owner.host, owner.pid, owner.refreshed, owner.lease_s, "another-boot:1")
+            boto.put_object(Bucket=s3_bucket, Key=records[0]["Key"], Body=gone.to_json_bytes())
+            collector = object_tier(s3_bucket, s3_options, prefix=prefix)
+            try:
+                assert collector.abort_incomplete_uploads(3600.0) == 1, "its owner is gone: aborted at once"
+            finally:
+                collector.close()

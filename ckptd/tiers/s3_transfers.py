@@ -19,6 +19,7 @@ import threading
 import zlib
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from ckptd._types import Buffer
@@ -212,21 +213,34 @@ async def multipart_upload(client: Any, bucket: str, key: str, data: memoryview,
         record_key, owner = owner_record
         await client._call_s3("put_object", Bucket=bucket, Key=record_key, Body=owner.to_json_bytes())
         refresher = asyncio.ensure_future(_keep_owner_fresh(client, bucket, record_key, owner))
+    upload = _UploadState()
     try:
         await _upload_in_parts(client, bucket, key, data, part=part, concurrency=concurrency, condition=condition,
-                               checksum=checksum)
+                               checksum=checksum, state=upload)
     finally:
         if refresher is not None:
             refresher.cancel()
             await asyncio.gather(refresher, return_exceptions=True)
-        if owner_record is not None:
+        # The record goes only once the upload is closed: an upload whose abort did not land (cancelled,
+        # refused) keeps its record, so a collector aborts it once this process is gone or the record
+        # expired, instead of waiting ``gc_abandoned_s`` for an upload without a record.
+        if owner_record is not None and not upload.open:
             with contextlib.suppress(Exception):  # a record left behind expires; GC removes it
                 await client._call_s3("delete_object", Bucket=bucket, Key=owner_record[0])
 
 
+@dataclass
+class _UploadState:
+    """Whether a multipart upload may still be open on the store: from before its creation (whose answer can
+    be lost) until its completion or its abort was answered."""
+
+    open: bool = False
+
+
 async def _upload_in_parts(client: Any, bucket: str, key: str, data: memoryview, *, part: int, concurrency: int,
-                           condition: dict[str, str], checksum: bool) -> None:
+                           condition: dict[str, str], checksum: bool, state: _UploadState) -> None:
     whole = {"ChecksumAlgorithm": "CRC32", "ChecksumType": "FULL_OBJECT"} if checksum else {}
+    state.open = True
     created = await client._call_s3("create_multipart_upload", Bucket=bucket, Key=key, **whole)
     upload_id = created["UploadId"]
     gate = asyncio.Semaphore(concurrency)
@@ -249,6 +263,7 @@ async def _upload_in_parts(client: Any, bucket: str, key: str, data: memoryview,
         finish = {"ChecksumType": "FULL_OBJECT"} if checksum else {}
         await client._call_s3("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id,
                               MultipartUpload={"Parts": list(parts)}, **condition, **finish)
+        state.open = False
     except BaseException:
         for task in tasks:
             task.cancel()
@@ -259,6 +274,7 @@ async def _upload_in_parts(client: Any, bucket: str, key: str, data: memoryview,
             abort = functools.partial(client._call_s3, "abort_multipart_upload", Bucket=bucket, Key=key,
                                       UploadId=upload_id)
             await (within_budget(cleanup, abort) if cleanup is not None else abort())
+            state.open = False
         raise
 
 
