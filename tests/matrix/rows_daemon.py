@@ -172,13 +172,17 @@ def _check_uploads_closed(client: Any, s3: S3Location) -> inv.Check:
 
 def _restart_until_promoted(ctx: RunContext, config: Path, state: Path, s3: S3Location, client: Any
                             ) -> tuple[DaemonProcess, float]:
-    """Start the daemon again; wait until every step is promoted and no upload is left open; stop it (exit 0).
+    """Start the daemon again; wait until every step is promoted, no upload is left open and no dead owner's
+    record is left; stop it (exit 0).
     Returns the stopped daemon and the seconds from the fault to every step restorable from S3."""
     with DaemonProcess(config, state, env=UPLOAD_ENV) as daemon:
         daemon.wait_ready()
         daemon.wait_for(lambda: _all_promoted(daemon), 60, "every step promoted after the restart")
         recovery_s = ctx.stopwatch.since_fault()
-        daemon.wait_for(lambda: not _open_uploads(client, s3.bucket), 30, "the interrupted upload closed")
+        # the upkeep's first pass aborts an upload a dead writer left open and deletes the records of dead
+        # owners (one stays behind when the killed daemon's own abort may have landed unanswered)
+        daemon.wait_for(lambda: not _open_uploads(client, s3.bucket) and not _keys(client, s3.bucket, "run1/uploads/"),
+                        30, "the interrupted upload closed and its dead owner's record removed")
         code = daemon.terminate()
         if code != 0:
             raise AssertionError(f"the restarted daemon exited with {code}: {daemon.log()}")
