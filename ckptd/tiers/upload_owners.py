@@ -14,9 +14,9 @@ by a later process, such as the restarted daemon itself, does not keep a dead wr
 Freshness is judged on the store's clock: the age of a record is the store's time now (the ``Date``
 of its answer) minus the record object's ``LastModified``, both stamped by the store, so neither the
 writer's nor the collector's wall clock (skewed by minutes, or stepped by NTP) makes a live upload look
-abandoned. The ``refreshed`` stamp in the record (the writer's clock) is only shown, never compared. So a collector never aborts the
-upload of a live promoter on another host, aborts at once an upload whose owner on this host was
-killed, and aborts any upload whose owner stopped refreshing (a dead host). An upload with no record
+abandoned. The ``refreshed`` stamp in the record (the writer's clock) is only shown, never compared.
+So a collector never aborts the upload of a live promoter on another host, aborts at once an upload
+whose owner on this host was killed, and aborts any upload whose owner stopped refreshing (a dead host). An upload with no record
 at all (written by an older ckptd) falls back to its ``Initiated`` time.
 
 The host identity is ``CKPTD_HOST_ID`` (``host_id`` setting) or the host name with the pid namespace
