@@ -8,16 +8,16 @@ it last refreshed the record and how long the record stays valid (``s3_upload_ow
 rewrites the record every third of that while its parts go up, and deletes it once the upload is
 completed or aborted.
 
-An upload is **abandoned** when no record for its key is alive; a record is alive while it is fresh
-and, when it was written on this host, its process still exists (the same start of it: a pid reused
-by a later process, such as the restarted daemon itself, does not keep a dead writer's upload alive).
-Freshness is judged on the store's clock: the age of a record is the store's time now (the ``Date``
-of its answer) minus the record object's ``LastModified``, both stamped by the store, so neither the
+An upload is **abandoned** when no record for its key is alive; a record is alive while it is fresh and,
+when it was written on this host, its process still exists (the same start of it: a pid reused by a
+later process, such as the restarted daemon itself, does not keep a dead writer's upload alive).
+Freshness is judged on the store's clock: the age of a record is the store's time now (the ``Date`` of
+its answer) minus the record object's ``LastModified``, both stamped by the store, so neither the
 writer's nor the collector's wall clock (skewed by minutes, or stepped by NTP) makes a live upload look
-abandoned. The ``refreshed`` stamp in the record (the writer's clock) is only shown, never compared.
-So a collector never aborts the upload of a live promoter on another host, aborts at once an upload
-whose owner on this host was killed, and aborts any upload whose owner stopped refreshing (a dead host). An upload with no record
-at all (written by an older ckptd) falls back to its ``Initiated`` time.
+abandoned. The ``refreshed`` stamp in the record (the writer's clock) is only shown, never compared. So
+a collector never aborts the upload of a live promoter on another host, aborts at once an upload whose
+owner on this host was killed, and aborts any upload whose owner stopped refreshing (a dead host). An
+upload with no record at all (written by an older ckptd) falls back to its ``Initiated`` time.
 
 The host identity is ``CKPTD_HOST_ID`` (``host_id`` setting) or the host name with the pid namespace
 (two containers with one host name cannot see each other's pids, so each counts as another host); tests
