@@ -138,7 +138,8 @@ def test_killed_mid_promotion_commits_each_step_once(seed, tmp_path, committed_r
 def test_killed_mid_replication_commits_each_replica_once(seed, tmp_path, committed_root):
     token = secrets.token_hex(16)
     root_b = tmp_path / "root-b"
-    config_b, state_b = _config(tmp_path, "node-b", root_b, peer_token=token)
+    # keep_peer (default 2) would let the buddy's upkeep retire step 1's replica before the check
+    config_b, state_b = _config(tmp_path, "node-b", root_b, peer_token=token, keep_peer=len(STEPS))
     root = tmp_path / "root"
     shutil.copytree(committed_root, root)
     with DaemonProcess(config_b, state_b) as daemon_b:

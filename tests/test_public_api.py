@@ -111,7 +111,8 @@ def test_remote_every_steps_none_promotes_every_saved_step(tmp_path, s3_bucket, 
 
 
 #: Error classes defined outside ckptd.errors on purpose: internal signals that never reach a caller.
-INTERNAL_SIGNALS = {"ckptd/manager/commit.py": {"SkippedStep"}}  # caught by the saver (back-pressure)
+INTERNAL_SIGNALS = {"ckptd/manager/commit.py": {"SkippedStep"},  # caught by the saver (back-pressure)
+                    "ckptd/elastic/worker.py": {"_StartAfresh"}}  # caught by run(): every rank starts afresh
 
 
 def test_error_classes_are_defined_in_ckptd_errors_only():
