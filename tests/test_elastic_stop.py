@@ -9,7 +9,6 @@ Two supervisors (``--nnodes 2``, one rank each) stand in for two nodes; real pro
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -17,27 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.testing.elastic_runs import WORLD, finals, launch_job, record, start_job, wait_until
+from ckptd.testing.elastic_runs import (WORLD, finals, launch_job, process_alive, record, staged_steps,
+                                       start_job, wait_until)
 from ckptd.tiers.local import LocalTier
 
 pytestmark = pytest.mark.multirank
 
 STEPS = "24"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _staged(out: Path, rank: int) -> list[int]:
-    try:
-        return [step for steps in json.loads((out / f"rank{rank}-staged.json").read_text()).values() for step in steps]
-    except (FileNotFoundError, json.JSONDecodeError):
-        return []
 
 
 @pytest.mark.parametrize("node", [1, 0], ids=["sigterm-node1", "sigterm-node0-the-store-host"])
@@ -49,7 +34,7 @@ def test_sigterm_to_one_supervisor_stops_every_rank_cleanly_and_keeps_the_commit
     try:
         pids = [wait_until(lambda rank=rank: record(out, rank, 0), f"rank {rank} to start", 300)["pid"]
                 for rank in range(WORLD)]
-        wait_until(lambda: all(max(_staged(out, rank), default=0) >= 6 for rank in range(WORLD)), "a few saves", 300)
+        wait_until(lambda: all(max(staged_steps(out, rank), default=0) >= 6 for rank in range(WORLD)), "a few saves", 300)
         job.supervisors[node].send_signal(signal.SIGTERM)
         code = job.wait(300)
         if reference is not None:
@@ -64,7 +49,7 @@ def test_sigterm_to_one_supervisor_stops_every_rank_cleanly_and_keeps_the_commit
     for rank, pid in enumerate(pids):
         assert f"rank {rank} stops with the job" in log, log[-4000:]
         assert re.search(rf"rank {rank} \(pid {pid}\) exited with code 15", log), log[-4000:]
-        assert not _alive(pid)
+        assert not process_alive(pid)
     assert not list(out.glob("rank*-final.json")), "no rank may finish a stopped job"
     assert "Traceback" not in log, log[-4000:]
     committed = [LocalTier(tmp_path / f"ckpt-node{rank}" / f"rank{rank}").committed_steps() for rank in range(WORLD)]

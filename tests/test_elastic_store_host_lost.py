@@ -9,32 +9,17 @@ Two supervisors (``--nnodes 2``, one rank each, each with its own root) stand in
 
 from __future__ import annotations
 
-import json
 import signal
 from pathlib import Path
 
 import pytest
 
-from ckptd.testing.elastic_runs import WORLD, finals, launch_job, record, start_job, wait_until
+from ckptd.testing.elastic_runs import (WORLD, finals, launch_job, process_alive, record, staged_steps,
+                                       start_job, wait_until)
 
 pytestmark = pytest.mark.multirank
 
 STEPS = "24"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _staged(out: Path, rank: int) -> list[int]:
-    try:
-        return [step for steps in json.loads((out / f"rank{rank}-staged.json").read_text()).values() for step in steps]
-    except (FileNotFoundError, json.JSONDecodeError):
-        return []
 
 
 def test_losing_node_0_ends_the_job_with_a_message_saying_what_to_do_and_a_restart_resumes_bit_for_bit(
@@ -45,7 +30,7 @@ def test_losing_node_0_ends_the_job_with_a_message_saying_what_to_do_and_a_resta
     try:
         pids = [wait_until(lambda rank=rank: record(out, rank, 0), f"rank {rank} to start", 300)["pid"]
                 for rank in range(WORLD)]
-        wait_until(lambda: all(max(_staged(out, rank), default=0) >= 6 for rank in range(WORLD)), "a few saves", 300)
+        wait_until(lambda: all(max(staged_steps(out, rank), default=0) >= 6 for rank in range(WORLD)), "a few saves", 300)
         job.supervisors[0].send_signal(signal.SIGKILL)
         job.supervisors[0].wait()
         assert job.supervisors[1].wait(timeout=120) == 12, job.log()[-4000:]
@@ -57,7 +42,7 @@ def test_losing_node_0_ends_the_job_with_a_message_saying_what_to_do_and_a_resta
     assert "ckptd: error: node 1: the job's store at 127.0.0.1:" in log, log[-4000:]
     assert "node 0 is lost, and with it the job" in log and "this node stopped its ranks [1]" in log, log[-4000:]
     assert "start the job again: `ckptd launch` with the same options on every node" in log, log[-4000:]
-    assert not any(_alive(pid) for pid in pids), "a rank of the lost job still runs"
+    assert not any(process_alive(pid) for pid in pids), "a rank of the lost job still runs"
     assert not list(out.glob("rank*-final.json")), "no rank may finish a job that lost its store"
     # what the message says to do: the job resumes from the newest step both ranks committed
     resumed = launch_job(tmp_path, "--steps", STEPS, nodes=WORLD, timeout_s=300)
