@@ -9,7 +9,8 @@ Run by :mod:`ckptd.demo.elastic_phase`::
     ckptd launch --nproc-per-node 2 [--spares 1] -m ckptd.demo.elastic_training --data MANIFEST --cache DIR --ckpt DIR \\
         --out DIR [--kill-rank R --kill-step S]
 
-With ``--kill-rank`` rank R sends itself SIGKILL right after its save of step S in the first generation.
+With ``--kill-rank`` rank R sends itself SIGKILL right after its save of step S in the first generation, once
+its saves so far are committed.
 Every rank writes ``rank<r>-gen<g>.json`` for every generation it joins (pid, restored step and tier,
 wall-clock times of joining, of the restore and of its first completed step), the victim
 ``rank<r>-killed.json`` just before the signal, and at the end ``rank<r>-final.json`` (xxh3-128 of the
@@ -103,6 +104,7 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
         if step == start + 1:
             record_path.write_text(json.dumps(record | {"first_step_at": time.time()}))
         if ctx.generation == 0 and ctx.rank == args.kill_rank and step == args.kill_step:
+            manager.wait()  # its saves so far are committed: the steps lost are those after the last save
             (out / f"rank{ctx.rank}-killed.json").write_text(json.dumps({"step": step, "at": time.time()}))
             os.kill(os.getpid(), signal.SIGKILL)
     manager.close()
