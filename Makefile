@@ -9,7 +9,7 @@ TEST_WORKERS ?= 2
 #: The torch the venv has, as a requirement: installing other packages never swaps it (no CUDA build).
 TORCH_PIN = "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 
-.PHONY: setup setup-integrations demo test test-integrations test-all bench clean
+.PHONY: setup setup-integrations demo test test-integrations test-slow test-all bench clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,12 @@ test: setup
 
 test-integrations: setup-integrations
 	$(PY) -m pytest -m integrations
+
+# The slow group (marker slow): variants and heavier scenarios of capabilities the default run also tests
+# (two-node variants, node loss through a fresh launch, spare races, the GC state machine at full size...),
+# kept out of it so that `make test` stays under 15 minutes on 2 cores.
+test-slow: setup
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m slow
 
 test-all: setup-integrations
 	$(PY) -m pytest -m ''

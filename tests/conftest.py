@@ -1,9 +1,14 @@
-"""Shared fixtures: a real S3 endpoint (moto's server over HTTP on 127.0.0.1) for the whole session."""
+"""Shared fixtures: a real S3 endpoint (moto's server over HTTP on 127.0.0.1) for the whole session, and the
+uninterrupted run of the elastic test job that the elastic tests compare their recovered runs with."""
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +35,28 @@ def s3_bucket(s3_server: EmbeddedS3) -> str:
 def s3_options(s3_server: EmbeddedS3) -> dict[str, Any]:
     """fsspec/s3fs storage options that reach the test server."""
     return s3_server.storage_options
+
+
+@pytest.fixture(scope="session")
+def elastic_reference(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
+    """Each rank's final bytes of the elastic test job (:mod:`ckptd.testing.elastic_training`, default
+    arguments) run uninterrupted under ``ckptd launch``: run once per test session and shared by the
+    pytest-xdist workers (under a lock in their common temporary directory), since it is the same run."""
+    from ckptd.testing.elastic_runs import WORLD, finals, launch_job
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    root = Path(shared) / "elastic-reference"
+    with (Path(shared) / "elastic-reference.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "done").exists():
+            result = launch_job(root)
+            assert result.returncode == 0, result.stderr[-4000:]
+            (root / "done").touch()
+    written = finals(root / "out")
+    ids = [sample for final in written for row in json.loads(final)["seen"] for sample in row]
+    assert -1 not in ids and len(ids) == 12 * 4 * WORLD, "every rank consumed a batch at every step"
+    return written
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -95,3 +95,35 @@ def test_a_dead_writers_upload_of_a_key_someone_is_uploading_again_is_aborted_on
                 client.delete_object(Bucket=s3_bucket, Key=item["Key"])  # the live writer is done
         daemon.wait_for(lambda: not _open_uploads(client, s3_bucket), 15, "the dead writer's upload to be aborted")
         assert daemon.terminate() == 0
+
+
+def test_a_dead_writers_record_outlives_a_pass_that_spared_its_upload_for_a_live_owner(
+        s3_server, s3_bucket, s3_options) -> None:
+    # the pass between the live writer's completed upload and the deletion of its record (the race the
+    # daemon test above ran into under load): the dead writer's upload is spared, its record must stay, so
+    # that the next pass still knows whose the upload is and aborts it at once, not after gc_abandoned_s
+    from test_promotion_support import object_tier
+
+    client = s3_client(s3_server)
+    key = "chunks/dd/again.raw"
+    orphan = _open_upload(client, s3_bucket, key, replace(UploadOwner.mine(key), pid=_dead_pid()))
+    again = _open_upload(client, s3_bucket, key, UploadOwner.mine(key))
+    remote = object_tier(s3_bucket, s3_options, prefix="run1")
+    try:
+        remote.connect()
+        assert remote.abort_incomplete_uploads(3600.0) == 0, "the key has a live owner: nothing aborted"
+        assert remote.uploads_awaiting_owners() == [key]
+        parts = client.list_parts(Bucket=s3_bucket, Key=f"run1/{key}", UploadId=again)["Parts"]
+        client.complete_multipart_upload(Bucket=s3_bucket, Key=f"run1/{key}", UploadId=again, MultipartUpload={
+            "Parts": [{"PartNumber": part["PartNumber"], "ETag": part["ETag"]} for part in parts]})
+        assert remote.abort_incomplete_uploads(3600.0) == 0, "the live writer's record is still there"
+        assert remote.uploads_awaiting_owners() == [key], "the dead writer's upload still waits on that key"
+        for item in client.list_objects_v2(Bucket=s3_bucket, Prefix="run1/uploads/").get("Contents", []):
+            if f"-{os.getpid()}-" in item["Key"]:
+                client.delete_object(Bucket=s3_bucket, Key=item["Key"])
+        assert remote.abort_incomplete_uploads(3600.0) == 1, "its owner is gone: aborted at once"
+        assert orphan not in _open_uploads(client, s3_bucket) and remote.uploads_awaiting_owners() == []
+        left = client.list_objects_v2(Bucket=s3_bucket, Prefix="run1/uploads/").get("Contents", [])
+        assert left == [], "the dead writer's record goes with its upload"
+    finally:
+        remote.close()

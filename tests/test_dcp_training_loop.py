@@ -44,6 +44,7 @@ def test_async_saves_in_a_checkpoint_process_load_back_bit_for_bit(tmp_path: Pat
     assert LocalTier(tmp_path / "root").committed_steps() == list(range(STEPS // EVERY))
 
 
+@pytest.mark.slow
 @pytest.mark.s3
 def test_kill_after_a_committed_save_resumes_to_the_same_weights(tmp_path: Path, s3_bucket: str,
                                                                  s3_options: dict[str, Any]) -> None:

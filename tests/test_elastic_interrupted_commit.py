@@ -26,11 +26,8 @@ pytestmark = pytest.mark.multirank
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
-    root = tmp_path_factory.mktemp("elastic-interrupted-reference")
-    result = launch_job(root)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return finals(root / "out")
+def reference(elastic_reference: list[bytes]) -> list[bytes]:
+    return elastic_reference
 
 
 @pytest.mark.parametrize("step", [2, 6], ids=["first-save", "a-later-save"])

@@ -8,7 +8,6 @@ two supervisors of one rank each standing in for two nodes; the failed rank real
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import threading
@@ -22,15 +21,8 @@ from ckptd.testing.elastic_runs import WORLD, finals, generations, launch_job
 pytestmark = pytest.mark.multirank
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
-    root = tmp_path_factory.mktemp("elastic-reference")
-    result = launch_job(root)
-    assert result.returncode == 0, result.stderr[-4000:]
-    written = finals(root / "out")
-    seen = [json.loads(final)["seen"] for final in written]
-    ids = [sample for rows in seen for row in rows for sample in row]
-    assert -1 not in ids and len(ids) == 12 * 4 * WORLD, "every rank consumed a batch at every step"
-    return written
+def reference(elastic_reference: list[bytes]) -> list[bytes]:
+    return elastic_reference
 
 
 def _scenario(seed: int, rank: int, signal_name: str, phase: str | None) -> list[str]:
@@ -42,7 +34,7 @@ def _scenario(seed: int, rank: int, signal_name: str, phase: str | None) -> list
 
 @pytest.mark.parametrize(("seed", "victim", "signal_name", "nodes", "phase"), [
     (1, 1, "KILL", 1, None),
-    (5, 1, "KILL", 2, None),   # two supervisors ("nodes") meeting through node 0's store
+    pytest.param(5, 1, "KILL", 2, None, marks=pytest.mark.slow),  # two supervisors ("nodes") meeting through node 0's store
     # rank 0 (it decides the commits) dies once its newest save is committed: the survivor restores that step
     # from memory (the staged copy of its own last save), the replacement from its local directory
     (7, 0, "KILL", 1, "after-commit"),
@@ -100,6 +92,7 @@ def test_a_rank_lost_before_the_first_commit_restarts_alone_and_the_survivor_sta
     assert "restarting it alone in generation 1" in result.stderr
 
 
+@pytest.mark.slow
 def test_a_hang_outlasting_the_collective_and_rejoin_timeouts_restarts_only_the_hung_rank(
         tmp_path: Path, reference: list[bytes]) -> None:
     # the hang outlasts the configured collective timeout and the rejoin timeout: the survivor must keep
@@ -145,9 +138,13 @@ def test_recoveries_in_a_row_end_bit_for_bit_and_the_survivor_keeps_no_old_gener
     survivor = generations(tmp_path / "out", 0)
     assert sorted(survivor) == [0, 1, 2, 3, 4] and len({record["pid"] for record in survivor.values()}) == 1
     # the OS threads (gloo's among them) and open files of failed generations are freed: they stay flat
-    # (generations 0 and 1 are left out: the writer starts at the first save, one failed generation may linger)
-    assert len({(record["tasks"], record["fds"]) for generation, record in survivor.items() if generation >= 2}) == 1, \
-        survivor
+    # (generations 0 and 1 are left out: the writer starts at the first save, one failed generation may linger;
+    # one thread of the generation just left may still be ending when the count is taken, a leak of one
+    # thread per generation grows by 2 over generations 2 to 4)
+    later = [survivor[generation] for generation in sorted(survivor) if generation >= 2]
+    assert len({record["fds"] for record in later}) == 1, [(record["fds"], record["threads"]) for record in later]
+    tasks = [record["tasks"] for record in later]
+    assert max(tasks) - min(tasks) <= 1, [(record["tasks"], record["threads"]) for record in later]
     # what run() froze after setup is frozen once: no later generation adds its leftovers to the frozen objects
     frozen = [survivor[generation]["frozen"] for generation in sorted(survivor)]
     assert frozen[0] > 0 and frozen == sorted(frozen, reverse=True), frozen

@@ -41,7 +41,7 @@ from ckptd.tiers import open_tier
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.peer import PeerTier
 
-pytestmark = [pytest.mark.multirank, pytest.mark.s3]
+pytestmark = [pytest.mark.multirank, pytest.mark.s3, pytest.mark.slow]
 
 NODES, TOKEN, KILL_STEP, STEPS = 2, "node-loss-test-token", 6, 12
 JOB = "ckptd.testing.elastic_tiered_training"

@@ -113,6 +113,7 @@ def test_a_lost_node_is_replaced_in_the_live_job_and_the_run_ends_bit_for_bit(tm
     assert survivor[last]["tier"] == "memory" or survivor[last]["tier"].startswith("local "), survivor[last]
 
 
+@pytest.mark.slow
 def test_a_second_supervisor_for_a_live_node_takes_its_place_and_the_first_stops(tmp_path: Path) -> None:
     # node 1's supervisor is alive when another one is started with its --node-rank: the newer one joins as
     # a replacement, the older one sees it, stops its rank and exits 12; the job ends bit for bit

@@ -38,7 +38,7 @@ def _wait_for(condition, what: str, timeout_s: float = 90.0) -> None:  # type: i
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("signal_name", ["SIGTERM", pytest.param("SIGKILL", marks=pytest.mark.slow)])
 def test_a_stopped_supervisor_leaves_no_rank_and_no_spare_behind(tmp_path: Path, signal_name: str) -> None:
     out = tmp_path / "out"
     command = [sys.executable, "-m", "ckptd.cli.main", "launch", "--nproc-per-node", str(WORLD), "--spares", "1",

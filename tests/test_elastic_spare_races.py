@@ -28,17 +28,15 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
-    root = tmp_path_factory.mktemp("elastic-spare-races-reference")
-    result = launch_job(root)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return finals(root / "out")
+def reference(elastic_reference: list[bytes]) -> list[bytes]:
+    return elastic_reference
 
 
 def _spares_started(stderr: str) -> list[int]:
     return [int(pid) for pid in re.findall(r"started warm spare \d+ \(pid (\d+)\)", stderr)]
 
 
+@pytest.mark.slow
 def test_a_spare_that_died_while_waiting_is_dropped_and_the_rank_gets_a_new_process(
         tmp_path: Path, reference: list[bytes]) -> None:
     result = launch_job(tmp_path, "--kill-rank", "1", "--kill-step", "7", "--kill-phase", "before-step",
@@ -56,6 +54,7 @@ def test_a_spare_that_died_while_waiting_is_dropped_and_the_rank_gets_a_new_proc
     assert not any(_alive(pid) for pid in _spares_started(result.stderr)), "a spare outlived the job"
 
 
+@pytest.mark.slow
 def test_two_ranks_failing_at_once_with_one_spare_get_the_spare_and_a_new_process(
         tmp_path: Path, reference: list[bytes]) -> None:
     result = launch_job(tmp_path, "--kill-rank", "1", "--also-kill-rank", "0", "--kill-step", "7", "--kill-phase",

@@ -28,11 +28,8 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
-    root = tmp_path_factory.mktemp("spares-reference")
-    result = launch_job(root)
-    assert result.returncode == 0, result.stderr[-4000:]
-    return finals(root / "out")
+def reference(elastic_reference: list[bytes]) -> list[bytes]:
+    return elastic_reference
 
 
 def test_a_killed_rank_is_recovered_through_a_warm_spare_bit_for_bit(tmp_path: Path, reference: list[bytes]) -> None:
@@ -55,6 +52,7 @@ def test_a_killed_rank_is_recovered_through_a_warm_spare_bit_for_bit(tmp_path: P
     assert len(started) == 1 and not _alive(started[0]), result.stderr[-4000:]
 
 
+@pytest.mark.slow
 def test_on_two_nodes_a_failure_on_node_1_is_taken_by_node_1s_spare(tmp_path: Path, reference: list[bytes]) -> None:
     # two supervisors (one rank each), --spares 1 on both: rank 1 (node 1) dies once node 1's spare is ready
     result = launch_job(tmp_path, "--kill-rank", "1", "--kill-step", "7", "--kill-phase", "before-step",

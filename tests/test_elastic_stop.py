@@ -25,7 +25,7 @@ pytestmark = pytest.mark.multirank
 STEPS = "24"
 
 
-@pytest.mark.parametrize("node", [1, 0], ids=["sigterm-node1", "sigterm-node0-the-store-host"])
+@pytest.mark.parametrize("node", [pytest.param(1, marks=pytest.mark.slow), 0], ids=["sigterm-node1", "sigterm-node0-the-store-host"])
 def test_sigterm_to_one_supervisor_stops_every_rank_cleanly_and_keeps_the_committed_steps(tmp_path: Path,
                                                                                           node: int) -> None:
     reference = start_job(tmp_path / "reference", "--steps", STEPS, nodes=WORLD) if node == 1 else None

@@ -44,6 +44,7 @@ def _promote_with_faults(tmp_path, s3_server, s3_bucket, megabytes: int, seed: i
     assert list(verify_step(direct, 1)) == []
 
 
+@pytest.mark.slow
 def test_200_mb_promotion_survives_20_percent_faults(tmp_path, s3_server, s3_bucket):
     _promote_with_faults(tmp_path, s3_server, s3_bucket, megabytes=200, seed=12)
 

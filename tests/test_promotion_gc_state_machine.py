@@ -102,6 +102,7 @@ def _machine(server, workdir: Path) -> type[RuleBasedStateMachine]:
     return PromotionMachine
 
 
+@pytest.mark.slow
 def test_gc_never_breaks_a_retained_step(s3_server, tmp_path):
     machine = _machine(s3_server, tmp_path)
     run_state_machine_as_test(machine, settings=settings(max_examples=6, stateful_step_count=10, deadline=None,

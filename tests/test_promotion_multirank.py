@@ -44,6 +44,7 @@ def _restore_from_s3(rank: int, world_size: int, empty: str, remote: str,
     return step, tier, _tensor_bytes(fresh)
 
 
+@pytest.mark.slow
 def test_ranks_in_separate_processes_promote_and_restore_from_s3(tmp_path: Path, s3_bucket: str,
                                                                  s3_options: dict[str, Any]) -> None:
     remote = object_tier(s3_bucket, s3_options, prefix="multirank")

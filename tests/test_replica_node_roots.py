@@ -18,6 +18,7 @@ from test_replica_ddp import STEP, WORLD, _restore, _save, _written, mismatch
 pytestmark = pytest.mark.multirank
 
 
+@pytest.mark.slow
 def test_node_roots_find_the_other_nodes_pieces_on_the_object_tier(tmp_path: Path, s3_bucket: str,
                                                                    s3_options: dict[str, Any]) -> None:
     roots = [str(tmp_path / f"node{rank // 2}") for rank in range(WORLD)]

@@ -7,7 +7,7 @@ a pin; scrub checks this node's copies (the local root, mended from the object t
 object tier, mended from the others) and the replicas buddies sent here, never a buddy's copy over the
 network (the buddy scrubs that itself). Uploads left open on an object tier by a writer that died (this
 daemon's previous process, SIGKILLed mid-upload, or a trainer's uploader) are aborted from the first pass
-after the daemon starts, at every pass while two open uploads share a key, then every ``gc_abandoned_s``; an upload
+after the daemon starts, at every pass while a dead writer's upload waits on a key a live writer is uploading anew, then every ``gc_abandoned_s``; an upload
 whose owner still runs is left alone (:meth:`~ckptd.tiers.object.ObjectTier.abort_incomplete_uploads`).
 Failures are counted in the metrics and handed to ``record_error``.
 """
@@ -73,16 +73,16 @@ class Upkeep:
             return 0
         try:
             aborted = tier.abort_incomplete_uploads(threshold)
-            left = tier.incomplete_uploads()
+            waiting = tier.uploads_awaiting_owners()
         except CkptdError as error:
             self.record_error("uploads", runtime.name, None, str(error))
             log.warning("aborting the abandoned uploads of %s failed: %s", tier.label, error)
             return 0
-        keys = [path for path, _, _ in left]
-        if len(set(keys)) == len(keys):
+        if not waiting:
             # an upload is spared while its key has a live owner, even one uploading that key anew (a
             # restarted daemon re-sends the chunk a dead one left half sent): look again at every pass while
-            # a key has two open uploads, not while any is open (other writers' live uploads nearly always are)
+            # a dead writer's upload waits on such a key, not while any is open (other writers' live uploads
+            # nearly always are)
             self._uploads_checked_at[runtime.name] = now
         if aborted:
             log.info("aborted %d multipart upload(s) a dead writer left on %s", aborted, tier.label)

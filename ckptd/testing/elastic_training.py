@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -235,6 +236,7 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
               "entered_at": entered, "restored_at": time.time(),
               # the process's OS threads and open files: a survivor's must not grow from generation to generation
               "tasks": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd")),
+              "threads": sorted(thread.name for thread in threading.enumerate()),
               # objects frozen out of the GC (ckptd.elastic.run freezes what setup built, once per process)
               "frozen": gc.get_freeze_count()}
     record_path = out / f"rank{ctx.rank}-gen{ctx.generation}.json"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -58,6 +59,11 @@ class TierCapabilities:
     #: while ``exists``, ``size`` and the listings still see it (the peer tier: a daemon serves only
     #: committed steps).
     reads_committed_only: bool = False
+
+
+def repeated_keys(paths: list[str]) -> list[str]:
+    """The paths that occur more than once in ``paths``, sorted."""
+    return sorted(path for path, count in Counter(paths).items() if count > 1)
 
 
 class StorageTier(abc.ABC):
@@ -207,6 +213,11 @@ class StorageTier(abc.ABC):
     def abort_incomplete_uploads(self, older_than_s: float = 0.0) -> int:
         """Abort the incomplete uploads started more than ``older_than_s`` ago; returns how many."""
         return 0
+
+    def uploads_awaiting_owners(self) -> list[str]:
+        """Paths of open uploads to look at again soon, not in ``gc_abandoned_s``: here the keys with two
+        open uploads (a writer re-sending what a dead one left open); a tier that knows owners adds more."""
+        return repeated_keys([path for path, _, _ in self.incomplete_uploads()])
 
     def clock(self) -> float:
         """Now, on the clock the tier's modification times are stamped with (seconds since the epoch):

@@ -34,7 +34,7 @@ from ckptd.config import settings
 from ckptd.errors import AlreadyCommittedError, CkptdError, NotFoundError, PluginError, StorageError
 from ckptd.format.layout import MANIFEST_NAME, STEP_PREFIX, TEMP_MARKER, parse_step_dir, step_dir
 from ckptd.tiers import s3_errors
-from ckptd.tiers.base import StorageTier, StoredObject, TierCapabilities
+from ckptd.tiers.base import StorageTier, StoredObject, TierCapabilities, repeated_keys
 from ckptd.tiers.s3_lanes import IoLanes
 from ckptd.tiers.s3_budget import budgeted_filesystem_class
 from ckptd.tiers.s3_options import endpoint_of, region_of, retry_budget, s3fs_options, s3fs_retries, split_url
@@ -337,32 +337,57 @@ class ObjectTier(StorageTier):
             found.setdefault(directory, []).append((obj.path, record, obj.modified))
         return found
 
+    def _uploads_with_owners(self) -> list[tuple[str, str, float, list[tuple[UploadOwner, bool]]]]:
+        """Every incomplete upload with the owner records of its key: (path, upload id, start time,
+        [(record, whether its writer is alive)])."""
+        uploads = self.incomplete_uploads()  # before the records: each upload's record was written before it
+        records = self._owner_records()
+        now = self.clock()  # the store's: records' and uploads' times are its own, whatever this clock says
+        return [(path, upload_id, started, [(record, record.is_alive(age_s=now - written))
+                                            for _, record, written in records.get(key_directory(path), [])
+                                            if record is not None])
+                for path, upload_id, started in uploads]
+
+    @staticmethod
+    def _why_abandoned(owners: list[tuple[UploadOwner, bool]], age_s: float, older_than_s: float) -> str | None:
+        if any(alive for _, alive in owners):
+            return None
+        if owners:
+            return "its owner is gone (" + ", ".join(f"pid {owner.pid} on {owner.host}" for owner, _ in owners) + ")"
+        if age_s >= older_than_s:
+            return f"no owner record and started over {older_than_s:.0f}s ago"
+        return None
+
     def abandoned_uploads(self, older_than_s: float = 0.0) -> list[tuple[str, str, str]]:
         """Incomplete multipart uploads no live writer owns: (path, upload id, why). An upload whose key
         has a live owner record (:mod:`ckptd.tiers.upload_owners`) is never listed, however old; one
         with no record at all counts as abandoned once started more than ``older_than_s`` ago."""
-        uploads = self.incomplete_uploads()  # before the records: each upload's record was written before it
-        records = self._owner_records()
-        now = self.clock()  # the store's: records' and uploads' times are its own, whatever this clock says
-        abandoned = []
-        for path, upload_id, started in uploads:
-            entries = [(record, now - written) for _, record, written in records.get(key_directory(path), [])
-                       if record is not None]
-            owners = [record for record, _ in entries]
-            if any(owner.is_alive(age_s=age) for owner, age in entries):
-                continue
-            if owners:
-                abandoned.append((path, upload_id, "its owner is gone (" + ", ".join(
-                    f"pid {owner.pid} on {owner.host}" for owner in owners) + ")"))
-            elif now - started >= older_than_s:
-                abandoned.append((path, upload_id, f"no owner record and started over {older_than_s:.0f}s ago"))
-        return abandoned
+        now = self.clock()
+        found = [(path, upload_id, self._why_abandoned(owners, now - started, older_than_s))
+                 for path, upload_id, started, owners in self._uploads_with_owners()]
+        return [(path, upload_id, why) for path, upload_id, why in found if why is not None]
+
+    def uploads_awaiting_owners(self) -> list[str]:
+        """Open uploads spared while their key has a live owner although a dead writer's record names the
+        key too (a restarted writer re-sending what a dead one left half sent), and keys with two open
+        uploads: worth another look as soon as the live owner is done."""
+        uploads = self._uploads_with_owners()
+        waiting = {path for path, _, _, owners in uploads
+                   if any(alive for _, alive in owners) and not all(alive for _, alive in owners)}
+        return sorted(waiting | set(repeated_keys([path for path, _, _, _ in uploads])))
 
     def abort_incomplete_uploads(self, older_than_s: float = 0.0) -> int:
         """Abort the multipart uploads no live writer owns (see :meth:`abandoned_uploads`), then delete
-        the owner records that are no longer alive; returns how many uploads were aborted."""
-        count = 0
-        for path, upload_id, why in self.abandoned_uploads(older_than_s):
+        the owner records that are no longer alive, except those of a key with an upload still open (a
+        dead writer's upload spared for a live owner of its key stays attributed to the dead one);
+        returns how many uploads were aborted."""
+        count, still_open = 0, set()
+        now = self.clock()
+        for path, upload_id, started, owners in self._uploads_with_owners():
+            why = self._why_abandoned(owners, now - started, older_than_s)
+            if why is None:
+                still_open.add(key_directory(path))
+                continue
             try:
                 with self._errors("aborting a multipart upload", path):
                     self._call(self.fs, "abort_multipart_upload", Bucket=self.bucket, Key=self.key(path),
@@ -372,7 +397,8 @@ class ObjectTier(StorageTier):
             _log.info("aborted an abandoned multipart upload of %s on %s: %s", path, self.label, why)
             count += 1
         now = self.clock()
-        stale = [record_path for entries in self._owner_records().values() for record_path, record, written in entries
+        stale = [record_path for directory, entries in self._owner_records().items() if directory not in still_open
+                 for record_path, record, written in entries
                  if record is None or not record.is_alive(age_s=now - written)]
         if stale:
             self.delete_files(stale)
