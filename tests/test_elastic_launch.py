@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import random
 import re
+import subprocess
+import sys
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -234,3 +236,34 @@ def test_checkpoint_manager_refuses_the_options_the_launcher_sets(tmp_path: Path
     with pytest.raises(ConfigError) as caught:
         context.checkpoint_manager(tmp_path / "ckpt", rank=3, store=object())
     assert "rank, store" in str(caught.value) and not (tmp_path / "ckpt").exists()
+
+
+def test_with_preload_the_replacement_is_forked_with_torch_imported_and_the_run_ends_bit_for_bit(
+        tmp_path: Path, reference: list[bytes]) -> None:
+    # --preload: every rank is forked from the node's fork server, which imported torch once; the replacement
+    # of the killed rank finds torch imported before its first line runs and recovers to the same bytes
+    result = launch_job(tmp_path, "--kill-rank", "1", "--kill-step", "5", extra=("--preload",))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert finals(tmp_path / "out") == reference
+    survivor, victim = generations(tmp_path / "out", 0), generations(tmp_path / "out", 1)
+    assert sorted(victim) == [0, 1] and victim[0]["pid"] != victim[1]["pid"]
+    assert survivor[0]["pid"] == survivor[1]["pid"], "the survivor was restarted"
+    records = [survivor[0], victim[0], victim[1]]
+    assert all(record["preloaded"] for record in records), "a rank imported torch itself"
+    assert len({record["parent"] for record in records}) == 1, "every rank is a child of the one fork server"
+    assert "restarting it alone in generation 1" in result.stderr
+
+
+def test_without_preload_a_rank_imports_torch_itself(tmp_path: Path) -> None:
+    result = launch_job(tmp_path, "--steps", "2", settings={"CKPTD_PRELOAD": "0"})
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert not any(record["preloaded"] for rank in range(WORLD) for record in generations(tmp_path / "out", rank).values())
+
+
+def test_preload_on_several_nodes_is_refused_with_what_to_do_instead(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "launch", "--preload", "--nnodes", "2",
+                             "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:1", "script.py"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "--preload works on one node (--nnodes 1) for now" in result.stderr, result.stderr[-2000:]
+    assert "--spares N" in result.stderr

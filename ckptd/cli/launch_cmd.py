@@ -54,6 +54,11 @@ def _endpoint(value: str | None, nnodes: int) -> tuple[str, int]:
 @click.option("--spares", type=int, default=0, show_default=True, envvar="CKPTD_SPARES",
               help="Warm spares per node: processes that import torch and run the script's setup_fn (see "
                    "ckptd.elastic.run), then wait to take a failed rank's place. [env: CKPTD_SPARES]")
+@click.option("--preload", is_flag=True, envvar="CKPTD_PRELOAD",
+              help="Fork every rank and spare from one process per node that imported torch (and "
+                   "torch._dynamo, which the first optimizer build imports) once: a replacement without a "
+                   "warm spare skips those seconds. The script runs as __main__ in the forked process. "
+                   "One node only (--nnodes 1) for now. [env: CKPTD_PRELOAD]")
 @click.option("--node-timeout", type=float, default=30.0, show_default=True, envvar="CKPTD_NODE_TIMEOUT",
               help="Seconds without a heartbeat from a node's supervisor after which the other nodes take it for "
                    "lost and wait for a new supervisor with its --node-rank. [env: CKPTD_NODE_TIMEOUT]")
@@ -69,8 +74,8 @@ def _endpoint(value: str | None, nnodes: int) -> tuple[str, int]:
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def launch(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, max_restarts: int,
            max_restarts_per_rank: int | None, hang_timeout: float, crash_loop: int, restart_backoff: float,
-           spares: int, node_timeout: float, checkpoint_on_stop: bool, stop_timeout: float, as_module: bool,
-           script: str, script_args: tuple[str, ...]) -> None:
+           spares: int, preload: bool, node_timeout: float, checkpoint_on_stop: bool, stop_timeout: float,
+           as_module: bool, script: str, script_args: tuple[str, ...]) -> None:
     """Start a training script on every rank of this node and restart only the rank that fails.
 
     A supervisor started with the --node-rank of a lost node (and the job's --rdzv-endpoint) joins the
@@ -87,5 +92,5 @@ def launch(nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str 
                       max_restarts_per_rank=max_restarts_per_rank, hang_timeout_s=hang_timeout,
                       crash_loop=crash_loop, restart_backoff_s=restart_backoff, spares=spares,
                       node_timeout_s=node_timeout, checkpoint_on_stop=checkpoint_on_stop,
-                      stop_timeout_s=stop_timeout)
+                      stop_timeout_s=stop_timeout, preload=preload)
     Supervisor(spec).run()

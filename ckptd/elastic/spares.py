@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ckptd.errors import GenerationEndedError
 from ckptd.elastic import keys
+from ckptd.elastic.preloaded import RankProcess
 
 log = logging.getLogger("ckptd.elastic")
 
@@ -41,14 +42,14 @@ class Spare:
     """One warm spare process of this node."""
 
     ident: int
-    process: subprocess.Popen[bytes]
+    process: RankProcess
 
 
 class SparePool:
     """The warm spares of one node (see the module docstring). Supervisor thread only."""
 
     def __init__(self, store: Any, node_rank: int, count: int,
-                 start: Callable[[dict[str, str]], subprocess.Popen[bytes]], first_ident: int = 0) -> None:
+                 start: Callable[[dict[str, str]], RankProcess], first_ident: int = 0) -> None:
         self.store, self.node_rank, self.count, self._start = store, node_rank, count, start
         self.spares: list[Spare] = []
         self._next = first_ident

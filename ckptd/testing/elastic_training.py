@@ -39,14 +39,18 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
+#: Whether this process found torch imported before its first line ran (forked by ``ckptd launch --preload``).
+PRELOADED = "torch" in sys.modules
+
+import torch  # noqa: E402 - after PRELOADED
+import torch.distributed as dist  # noqa: E402
 
 import ckptd
 from ckptd import elastic
@@ -236,7 +240,8 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
               "entered_at": entered, "restored_at": time.time(),
               # the process's OS threads and open files: a survivor's must not grow from generation to generation
               "tasks": len(os.listdir("/proc/self/task")), "fds": len(os.listdir("/proc/self/fd")),
-              "threads": sorted(thread.name for thread in threading.enumerate()),
+              "threads": sorted(thread.name for thread in threading.enumerate()), "preloaded": PRELOADED,
+              "parent": os.getppid(),
               # objects frozen out of the GC (ckptd.elastic.run freezes what setup built, once per process)
               "frozen": gc.get_freeze_count()}
     record_path = out / f"rank{ctx.rank}-gen{ctx.generation}.json"

@@ -1,0 +1,133 @@
+"""Ranks forked from a process that has already imported torch (``ckptd launch --preload``).
+
+Without a warm spare, a replacement rank's recovery is almost all its own start: ``import torch`` (2-3 s
+on a 2-core machine) and the first optimizer build (about 2 s, the lazy import of ``torch._dynamo``).
+With ``--preload`` the supervisor starts one :mod:`multiprocessing` fork server per node that imports
+:data:`PRELOAD` once, single-threaded and without touching CUDA, and forks every rank (and spare) from
+it: the rank then runs the job's script or module as ``__main__`` (:mod:`runpy`) with its environment,
+argv and unbuffered stdout/stderr, and finds those modules already imported. Unlike a warm spare it holds
+no model, optimizer or device memory while it waits: only the imported modules, shared with the ranks
+copy-on-write.
+
+:class:`PreloadedProcess` gives the supervisor the part of :class:`subprocess.Popen` it uses (``pid``,
+``poll``, ``wait``, ``send_signal``, ``kill``, ``terminate``, ``returncode``). A rank dies with the fork
+server (``PR_SET_PDEATHSIG``), and the fork server with the supervisor (:mod:`ckptd.elastic.fork_server_guard`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import io
+import multiprocessing
+import os
+import runpy
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from multiprocessing.context import ForkServerContext
+from typing import Any, TypeAlias
+
+#: What the fork server imports before it forks the first rank.
+PRELOAD = ("ckptd.elastic.fork_server_guard", "torch", "torch._dynamo", "torch.optim", "torch.distributed", "ckptd",
+           "ckptd.elastic")
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when the thread that started it exits (Linux; elsewhere nothing)."""
+    if sys.platform != "linux":
+        return
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _unbuffered(fd: int) -> io.TextIOWrapper:
+    return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True, errors="backslashreplace")
+
+
+def _run_rank(command: Sequence[str], environment: dict[str, str]) -> None:  # pragma: no cover - a forked rank
+    """In the forked rank: become ``python [-u] [-m] SCRIPT ARGS...`` with ``environment``."""
+    die_with_parent()  # with the fork server, which dies with the supervisor
+    os.environ.clear()
+    os.environ.update(environment)
+    sys.stdout, sys.stderr = _unbuffered(1), _unbuffered(2)
+    arguments = [part for part in command[1:] if part != "-u"]
+    try:
+        if arguments and arguments[0] == "-m":
+            sys.argv = [arguments[1], *arguments[2:]]
+            runpy.run_module(arguments[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(arguments)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(arguments[0])))
+            runpy.run_path(arguments[0], run_name="__main__")
+    finally:
+        atexit._run_exitfuncs()  # multiprocessing ends its children with os._exit, past the atexit hooks
+
+
+class PreloadedProcess:
+    """A rank forked by a :class:`PreloadedStarter`, with the :class:`subprocess.Popen` calls the supervisor
+    makes. ``returncode`` is the exit status, or minus the signal that ended it, as for Popen."""
+
+    def __init__(self, process: multiprocessing.process.BaseProcess) -> None:
+        self._process = process
+        self.pid: int = process.pid  # type: ignore[assignment]
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        code = self._process.exitcode
+        if code is None:
+            raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
+        return code
+
+    def send_signal(self, signum: int) -> None:
+        if self._process.exitcode is None:
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+#: What the supervisor starts a rank or spare as.
+RankProcess: TypeAlias = "subprocess.Popen[bytes] | PreloadedProcess"
+
+
+class PreloadedStarter:
+    """Forks ranks from this node's fork server (started, and :data:`PRELOAD` imported, on the first
+    :meth:`start`; started again by :mod:`multiprocessing` if it died)."""
+
+    def __init__(self, environment: dict[str, str], preload: Sequence[str] = PRELOAD) -> None:
+        self._context: ForkServerContext = multiprocessing.get_context("forkserver")  # type: ignore[assignment]
+        self._context.set_forkserver_preload(list(preload))
+        self._environment = environment
+
+    def start(self, command: Sequence[str], environment: dict[str, str]) -> PreloadedProcess:
+        """Fork ``command`` (``python [-u] [-m] SCRIPT ARGS...``) with ``environment`` as a rank."""
+        from multiprocessing import forkserver
+
+        saved = dict(os.environ)
+        try:  # the fork server starts with the ranks' environment (libraries read some of it at import)
+            os.environ.update(self._environment)
+            forkserver.ensure_running()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        process: Any = self._context.Process(target=_run_rank, args=(tuple(command), environment),
+                                             name="ckptd-rank")
+        process.start()
+        return PreloadedProcess(process)
