@@ -337,16 +337,16 @@ class ObjectTier(StorageTier):
             found.setdefault(directory, []).append((obj.path, record, obj.modified))
         return found
 
-    def _uploads_with_owners(self) -> list[tuple[str, str, float, list[tuple[UploadOwner, bool]]]]:
-        """Every incomplete upload with the owner records of its key: (path, upload id, start time,
-        [(record, whether its writer is alive)])."""
+    def _uploads_with_owners(self) -> tuple[float, list[tuple[str, str, float, list[tuple[UploadOwner, bool]]]]]:
+        """The store's time and every incomplete upload with the owner records of its key: (path, upload id,
+        start time, [(record, whether its writer is alive)])."""
         uploads = self.incomplete_uploads()  # before the records: each upload's record was written before it
         records = self._owner_records()
         now = self.clock()  # the store's: records' and uploads' times are its own, whatever this clock says
-        return [(path, upload_id, started, [(record, record.is_alive(age_s=now - written))
-                                            for _, record, written in records.get(key_directory(path), [])
-                                            if record is not None])
-                for path, upload_id, started in uploads]
+        return now, [(path, upload_id, started, [(record, record.is_alive(age_s=now - written))
+                                                 for _, record, written in records.get(key_directory(path), [])
+                                                 if record is not None])
+                     for path, upload_id, started in uploads]
 
     @staticmethod
     def _why_abandoned(owners: list[tuple[UploadOwner, bool]], age_s: float, older_than_s: float) -> str | None:
@@ -362,16 +362,16 @@ class ObjectTier(StorageTier):
         """Incomplete multipart uploads no live writer owns: (path, upload id, why). An upload whose key
         has a live owner record (:mod:`ckptd.tiers.upload_owners`) is never listed, however old; one
         with no record at all counts as abandoned once started more than ``older_than_s`` ago."""
-        now = self.clock()
+        now, uploads = self._uploads_with_owners()
         found = [(path, upload_id, self._why_abandoned(owners, now - started, older_than_s))
-                 for path, upload_id, started, owners in self._uploads_with_owners()]
+                 for path, upload_id, started, owners in uploads]
         return [(path, upload_id, why) for path, upload_id, why in found if why is not None]
 
     def uploads_awaiting_owners(self) -> list[str]:
         """Open uploads spared while their key has a live owner although a dead writer's record names the
         key too (a restarted writer re-sending what a dead one left half sent), and keys with two open
         uploads: worth another look as soon as the live owner is done."""
-        uploads = self._uploads_with_owners()
+        _, uploads = self._uploads_with_owners()
         waiting = {path for path, _, _, owners in uploads
                    if any(alive for _, alive in owners) and not all(alive for _, alive in owners)}
         return sorted(waiting | set(repeated_keys([path for path, _, _, _ in uploads])))
@@ -382,8 +382,8 @@ class ObjectTier(StorageTier):
         dead writer's upload spared for a live owner of its key stays attributed to the dead one);
         returns how many uploads were aborted."""
         count, still_open = 0, set()
-        now = self.clock()
-        for path, upload_id, started, owners in self._uploads_with_owners():
+        now, uploads = self._uploads_with_owners()
+        for path, upload_id, started, owners in uploads:
             why = self._why_abandoned(owners, now - started, older_than_s)
             if why is None:
                 still_open.add(key_directory(path))
