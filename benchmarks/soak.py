@@ -169,14 +169,6 @@ def _generation_records(out: Path, rank: int, incarnation: int) -> dict[int, dic
     return records
 
 
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def _ckptd_warnings(logs: Path, incarnation: int, limit: int = 12) -> list[str]:
     """ckptd's own log lines about promotion and pins in the supervisors' logs of ``incarnation`` (the
     context of a finding), at most ``limit``, each cut to 300 characters."""

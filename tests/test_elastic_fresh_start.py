@@ -18,18 +18,11 @@ import pytest
 
 from ckptd.testing.elastic_runs import WORLD, finals, generations, record, start_job, wait_until
 from ckptd.tiers.local import LocalTier
+from ckptd.testing.processes import process_state
 
 pytestmark = pytest.mark.multirank
 
 STEPS = "16"
-
-
-def _process_state(pid: int) -> str | None:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
-        return None
-    return None if state == "Z" else state
 
 
 def test_a_node_lost_before_any_of_its_steps_left_it_restarts_every_rank_afresh_bit_for_bit(tmp_path: Path) -> None:
@@ -44,7 +37,7 @@ def test_a_node_lost_before_any_of_its_steps_left_it_restarts_every_rank_afresh_
                    "step 4 committed", 300)
         job.supervisors[1].send_signal(signal.SIGKILL)
         job.supervisors[1].wait()
-        wait_until(lambda: _process_state(first[1]["pid"]) is None, "node 1's rank to die with its supervisor")
+        wait_until(lambda: process_state(first[1]["pid"]) is None, "node 1's rank to die with its supervisor")
         held = LocalTier(survivor_root).committed_steps()
         assert held, "the survivor holds no committed step"
         shutil.rmtree(tmp_path / "run" / "ckpt-node1")

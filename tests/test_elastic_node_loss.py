@@ -40,6 +40,7 @@ from ckptd.testing.peer_server import PeerServer
 from ckptd.tiers import open_tier
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.peer import PeerTier
+from ckptd.testing.processes import process_state
 
 pytestmark = [pytest.mark.multirank, pytest.mark.s3, pytest.mark.slow]
 
@@ -89,15 +90,6 @@ def _wait(condition: Callable[[], Any], what: str, timeout_s: float = 90) -> Any
     raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
 
 
-def _process_state(pid: int) -> str | None:
-    """The state letter of a process (``T``: stopped), None once it is gone (or a zombie)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
-        return None
-    return None if state == "Z" else state
-
-
 def _copy_prefix(source: str, target: str, options: dict[str, Any]) -> None:
     """Copy every object of one S3 prefix to another (a second restart gets its own copy of the job's prefix)."""
     tiers = [open_tier(url, storage_options=options) for url in (source, target)]
@@ -138,7 +130,7 @@ def test_a_lost_node_restarts_on_a_fresh_root_from_the_peer_or_from_s3_and_ends_
             pids = [_wait(lambda rank=rank: (first / f"rank{rank}-gen0.json").exists() and
                           json.loads((first / f"rank{rank}-gen0.json").read_text())["pid"], f"rank {rank} to start")
                     for rank in range(NODES)]
-            _wait(lambda: _process_state(pids[1]) == "T", f"rank 1 to stop after committing step {KILL_STEP}")
+            _wait(lambda: process_state(pids[1]) == "T", f"rank 1 to stop after committing step {KILL_STEP}")
             # node 1's daemon has replicated its committed steps to the buddy and promoted its shares to S3
             lost_root = tmp_path / "ckpt-node1"
             node1 = LocalTier(lost_root / "rank1")
@@ -155,11 +147,11 @@ def test_a_lost_node_restarts_on_a_fresh_root_from_the_peer_or_from_s3_and_ends_
                 shared.close()
             # node 1 is lost: its supervisor (its rank dies with it) and its disk
             job[1].send_signal(signal.SIGKILL)
-            _wait(lambda: _process_state(pids[1]) is None, "node 1's rank to die with its supervisor")
+            _wait(lambda: process_state(pids[1]) is None, "node 1's rank to die with its supervisor")
             shutil.rmtree(lost_root)
         finally:
             _kill(job)  # the launcher does not replace a lost supervisor: the job ends
-        _wait(lambda: all(_process_state(pid) is None for pid in pids), "every rank of the lost job to exit")
+        _wait(lambda: all(process_state(pid) is None for pid in pids), "every rank of the lost job to exit")
 
         # two restarts of the lost job, side by side on copies of node 0's root and of the S3 prefix, node 1
         # on an empty root: one with the buddy up, one whose buddy is gone too (nothing listens at its address)

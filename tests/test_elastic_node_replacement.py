@@ -28,18 +28,11 @@ from ckptd.testing.elastic_runs import WORLD, finals, generations, record, start
 from ckptd.testing.peer_server import PeerServer
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.peer import PeerTier
+from ckptd.testing.processes import process_alive
 
 pytestmark = pytest.mark.multirank
 
 JOB, TOKEN, STEPS = "ckptd.testing.elastic_tiered_training", "node-replacement-test-token", "24"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:  # a zombie waiting for its reaper is dead
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 class _Replicator(threading.Thread):
@@ -82,7 +75,7 @@ def test_a_lost_node_is_replaced_in_the_live_job_and_the_run_ends_bit_for_bit(tm
         # node 1 is lost: its supervisor first, then its rank (it dies with its supervisor), then its disk
         job.supervisors[1].send_signal(signal.SIGKILL)
         job.supervisors[1].wait()
-        wait_until(lambda: not _alive(first[1]["pid"]), "node 1's rank to die with its supervisor")
+        wait_until(lambda: not process_alive(first[1]["pid"]), "node 1's rank to die with its supervisor")
         replicator.stopping.set()
         replicator.join()
         shutil.rmtree(tmp_path / "run" / "ckpt-node1")
@@ -134,7 +127,7 @@ def test_a_second_supervisor_for_a_live_node_takes_its_place_and_the_first_stops
         reference.kill()
     log = job.log()
     assert "a newer supervisor with --node-rank 1 joined the job" in log, log[-4000:]
-    assert not _alive(first[1]["pid"]), "the older supervisor's rank still runs"
+    assert not process_alive(first[1]["pid"]), "the older supervisor's rank still runs"
     assert finals(out) == finals(tmp_path / "reference" / "out")
     survivor, replaced = generations(out, 0), generations(out, 1)
     assert {record["pid"] for record in survivor.values()} == {first[0]["pid"]}, survivor

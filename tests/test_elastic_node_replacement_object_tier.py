@@ -28,19 +28,11 @@ from ckptd.promotion.promoter import promoted_marker_name
 from ckptd.stepio.step_reader import verify_step
 from ckptd.testing.elastic_runs import WORLD, finals, generations, record, start_job, wait_until
 from ckptd.tiers import open_tier
+from ckptd.testing.processes import process_state
 
 pytestmark = [pytest.mark.multirank, pytest.mark.s3]
 
 JOB, STEPS, KILL_STEP = "ckptd.testing.elastic_tiered_training", "20", 8
-
-
-def _process_state(pid: int) -> str | None:
-    """The state letter of a process (``T``: stopped), None once it is gone (or a zombie)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except FileNotFoundError:
-        return None
-    return None if state == "Z" else state
 
 
 def _waited_for(tier: Any) -> int | None:
@@ -70,13 +62,13 @@ def test_a_node_replaced_behind_the_object_tier_ends_bit_for_bit_without_waiting
     try:
         first = [wait_until(lambda rank=rank: record(out, rank, 0), f"rank {rank} to start", 300)
                  for rank in range(WORLD)]
-        wait_until(lambda: _process_state(first[1]["pid"]) == "T", f"rank 1 to stop after committing step {KILL_STEP}",
+        wait_until(lambda: process_state(first[1]["pid"]) == "T", f"rank 1 to stop after committing step {KILL_STEP}",
                    300)
         # rank 0 announced a step and promoted its share; rank 1 stopped before promoting its own
         waited = wait_until(lambda: _waited_for(tier), "rank 0 to wait for rank 1's share of a step on S3", 120)
         job.supervisors[1].send_signal(signal.SIGKILL)
         job.supervisors[1].wait()
-        wait_until(lambda: _process_state(first[1]["pid"]) is None, "node 1's rank to die with its supervisor")
+        wait_until(lambda: process_state(first[1]["pid"]) is None, "node 1's rank to die with its supervisor")
         shutil.rmtree(tmp_path / "run" / "ckpt-node1")
         wait_until(lambda: "node 1's supervisor sent no heartbeat" in job.log(), "node 0 to find node 1 lost", 60)
         job.start(1)

@@ -19,16 +19,9 @@ from pathlib import Path
 import pytest
 
 from ckptd.testing.elastic_runs import WORLD
+from ckptd.testing.processes import process_alive
 
 pytestmark = pytest.mark.multirank
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:  # a zombie waiting for its reaper is dead
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _wait_for(condition, what: str, timeout_s: float = 90.0) -> None:  # type: ignore[no-untyped-def]
@@ -52,10 +45,10 @@ def test_a_stopped_supervisor_leaves_no_rank_and_no_spare_behind(tmp_path: Path,
                   "the ranks and the warm spare to start")
         pids = [json.loads(path.read_text())["pid"] for path in out.glob("spare-*.json")]
         pids += [json.loads((out / f"rank{rank}-gen0.json").read_text())["pid"] for rank in range(WORLD)]
-        assert all(_alive(pid) for pid in pids), pids
+        assert all(process_alive(pid) for pid in pids), pids
         supervisor.send_signal(getattr(signal, signal_name))
         supervisor.wait(timeout=60)
-        _wait_for(lambda: not any(_alive(pid) for pid in pids), f"ranks and spare {pids} to end with the supervisor")
+        _wait_for(lambda: not any(process_alive(pid) for pid in pids), f"ranks and spare {pids} to end with the supervisor")
     finally:
         if supervisor.poll() is None:
             supervisor.kill()

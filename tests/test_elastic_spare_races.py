@@ -15,16 +15,9 @@ from pathlib import Path
 import pytest
 
 from ckptd.testing.elastic_runs import WORLD, finals, generations, launch_job
+from ckptd.testing.processes import process_alive
 
 pytestmark = pytest.mark.multirank
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +44,7 @@ def test_a_spare_that_died_while_waiting_is_dropped_and_the_rank_gets_a_new_proc
     assert sorted(victim) == [0, 1] and victim[1]["restored"] == 6, victim
     assert f"started rank 1 (pid {victim[1]['pid']}) in generation 1" in result.stderr, "a new process for the rank"
     assert "handed rank 1 to warm spare" not in result.stderr
-    assert not any(_alive(pid) for pid in _spares_started(result.stderr)), "a spare outlived the job"
+    assert not any(process_alive(pid) for pid in _spares_started(result.stderr)), "a spare outlived the job"
 
 
 @pytest.mark.slow
@@ -71,7 +64,7 @@ def test_two_ranks_failing_at_once_with_one_spare_get_the_spare_and_a_new_proces
     assert len(handed) == 1 and newest[handed[0]]["pid"] in spares, (handed, newest, spares)
     other = 1 - handed[0]
     assert f"started rank {other} (pid {newest[other]['pid']})" in result.stderr, "the other rank: a new process"
-    assert not any(_alive(pid) for pid in _spares_started(result.stderr)), "a spare outlived the job"
+    assert not any(process_alive(pid) for pid in _spares_started(result.stderr)), "a spare outlived the job"
 
 
 def test_a_rank_handed_to_a_spare_still_in_its_setup_is_recovered_once_the_setup_ends(
@@ -88,4 +81,4 @@ def test_a_rank_handed_to_a_spare_still_in_its_setup_is_recovered_once_the_setup
     assert f"handed rank 1 to warm spare 0 (pid {spare}) in generation 1" in result.stderr
     killed_at = json.loads((out / "rank1-killed.json").read_text())["at"]
     assert json.loads((out / f"spare-{spare}.json").read_text())["ready_at"] > killed_at
-    assert not any(_alive(pid) for pid in _spares_started(result.stderr)), "a spare outlived the job"
+    assert not any(process_alive(pid) for pid in _spares_started(result.stderr)), "a spare outlived the job"

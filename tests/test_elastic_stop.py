@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.testing.elastic_runs import (WORLD, finals, launch_job, process_alive, record, staged_steps,
+from ckptd.testing.elastic_runs import (WORLD, finals, launch_job, record, staged_steps,
                                        start_job, wait_until)
+from ckptd.testing.processes import process_alive
 from ckptd.tiers.local import LocalTier
 
 pytestmark = pytest.mark.multirank

@@ -140,15 +140,6 @@ def staged(out: Path, rank: int) -> dict[int, list[int]]:
     return {int(g): steps for g, steps in json.loads(path.read_text()).items()} if path.exists() else {}
 
 
-def process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs and is not a zombie (Linux ``/proc``)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def staged_steps(out: Path, rank: int) -> list[int]:
     """The steps ``rank`` of a launched job staged, from its ``rank<N>-staged.json`` ([] before it wrote one)."""
     try:

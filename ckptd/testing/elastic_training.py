@@ -56,6 +56,7 @@ import ckptd
 from ckptd import elastic
 from ckptd.elastic import keys as elastic_keys
 from ckptd.format.layout import MANIFEST_NAME, step_file
+from ckptd.testing.processes import process_alive
 
 SAMPLES = 96
 BATCH_PER_RANK = 4
@@ -210,18 +211,10 @@ def _kill_the_spares(out: Path, timeout_s: float = 60.0) -> None:
         pid = json.loads(path.read_text())["pid"]
         os.kill(pid, signal.SIGKILL)
         deadline = time.monotonic() + timeout_s
-        while _running(pid):
+        while process_alive(pid):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"warm spare {pid} still runs {timeout_s} s after SIGKILL")
             time.sleep(0.01)
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:

@@ -31,6 +31,7 @@ from ckptd.testing.daemon_process import DaemonProcess, write_config
 from ckptd.testing.fault_proxy import FaultProxy
 from ckptd.testing.multirank import free_port
 from ckptd.testing.soak_job import write_dataset
+from ckptd.testing.processes import process_alive
 
 #: The bucket and prefix the job's object tier lives in.
 BUCKET, PREFIX = "soak", "run"
@@ -48,14 +49,6 @@ class JobOptions:
     seed: int = 0
     keep_remote: int = 5
     hang_timeout_s: float = 120.0
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @dataclass
@@ -211,7 +204,7 @@ class SoakCluster:
             supervisor.send_signal(signal.SIGKILL)
         supervisor.wait(timeout_s)
         deadline = time.monotonic() + timeout_s
-        while any(_running(pid) for pid in ranks):
+        while any(process_alive(pid) for pid in ranks):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the ranks {ranks} of {node.node_id} outlived their supervisor")
             time.sleep(0.05)
