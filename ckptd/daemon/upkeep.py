@@ -72,8 +72,7 @@ class Upkeep:
         if last is not None and now - last < threshold:
             return 0
         try:
-            aborted = tier.abort_incomplete_uploads(threshold)
-            waiting = tier.uploads_awaiting_owners()
+            aborted, waiting = tier.sweep_incomplete_uploads(threshold)
         except CkptdError as error:
             self.record_error("uploads", runtime.name, None, str(error))
             log.warning("aborting the abandoned uploads of %s failed: %s", tier.label, error)

@@ -214,6 +214,11 @@ class StorageTier(abc.ABC):
         """Abort the incomplete uploads started more than ``older_than_s`` ago; returns how many."""
         return 0
 
+    def sweep_incomplete_uploads(self, older_than_s: float = 0.0) -> tuple[int, list[str]]:
+        """:meth:`abort_incomplete_uploads`, then :meth:`uploads_awaiting_owners`: (aborted, awaiting). A tier
+        that knows owners does both from one listing."""
+        return self.abort_incomplete_uploads(older_than_s), self.uploads_awaiting_owners()
+
     def uploads_awaiting_owners(self) -> list[str]:
         """Paths of open uploads to look at again soon, not in ``gc_abandoned_s``: here the keys with two
         open uploads (a writer re-sending what a dead one left open); a tier that knows owners adds more."""

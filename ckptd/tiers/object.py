@@ -367,26 +367,35 @@ class ObjectTier(StorageTier):
                  for path, upload_id, started, owners in uploads]
         return [(path, upload_id, why) for path, upload_id, why in found if why is not None]
 
+    @staticmethod
+    def _awaiting(uploads: list[tuple[str, str, float, list[tuple[UploadOwner, bool]]]]) -> list[str]:
+        waiting = {path for path, _, _, owners in uploads
+                   if any(alive for _, alive in owners) and not all(alive for _, alive in owners)}
+        return sorted(waiting | set(repeated_keys([path for path, _, _, _ in uploads])))
+
     def uploads_awaiting_owners(self) -> list[str]:
         """Open uploads spared while their key has a live owner although a dead writer's record names the
         key too (a restarted writer re-sending what a dead one left half sent), and keys with two open
         uploads: worth another look as soon as the live owner is done."""
-        _, uploads = self._uploads_with_owners()
-        waiting = {path for path, _, _, owners in uploads
-                   if any(alive for _, alive in owners) and not all(alive for _, alive in owners)}
-        return sorted(waiting | set(repeated_keys([path for path, _, _, _ in uploads])))
+        return self._awaiting(self._uploads_with_owners()[1])
 
     def abort_incomplete_uploads(self, older_than_s: float = 0.0) -> int:
         """Abort the multipart uploads no live writer owns (see :meth:`abandoned_uploads`), then delete
         the owner records that are no longer alive, except those of a key with an upload still open (a
         dead writer's upload spared for a live owner of its key stays attributed to the dead one);
         returns how many uploads were aborted."""
-        count, still_open = 0, set()
+        return self.sweep_incomplete_uploads(older_than_s)[0]
+
+    def sweep_incomplete_uploads(self, older_than_s: float = 0.0) -> tuple[int, list[str]]:
+        """:meth:`abort_incomplete_uploads` and :meth:`uploads_awaiting_owners` of what is left open, from
+        one listing of the uploads and their records: (uploads aborted, paths awaiting their owners)."""
+        count, left = 0, []
         now, uploads = self._uploads_with_owners()
-        for path, upload_id, started, owners in uploads:
+        for upload in uploads:
+            path, upload_id, started, owners = upload
             why = self._why_abandoned(owners, now - started, older_than_s)
             if why is None:
-                still_open.add(key_directory(path))
+                left.append(upload)
                 continue
             try:
                 with self._errors("aborting a multipart upload", path):
@@ -396,13 +405,14 @@ class ObjectTier(StorageTier):
                 continue  # completed or aborted since it was listed
             _log.info("aborted an abandoned multipart upload of %s on %s: %s", path, self.label, why)
             count += 1
+        still_open = {key_directory(path) for path, _, _, _ in left}
         now = self.clock()
         stale = [record_path for directory, entries in self._owner_records().items() if directory not in still_open
                  for record_path, record, written in entries
                  if record is None or not record.is_alive(age_s=now - written)]
         if stale:
             self.delete_files(stale)
-        return count
+        return count, self._awaiting(left)
 
     def delete_files(self, paths: list[str]) -> None:
         for start in range(0, len(paths), _DELETE_BATCH):
