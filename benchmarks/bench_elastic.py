@@ -207,7 +207,7 @@ def main() -> None:
     if args.worker:
         _worker(args)
         return
-    rounds: dict[str, list[dict[str, Any]]] = {"ckptd launch": [], "ckptd launch --preload": [],
+    rounds: dict[str, list[dict[str, Any]]] = {"ckptd launch --no-preload": [], "ckptd launch": [],
                                                "ckptd launch --spares 1": [], "torchrun": []}
     with tempfile.TemporaryDirectory(prefix="ckptd-bench-elastic-") as work:
         for round_number in range(args.repeats):

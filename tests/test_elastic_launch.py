@@ -8,6 +8,7 @@ two supervisors of one rank each standing in for two nodes; the failed rank real
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import subprocess
@@ -260,10 +261,41 @@ def test_without_preload_a_rank_imports_torch_itself(tmp_path: Path) -> None:
     assert not any(record["preloaded"] for rank in range(WORLD) for record in generations(tmp_path / "out", rank).values())
 
 
-def test_preload_on_several_nodes_is_refused_with_what_to_do_instead(tmp_path: Path) -> None:
-    result = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "launch", "--preload", "--nnodes", "2",
-                             "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:1", "script.py"],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0
-    assert "--preload works on one node (--nnodes 1) for now" in result.stderr, result.stderr[-2000:]
-    assert "--spares N" in result.stderr
+_SPAWNING_SCRIPT = '''
+import json
+import os
+import sys
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class Squares(Dataset):  # defined in the script: a spawned worker must find it in its __main__
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, index):
+        return torch.tensor([index * index, os.getpid()])
+
+
+if __name__ == "__main__":
+    loader = DataLoader(Squares(), batch_size=2, num_workers=2, multiprocessing_context="spawn")
+    rows = torch.cat(list(loader))
+    with open(sys.argv[1] + f"/rank{os.environ['RANK']}.json", "w") as out:
+        json.dump({"squares": rows[:, 0].tolist(), "workers": sorted(set(rows[:, 1].tolist())),
+                   "pid": os.getpid(), "main": __name__}, out)
+'''
+
+
+def test_a_preloaded_rank_runs_a_script_whose_data_loader_spawns_workers(tmp_path: Path) -> None:
+    # the script runs through runpy as __main__ in a process forked from the fork server: spawned
+    # DataLoader workers (a new interpreter each) must still find the script's classes
+    script = tmp_path / "spawning.py"
+    script.write_text(_SPAWNING_SCRIPT)
+    result = subprocess.run([sys.executable, "-m", "ckptd.cli.main", "launch", "--nproc-per-node", "2", str(script),
+                             str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank in range(2):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["squares"] == [0, 1, 4, 9, 16, 25] and record["main"] == "__main__"
+        assert len(record["workers"]) == 2 and record["pid"] not in record["workers"], record

@@ -54,11 +54,13 @@ def _endpoint(value: str | None, nnodes: int) -> tuple[str, int]:
 @click.option("--spares", type=int, default=0, show_default=True, envvar="CKPTD_SPARES",
               help="Warm spares per node: processes that import torch and run the script's setup_fn (see "
                    "ckptd.elastic.run), then wait to take a failed rank's place. [env: CKPTD_SPARES]")
-@click.option("--preload", is_flag=True, envvar="CKPTD_PRELOAD",
+@click.option("--preload/--no-preload", default=True, show_default=True, envvar="CKPTD_PRELOAD",
               help="Fork every rank and spare from one process per node that imported torch (and "
                    "torch._dynamo, which the first optimizer build imports) once: a replacement without a "
-                   "warm spare skips those seconds. The script runs as __main__ in the forked process. "
-                   "One node only (--nnodes 1) for now. [env: CKPTD_PRELOAD]")
+                   "warm spare skips those seconds. The script runs as __main__ in the forked process; "
+                   "variables that libraries read when they are imported (OMP_NUM_THREADS, ...) come from the "
+                   "launch's environment. --no-preload starts each rank as a new interpreter. "
+                   "[env: CKPTD_PRELOAD]")
 @click.option("--node-timeout", type=float, default=30.0, show_default=True, envvar="CKPTD_NODE_TIMEOUT",
               help="Seconds without a heartbeat from a node's supervisor after which the other nodes take it for "
                    "lost and wait for a new supervisor with its --node-rank. [env: CKPTD_NODE_TIMEOUT]")

@@ -1,8 +1,9 @@
-"""Ranks forked from a process that has already imported torch (``ckptd launch --preload``).
+"""Ranks forked from a process that has already imported torch (``ckptd launch``'s default; ``--no-preload``
+starts every rank as a new interpreter).
 
 Without a warm spare, a replacement rank's recovery is almost all its own start: ``import torch`` (2-3 s
 on a 2-core machine) and the first optimizer build (about 2 s, the lazy import of ``torch._dynamo``).
-With ``--preload`` the supervisor starts one :mod:`multiprocessing` fork server per node that imports
+By default the supervisor starts one :mod:`multiprocessing` fork server per node that imports
 :data:`PRELOAD` once, single-threaded and without touching CUDA, and forks every rank (and spare) from
 it: the rank then runs the job's script or module as ``__main__`` (:mod:`runpy`) with its environment,
 argv and unbuffered stdout/stderr, and finds those modules already imported. Unlike a warm spare it holds
@@ -116,8 +117,24 @@ class PreloadedStarter:
         self._context.set_forkserver_preload(list(preload))
         self._environment = environment
 
+    def warm(self) -> None:
+        """Start the fork server and wait until it imported :data:`PRELOAD` (seconds): a supervisor does this
+        before it joins the job, since it sends no heartbeat while it waits and the other nodes would take
+        it for lost after ``--node-timeout``."""
+        self._ensure_running()
+        probe: Any = self._context.Process(target=_nothing, name="ckptd-preload-probe")
+        probe.start()  # the server forks it once its imports are done
+        probe.join()
+
     def start(self, command: Sequence[str], environment: dict[str, str]) -> PreloadedProcess:
         """Fork ``command`` (``python [-u] [-m] SCRIPT ARGS...``) with ``environment`` as a rank."""
+        self._ensure_running()
+        process: Any = self._context.Process(target=_run_rank, args=(tuple(command), environment),
+                                             name="ckptd-rank")
+        process.start()
+        return PreloadedProcess(process)
+
+    def _ensure_running(self) -> None:
         from multiprocessing import forkserver
 
         saved = dict(os.environ)
@@ -127,7 +144,7 @@ class PreloadedStarter:
         finally:
             os.environ.clear()
             os.environ.update(saved)
-        process: Any = self._context.Process(target=_run_rank, args=(tuple(command), environment),
-                                             name="ckptd-rank")
-        process.start()
-        return PreloadedProcess(process)
+
+
+def _nothing() -> None:  # pragma: no cover - forked
+    """The probe :meth:`PreloadedStarter.warm` forks."""

@@ -110,7 +110,7 @@ class LaunchSpec:
     #: A stop (SIGTERM or SIGINT) first has every rank save and commit one agreed step.
     checkpoint_on_stop: bool = False
     #: Fork ranks and spares from a per-node process that imported torch once (:mod:`ckptd.elastic.preloaded`).
-    preload: bool = False
+    preload: bool = True
     #: Seconds the ranks of a stopping job get to leave on their own (their final checkpoint, with
     #: ``checkpoint_on_stop``) before SIGTERM; without ``checkpoint_on_stop`` 20 s.
     stop_timeout_s: float = 120.0
@@ -130,10 +130,6 @@ class LaunchSpec:
             raise ConfigError(f"--node-timeout {self.node_timeout_s:g} must be above 0")
         if not self.command:
             raise ConfigError("no training script given", hint="ckptd launch [options] script.py [args]")
-        if self.preload and self.nnodes > 1:
-            # a node replaced in a running job did not recover with forked ranks in the tests (it timed out)
-            raise ConfigError("--preload works on one node (--nnodes 1) for now",
-                              hint="leave --preload out on several nodes; --spares N gives the fast recovery there")
 
     @property
     def world_size(self) -> int:
@@ -191,7 +187,7 @@ class Supervisor:
         self._lost: dict[int, float] = {}
         self._signalled: int | None = None  # SIGTERM or SIGINT received
         self._handlers: dict[int, Any] = {}  # the signal handlers this supervisor replaced
-        self._starter: PreloadedStarter | None = None  # with spec.preload, made at the first start
+        self._starter: PreloadedStarter | None = None  # with spec.preload, made and warmed before joining
 
     # --- start ----------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -267,9 +263,7 @@ class Supervisor:
 
     def _spawn(self, variables: dict[str, str]) -> RankProcess:
         job = {**os.environ, **self._job_variables()}
-        if self.spec.preload:
-            if self._starter is None:
-                self._starter = PreloadedStarter(job)
+        if self._starter is not None:
             return self._starter.start(self.spec.command, {**job, **variables})
         return subprocess.Popen(list(self.spec.command), env={**job, **variables},
                                 preexec_fn=die_with_parent if sys.platform == "linux" else None)
@@ -294,6 +288,9 @@ class Supervisor:
     def run(self) -> None:
         """Start the node's ranks and watch them until the job finishes; raises WorkerError when it stops."""
         try:
+            if self.spec.preload:  # before the first heartbeat: the imports take seconds
+                self._starter = PreloadedStarter({**os.environ, **self._job_variables()})
+                self._starter.warm()
             self._connect()
             self._supervise()
         except WorkerError:

@@ -46,7 +46,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-#: Whether this process found torch imported before its first line ran (forked by ``ckptd launch --preload``).
+#: Whether this process found torch imported before its first line ran (forked by ``ckptd launch``, whose default is ``--preload``).
 PRELOADED = "torch" in sys.modules
 
 import torch  # noqa: E402 - after PRELOADED
