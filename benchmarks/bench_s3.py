@@ -291,16 +291,9 @@ class _PlainBoto3:
 
 
 def _record_requests(tier: ObjectTier) -> list[str]:
-    """The S3 method of every request ``tier`` sends from now on."""
+    """The S3 method (``put_object``, ``get_object``...) of every call ``tier`` makes from now on."""
     sent: list[str] = []
-    for client in [*tier.lanes, tier.fs]:
-        original = client._call_s3
-
-        async def recording(method: str, *args: Any, original: Any = original, **kwargs: Any) -> Any:
-            sent.append(method)
-            return await original(method, *args, **kwargs)
-
-        client._call_s3 = recording
+    tier.on_call(lambda operation, params: sent.append(operation))
     return sent
 
 

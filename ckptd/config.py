@@ -81,6 +81,9 @@ class Settings:
     s3_part_bytes: int = 16 * 1024 * 1024
     #: Object tier: I/O threads (each with its own s3fs client) that parallel transfers are spread over.
     s3_io_threads: int = 2
+    #: Object tier: single GETs and PUTs of data through a blocking botocore client on threads (faster than
+    #: the lanes' aiohttp: :mod:`ckptd.tiers.s3_blocking`); off: every request on the lanes.
+    s3_blocking_data: bool = True
     #: Object tier: chunks fetched ahead of the reader during a restore (0: as many as s3_concurrency).
     s3_read_ahead: int = 0
     #: Object tier: write commit markers with a conditional PUT (If-None-Match: *). Turn it off for a

@@ -57,17 +57,10 @@ def save_steps(directory: Path, states: dict[int, dict[str, torch.Tensor]], **se
 
 
 def record_requests(tier: ObjectTier) -> list[tuple[str, str]]:
-    """(S3 method, key relative to the tier root) of every request the tier sends from now on."""
+    """(S3 method, key relative to the tier root) of every call the tier makes from now on."""
     sent: list[tuple[str, str]] = []
     root = tier.key("")
-    for client in [*tier.lanes, tier.fs]:
-        original = client._call_s3
-
-        async def recording(method: str, *args: Any, original: Any = original, **kwargs: Any) -> Any:
-            sent.append((method, str(kwargs.get("Key", ""))[len(root):]))
-            return await original(method, *args, **kwargs)
-
-        client._call_s3 = recording
+    tier.on_call(lambda method, params: sent.append((method, str(params.get("Key", ""))[len(root):])))
     return sent
 
 

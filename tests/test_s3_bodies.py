@@ -1,6 +1,8 @@
 """How the object tier's data clients send and receive bodies (against moto over HTTP): upload bodies go
 to aiohttp whole, not through botocore's BytesIO wrapper, and GETs skip botocore's CRC32 check (ckptd
-verifies chunks itself) while the metadata client's HEAD still returns the stored CRC32."""
+verifies chunks itself) while the metadata client's HEAD still returns the stored CRC32. These are the
+lanes' clients (``s3_blocking_data`` off); the last test sends single PUTs and GETs through the blocking
+client (the default) past injected faults."""
 
 from __future__ import annotations
 
@@ -8,12 +10,24 @@ import base64
 import os
 import warnings
 import zlib
+from collections.abc import Iterator
+
+import pytest
 
 from ckptd.config import override
 from ckptd.tiers.s3_transfers import _whole_body_class
 from test_promotion_support import object_tier
 
 _PART = 5 * 1024 * 1024
+
+
+@pytest.fixture(autouse=True)
+def _on_the_lanes(request: pytest.FixtureRequest) -> Iterator[None]:
+    if request.node.name.startswith("test_blocking_"):
+        yield
+        return
+    with override(s3_blocking_data=False):
+        yield
 
 
 def _crc32(data: bytes) -> str:
@@ -113,5 +127,33 @@ def test_a_botocore_without_the_body_wrapper_handler_still_uploads(s3_bucket, s3
         assert bodies and _whole_body_class().__name__ not in bodies, bodies
         assert tier.read_bytes("chunks/dd/one.raw") == data
         assert "botocore's own wrapper" in caplog.text
+    finally:
+        tier.close()
+
+
+def test_blocking_puts_and_gets_past_injected_faults_carry_whole_bodies(s3_server, s3_bucket, s3_options):
+    """The default path: single PUTs and GETs of the blocking botocore client, through a proxy that answers
+    500 or resets a third of the requests; every retry sends and reads the whole body, and the stored bytes
+    and the store's CRC32 match."""
+    from ckptd.testing.fault_proxy import FaultProxy
+
+    bodies = [os.urandom(2 * 1024 * 1024 + index) for index in range(6)]
+    with override(s3_retries=12, s3_backoff_base_s=0.01, s3_backoff_max_s=0.05), \
+            FaultProxy(s3_server.endpoint_url, fraction=0.3, kinds=("500", "reset"), seed=11) as proxy:
+        tier = object_tier(s3_bucket, proxy.storage_options(s3_options))
+        try:
+            assert tier._blocking is not None, "the blocking client is the default"
+            for index, body in enumerate(bodies):
+                tier.write_bytes(f"chunks/ee/one{index}.raw", body)
+            for index, body in enumerate(bodies):
+                assert tier.read_bytes(f"chunks/ee/one{index}.raw") == body
+                assert tier.read_bytes(f"chunks/ee/one{index}.raw", 1000, 4096) == body[1000:5096]
+            assert proxy.faults_injected > 0, "the proxy injected faults, so some requests were sent again"
+        finally:
+            tier.close()
+    tier = object_tier(s3_bucket, s3_options)
+    try:
+        for index, body in enumerate(bodies):
+            assert tier.stored_checksum(f"chunks/ee/one{index}.raw")[2] == _crc32(body)
     finally:
         tier.close()

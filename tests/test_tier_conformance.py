@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,21 +36,17 @@ def _local_write_fault(tier: StorageTier) -> Iterator[None]:
 @contextlib.contextmanager
 def _object_write_fault(tier: StorageTier) -> Iterator[None]:
     """A single PUT is lost on the wire; a multipart upload loses its second part (the others go up)."""
-    clients = [*tier.lanes, tier.fs]  # type: ignore[attr-defined]
+    active = [True]
 
-    async def failing(original: Any, method: str, *args: Any, **kwargs: Any) -> Any:
-        if method == "put_object" or (method == "upload_part" and kwargs.get("PartNumber") == 2):
+    def failing(method: str, params: dict[str, Any]) -> None:
+        if active[0] and (method == "put_object" or (method == "upload_part" and params.get("PartNumber") == 2)):
             raise ConnectionError(f"injected: {method} lost")
-        return await original(method, *args, **kwargs)
 
-    saved = [client._call_s3 for client in clients]
-    for client, original in zip(clients, saved):
-        client._call_s3 = functools.partial(failing, original)
+    tier.on_call(failing)  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        for client, original in zip(clients, saved):
-            client._call_s3 = original
+        active[0] = False
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from ckptd.errors import AlreadyCommittedError, CkptdError, NotFoundError, Plugi
 from ckptd.format.layout import MANIFEST_NAME, STEP_PREFIX, TEMP_MARKER, parse_step_dir, step_dir
 from ckptd.tiers import s3_errors
 from ckptd.tiers.base import StorageTier, StoredObject, TierCapabilities, repeated_keys
+from ckptd.tiers.s3_blocking import BlockingRequests, blocking_client_arguments
 from ckptd.tiers.s3_lanes import IoLanes
 from ckptd.tiers.s3_budget import budgeted_filesystem_class
 from ckptd.tiers.s3_options import endpoint_of, region_of, retry_budget, s3fs_options, s3fs_retries, split_url
@@ -77,6 +78,8 @@ class ObjectTier(StorageTier):
             return client
 
         self._lanes = IoLanes(settings().s3_io_threads, make_client)
+        arguments = blocking_client_arguments(data_options) if settings().s3_blocking_data else None
+        self._blocking = None if arguments is None else BlockingRequests(arguments, retry_budget, self._filled_loader)
         self._read_ahead = ReadAhead(self._fetch_ahead)
         self._conditional_put = settings().s3_conditional_put
         self._checksums = checksum_enabled()
@@ -101,6 +104,12 @@ class ObjectTier(StorageTier):
     def fs(self) -> Any:
         """The s3fs client for listings, lookups and deletes (short connect timeout, few retries)."""
         return self._lanes.metadata_client
+
+    def _filled_loader(self) -> Any:
+        """The botocore model loader of the metadata client's session, once it has one (else None)."""
+        session = getattr(self._lanes.metadata_client, "session", None) if self._lanes.running else None
+        get_component = getattr(session, "get_component", None)
+        return get_component("data_loader") if get_component is not None else None
 
     def key(self, path: str) -> str:
         """Object key of a path relative to the tier root."""
@@ -127,6 +136,9 @@ class ObjectTier(StorageTier):
         for client in [*self.lanes, self.fs]:
             with self._errors("connecting", "/"):
                 self._lanes.run(client, client.set_session)
+        if self._blocking is not None:
+            with self._errors("connecting", "/"):
+                self._blocking.client  # noqa: B018 - made now, not on the first request
 
     def on_request(self, handler: Callable[..., Any]) -> None:
         """Call ``handler(request=..., event_name=..., **_)`` (botocore's ``before-send``) before every HTTP
@@ -134,6 +146,22 @@ class ObjectTier(StorageTier):
         self.connect()
         for client in [*self.lanes, self.fs]:
             client._s3.meta.events.register("before-send.s3", handler)
+        if self._blocking is not None:
+            self._blocking.on_event("before-send.s3", handler)
+
+    def on_call(self, handler: Callable[[str, dict[str, Any]], None]) -> None:
+        """Call ``handler(operation, params)`` (``"put_object"``, the call's parameters) before every S3 call
+        any client of this tier makes from now on; an exception it raises fails that call before anything is
+        sent. How tests inject faults and benchmarks count calls, whichever client makes them."""
+
+        def before(model: Any, params: dict[str, Any], **_: Any) -> None:
+            handler(_snake(model.name), params)
+
+        self.connect()
+        for client in [*self.lanes, self.fs]:
+            client._s3.meta.events.register("before-parameter-build.s3", before)
+        if self._blocking is not None:
+            self._blocking.on_event("before-parameter-build.s3", before)
 
     # --- reading -------------------------------------------------------------------------------
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
@@ -144,11 +172,29 @@ class ObjectTier(StorageTier):
                     return ahead.result()
         if length == 0:
             return b""
-        client = self._lanes.next_data_client()
         with self._errors("reading", path):
-            return self._lanes.run(client, lambda: get_object(client, self.bucket, self.key(path), offset, length))
+            return self._get(path, offset, length)
+
+    def _get(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
+        """The bytes of ``path`` from ``offset`` (``length`` None: to its end): one blocking GET, or the
+        lanes' parallel ranged GETs for what is longer than ``s3_part_bytes``."""
+        part = part_bytes()
+        if self._blocking is not None and (length is None or length <= part):
+            first, total = self._blocking.get(self.bucket, self.key(path), offset, part if length is None else length)
+            end = total if length is None else min(total, offset + length)
+            if offset + len(first) >= end:
+                return first
+            offset, length = offset + len(first), end - offset - len(first)
+            return first + self._get_on_lanes(path, offset, length)
+        return self._get_on_lanes(path, offset, length)
+
+    def _get_on_lanes(self, path: str, offset: int, length: int | None) -> bytes:
+        client = self._lanes.next_data_client()
+        return self._lanes.run(client, lambda: get_object(client, self.bucket, self.key(path), offset, length))
 
     def _fetch_ahead(self, path: str) -> Future[bytes]:
+        if self._blocking is not None:
+            return self._blocking.submit(lambda: self._get(path))
         client = self._lanes.next_data_client()
         return self._lanes.submit(client, get_object(client, self.bucket, self.key(path)))
 
@@ -281,8 +327,11 @@ class ObjectTier(StorageTier):
             if len(view) <= part:
                 body = data if isinstance(data, (bytes, bytearray)) else bytes(view)  # sent as it is, no copy
                 sums = put_arguments(view) if self._checksums else {}
-                self._call(client, "put_object", Bucket=self.bucket, Key=self.key(path), Body=body, **condition,
-                           **sums)
+                if self._blocking is not None:
+                    self._blocking.put(self.bucket, self.key(path), body, **condition, **sums)
+                else:
+                    self._call(client, "put_object", Bucket=self.bucket, Key=self.key(path), Body=body, **condition,
+                               **sums)
             else:
                 concurrency = max(1, settings().s3_concurrency)
                 owner = (self.key(new_record_path(path)), UploadOwner.mine(path))
@@ -434,7 +483,14 @@ class ObjectTier(StorageTier):
     def close(self) -> None:
         """Cancel read-ahead, close the connections and stop the tier's I/O threads."""
         self._read_ahead.start([])
+        if self._blocking is not None:
+            self._blocking.close()
         self._lanes.close()
+
+
+def _snake(operation: str) -> str:
+    """botocore's operation name as the client method's (``PutObject`` -> ``put_object``)."""
+    return "".join(f"_{letter.lower()}" if letter.isupper() else letter for letter in operation).lstrip("_")
 
 
 def _answer_time(answer: Any) -> float | None:

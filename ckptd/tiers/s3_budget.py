@@ -71,6 +71,15 @@ async def within_budget(budget: OperationBudget, factory: Callable[[], Coroutine
         _current.reset(token)
 
 
+def run_within_budget(budget: OperationBudget, call: Callable[[], Any]) -> Any:
+    """Run ``call()`` on this thread as one operation spending from ``budget`` (a blocking client's)."""
+    token = _current.set(budget)
+    try:
+        return call()
+    finally:
+        _current.reset(token)
+
+
 def _is_connect_failure(exc: BaseException | None) -> bool:
     """Whether no connection could be made (refused, connect timeout, unknown host). A connection reset
     mid-request (also an EndpointConnectionError to botocore) is not one: the store was there."""
@@ -84,15 +93,24 @@ def _is_connect_failure(exc: BaseException | None) -> bool:
         return False
     cause = getattr(exc, "kwargs", {}).get("error")
     return cause is None or isinstance(cause, socket.gaierror) or type(cause).__name__ in {
-        "ClientConnectorError", "ClientConnectorDNSError", "ClientConnectorCertificateError"}
+        "ClientConnectorError", "ClientConnectorDNSError", "ClientConnectorCertificateError",  # aiohttp
+        "NewConnectionError", "NameResolutionError"}  # urllib3 (the blocking client)
 
 
 @functools.lru_cache(maxsize=1)
 def _conditions() -> Any:
-    """botocore's own test of whether a failure is worth a retry (attempt limit aside)."""
+    """botocore's own test of whether a failure is worth a retry (attempt limit aside), for aiobotocore."""
     from aiobotocore.retries.standard import AioStandardRetryConditions
 
     return AioStandardRetryConditions(max_attempts=1 << 30)
+
+
+@functools.lru_cache(maxsize=1)
+def _blocking_conditions() -> Any:
+    """The same test for a blocking botocore client."""
+    from botocore.retries.standard import StandardRetryConditions
+
+    return StandardRetryConditions(max_attempts=1 << 30)
 
 
 def backoff_s(retry: int) -> float:
@@ -101,21 +119,37 @@ def backoff_s(retry: int) -> float:
     return random.uniform(0.0, min(tunables.s3_backoff_max_s, tunables.s3_backoff_base_s * 2 ** retry))
 
 
-async def _retry_within_budget(**kwargs: Any) -> float | bool | None:
-    """``needs-retry`` hook, run before botocore's own: for a failure botocore deems worth retrying, the
-    jittered delay when the operation's budget pays for one more retry, False (raise it) when not."""
+def _retry_context(kwargs: dict[str, Any]) -> tuple[OperationBudget, Any] | None:
     budget = _current.get()
     if budget is None or (kwargs.get("response") is None and kwargs.get("caught_exception") is None):
         return None
     from botocore.retries.standard import RetryEventAdapter
 
-    context = RetryEventAdapter().create_retry_context(**kwargs)
-    if not await _conditions().is_retryable(context):
-        return None  # botocore will not retry either
+    return budget, RetryEventAdapter().create_retry_context(**kwargs)
+
+
+def _spend(budget: OperationBudget, kwargs: dict[str, Any]) -> float | bool:
     retry = budget.retried
     if not budget.take(connect_failure=_is_connect_failure(kwargs.get("caught_exception"))):
         return False
     return backoff_s(retry)
+
+
+async def _retry_within_budget(**kwargs: Any) -> float | bool | None:
+    """``needs-retry`` hook, run before botocore's own: for a failure botocore deems worth retrying, the
+    jittered delay when the operation's budget pays for one more retry, False (raise it) when not."""
+    found = _retry_context(kwargs)
+    if found is None or not await _conditions().is_retryable(found[1]):
+        return None  # botocore will not retry either
+    return _spend(found[0], kwargs)
+
+
+def _retry_within_budget_blocking(**kwargs: Any) -> float | bool | None:
+    """:func:`_retry_within_budget` for a blocking botocore client."""
+    found = _retry_context(kwargs)
+    if found is None or not _blocking_conditions().is_retryable(found[1]):
+        return None
+    return _spend(found[0], kwargs)
 
 
 def _count_request(**_: Any) -> None:
@@ -124,12 +158,14 @@ def _count_request(**_: Any) -> None:
         budget.requests += 1
 
 
-def install_hooks(client: Any) -> None:
-    """Make a botocore S3 client spend from the current operation's budget (once per client)."""
+def install_hooks(client: Any, *, blocking: bool = False) -> None:
+    """Make a botocore S3 client (aiobotocore's, or with ``blocking=True`` a plain botocore one) spend from
+    the current operation's budget (once per client)."""
     if getattr(client, _HOOKED, False):
         return
     events = client.meta.events
-    events.register_first("needs-retry.s3", _retry_within_budget, unique_id="ckptd-retry-budget")
+    events.register_first("needs-retry.s3", _retry_within_budget_blocking if blocking else _retry_within_budget,
+                          unique_id="ckptd-retry-budget")
     events.register("before-send.s3", _count_request, unique_id="ckptd-request-count")
     setattr(client, _HOOKED, True)
 
@@ -151,4 +187,4 @@ def budgeted_filesystem_class() -> type:
 
 
 __all__ = ["OperationBudget", "backoff_s", "budgeted_filesystem_class", "current_budget", "install_hooks",
-           "within_budget"]
+           "run_within_budget", "within_budget"]

@@ -162,7 +162,8 @@ def _transport_kind(chain: tuple[BaseException, ...]) -> str | None:
             return "credentials"
     for link in chain:
         if isinstance(link, (boto.EndpointConnectionError, boto.ConnectTimeoutError, boto.ReadTimeoutError,
-                             boto.ConnectionClosedError, boto.ProxyConnectionError, socket.gaierror,
+                             boto.ConnectionClosedError, boto.ProxyConnectionError, boto.ResponseStreamingError,
+                             socket.gaierror,
                              ConnectionError, TimeoutError, asyncio.TimeoutError)):
             return "unreachable"
         if type(link).__name__ in {"FSTimeoutError", "ServerTimeoutError", "ClientConnectorError"}:

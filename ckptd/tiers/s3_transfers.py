@@ -40,7 +40,7 @@ def part_bytes() -> int:
     return max(MIN_PART_BYTES, settings().s3_part_bytes)
 
 
-def _total_size(response: dict[str, Any], fallback: int) -> int:
+def object_size(response: dict[str, Any], fallback: int) -> int:
     """Object size from a ranged GET's ``Content-Range: bytes a-b/total``."""
     _, _, total = str(response.get("ContentRange") or "").rpartition("/")
     return int(total) if total.isdigit() else fallback
@@ -83,7 +83,7 @@ async def get_range(client: Any, bucket: str, key: str, start: int, length: int)
             expected = response.get("ContentLength")
             if expected is not None and len(data) != expected:
                 raise ConnectionError(f"body truncated: {len(data)} of {expected} bytes")
-            return bytes(data), _total_size(response, start + len(data))
+            return bytes(data), object_size(response, start + len(data))
         except Exception:  # aiohttp/botocore streaming errors: retry the whole GET
             budget = current_budget()
             if budget is None or not budget.take(connect_failure=False):
@@ -317,4 +317,4 @@ class ReadAhead:
 
 
 __all__ = ["MIN_PART_BYTES", "ReadAhead", "checksum_enabled", "crc32_checksum", "data_filesystem_class", "get_object",
-           "get_range", "multipart_upload", "part_bytes", "put_arguments", "send_bodies_whole"]
+           "get_range", "multipart_upload", "object_size", "part_bytes", "put_arguments", "send_bodies_whole"]
