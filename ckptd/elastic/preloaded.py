@@ -26,9 +26,16 @@ import runpy
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from multiprocessing.context import ForkServerContext
 from typing import Any, TypeAlias
+
+from ckptd.elastic.waiting import wait_for
+from ckptd.errors import WorkerError
+
+_NO_PRELOAD_HINT = "see the supervisor's stderr for the fork server's error; --no-preload starts every rank as a " \
+                   "new interpreter instead"
 
 #: What the fork server imports before it forks the first rank.
 PRELOAD = ("ckptd.elastic.fork_server_guard", "torch", "torch._dynamo", "torch.optim", "torch.distributed", "ckptd",
@@ -117,14 +124,22 @@ class PreloadedStarter:
         self._context.set_forkserver_preload(list(preload))
         self._environment = environment
 
-    def warm(self) -> None:
-        """Start the fork server and wait until it imported :data:`PRELOAD` (seconds): a supervisor does this
-        before it joins the job, since it sends no heartbeat while it waits and the other nodes would take
-        it for lost after ``--node-timeout``."""
-        self._ensure_running()
+    def warm(self, timeout_s: float) -> None:
+        """Start the fork server and wait until it imported :data:`PRELOAD` (seconds; logged while it lasts,
+        DeadlineError past ``timeout_s``): a supervisor does this before it joins the job, since it sends no
+        heartbeat while it waits and the other nodes would take it for lost after ``--node-timeout``."""
+        self._ensure_running()  # on this thread: the server dies with the thread that started it
         probe: Any = self._context.Process(target=_nothing, name="ckptd-preload-probe")
-        probe.start()  # the server forks it once its imports are done
-        probe.join()
+        # start() blocks until the server, its imports done, forks the probe: on a thread of its own, so
+        # that this wait can log and give up
+        starting = threading.Thread(target=lambda: (probe.start(), probe.join()), name="ckptd-preload-probe",
+                                    daemon=True)
+        starting.start()
+        wait_for(lambda: not starting.is_alive(), what="this node's fork server to import torch and ckptd "
+                 "(--preload)", timeout_s=timeout_s, poll_s=0.02, hint=_NO_PRELOAD_HINT)
+        if probe.exitcode != 0:
+            raise WorkerError(f"this node's fork server could not start a process (its probe ended with "
+                              f"{probe.exitcode})", hint=_NO_PRELOAD_HINT)
 
     def start(self, command: Sequence[str], environment: dict[str, str]) -> PreloadedProcess:
         """Fork ``command`` (``python [-u] [-m] SCRIPT ARGS...``) with ``environment`` as a rank."""

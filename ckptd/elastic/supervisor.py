@@ -290,7 +290,7 @@ class Supervisor:
         try:
             if self.spec.preload:  # before the first heartbeat: the imports take seconds
                 self._starter = PreloadedStarter({**os.environ, **self._job_variables()})
-                self._starter.warm()
+                self._starter.warm(self.spec.join_timeout_s)
             self._connect()
             self._supervise()
         except WorkerError:
