@@ -299,3 +299,22 @@ def test_a_preloaded_rank_runs_a_script_whose_data_loader_spawns_workers(tmp_pat
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert record["squares"] == [0, 1, 4, 9, 16, 25] and record["main"] == "__main__"
         assert len(record["workers"]) == 2 and record["pid"] not in record["workers"], record
+
+
+def test_the_ckptd_entry_point_runs_a_module_from_the_current_directory_with_and_without_preload(
+        tmp_path: Path) -> None:
+    # `python -m` puts the current directory first on sys.path; a preloaded rank inherits the supervisor's
+    # path, whose first entry is the console script's folder, so the launcher must put the directory there
+    package = tmp_path / "localpkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text("import os, sys\nopen(sys.argv[1] + '/rank' + os.environ['RANK'], 'w')"
+                                      ".write(sys.path[0])\n")
+    entry_point = Path(sys.executable).with_name("ckptd")
+    for preload in ("--preload", "--no-preload"):
+        out = tmp_path / preload.strip("-")
+        out.mkdir()
+        result = subprocess.run([str(entry_point), "launch", preload, "--nproc-per-node", "2", "-m", "localpkg.train",
+                                 str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert result.returncode == 0, (preload, result.stderr[-4000:])
+        assert [(out / f"rank{rank}").read_text() for rank in range(2)] == [str(tmp_path)] * 2, preload

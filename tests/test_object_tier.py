@@ -184,3 +184,16 @@ def test_a_store_that_refuses_conditional_writes_gets_look_up_then_write(s3_buck
     with pytest.raises(AlreadyCommittedError):
         tier.write_bytes("step-00000002/manifest.json", b"other", if_absent=True)
     assert tier.read_bytes("step-00000002/manifest.json") == b"taken"
+
+
+def test_aiobotocore_only_config_keeps_every_request_on_the_lanes(s3_bucket, s3_options):
+    # botocore's Config refuses aiobotocore's connector_args: the blocking client is not used, and nothing fails
+    options = {**s3_options, "config_kwargs": {"connector_args": {"keepalive_timeout": 5}}}
+    tier = object_tier(s3_bucket, options)
+    try:
+        assert tier._blocking is None
+        tier.write_bytes("chunks/cc/lanes.raw", b"on the lanes")
+        assert tier.read_bytes("chunks/cc/lanes.raw") == b"on the lanes"
+    finally:
+        tier.close()
+    assert object_tier(s3_bucket, s3_options)._blocking is not None, "plain options use the blocking client"

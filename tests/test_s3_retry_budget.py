@@ -127,3 +127,34 @@ def test_a_store_that_never_answers_costs_one_read_timeout_per_attempt_of_the_bu
             assert proxy.counts["requests"] == 3, f"one attempt and the budget's two retries: {proxy.counts}"
         finally:
             tier.close()
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking-client", "lanes"])
+def test_a_read_longer_than_a_part_spends_one_budget_whichever_client_reads(s3_server, s3_bucket, s3_options,
+                                                                             blocking: bool) -> None:
+    # the blocking client reads the first part, the lanes the rest: both spend from the read's one budget
+    import itertools
+    import threading
+
+    data = os.urandom(2 * _PART)
+    with override(s3_part_bytes=_PART):
+        writer = ObjectTier(f"s3://{s3_bucket}/one-budget", storage_options=s3_options)
+        writer.write_bytes("chunks/aa/two-parts.raw", data)
+        writer.close()
+    counter, lock = itertools.count(1), threading.Lock()
+
+    def failing_gets(method: str, path: str, body: bytes) -> bool:
+        if method != "GET":
+            return False
+        with lock:
+            return next(counter) in (1, 2, 4, 5)  # two failures on each part: four retries in all
+
+    with override(**_FAST, s3_retries=2, s3_blocking_data=blocking), \
+            FaultProxy(s3_server.endpoint_url, fraction=1.0, kinds=("500",), target=failing_gets) as proxy:
+        tier = ObjectTier(f"s3://{s3_bucket}/one-budget", storage_options=proxy.storage_options(s3_options))
+        try:
+            with pytest.raises(StorageError):
+                tier.read_bytes("chunks/aa/two-parts.raw")
+            assert proxy.faults_injected <= 3, "the read spent more than its budget of 2 retries"
+        finally:
+            tier.close()

@@ -56,20 +56,34 @@ def _unbuffered(fd: int) -> io.TextIOWrapper:
     return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), write_through=True, errors="backslashreplace")
 
 
+def _inherited_stdin() -> io.TextIOWrapper | Any:
+    """The supervisor's stdin, which :mod:`multiprocessing` replaced with /dev/null in the child (so that
+    ``breakpoint()`` in a rank reads the terminal as it does without ``--preload``)."""
+    try:
+        os.fstat(0)
+    except OSError:
+        return sys.stdin
+    return io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+
+
 def _run_rank(command: Sequence[str], environment: dict[str, str]) -> None:  # pragma: no cover - a forked rank
     """In the forked rank: become ``python [-u] [-m] SCRIPT ARGS...`` with ``environment``."""
     die_with_parent()  # with the fork server, which dies with the supervisor
     os.environ.clear()
     os.environ.update(environment)
     sys.stdout, sys.stderr = _unbuffered(1), _unbuffered(2)
+    sys.stdin = _inherited_stdin()
     arguments = [part for part in command[1:] if part != "-u"]
+    # sys.path[0] is the fork server's (the supervisor's: its script's folder, or the ckptd console script's);
+    # python puts the current directory there for -m and the script's folder for a script
+    first = os.getcwd() if arguments and arguments[0] == "-m" else os.path.dirname(os.path.abspath(arguments[0]))
+    sys.path[:1] = [first]
     try:
-        if arguments and arguments[0] == "-m":
+        if arguments[0] == "-m":
             sys.argv = [arguments[1], *arguments[2:]]
             runpy.run_module(arguments[1], run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(arguments)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(arguments[0])))
             runpy.run_path(arguments[0], run_name="__main__")
     finally:
         atexit._run_exitfuncs()  # multiprocessing ends its children with os._exit, past the atexit hooks

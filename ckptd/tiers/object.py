@@ -37,7 +37,7 @@ from ckptd.tiers import s3_errors
 from ckptd.tiers.base import StorageTier, StoredObject, TierCapabilities, repeated_keys
 from ckptd.tiers.s3_blocking import BlockingRequests, blocking_client_arguments
 from ckptd.tiers.s3_lanes import IoLanes
-from ckptd.tiers.s3_budget import budgeted_filesystem_class
+from ckptd.tiers.s3_budget import OperationBudget, budgeted_filesystem_class
 from ckptd.tiers.s3_options import endpoint_of, region_of, retry_budget, s3fs_options, s3fs_retries, split_url
 from ckptd.tiers.s3_transfers import (MIN_PART_BYTES, ReadAhead, checksum_enabled, data_filesystem_class, get_object,
                                      multipart_upload, part_bytes, put_arguments)
@@ -107,7 +107,7 @@ class ObjectTier(StorageTier):
 
     def _filled_loader(self) -> Any:
         """The botocore model loader of the metadata client's session, once it has one (else None)."""
-        session = getattr(self._lanes.metadata_client, "session", None) if self._lanes.running else None
+        session = getattr(self._lanes.started_metadata_client, "session", None)
         get_component = getattr(session, "get_component", None)
         return get_component("data_loader") if get_component is not None else None
 
@@ -180,17 +180,21 @@ class ObjectTier(StorageTier):
         lanes' parallel ranged GETs for what is longer than ``s3_part_bytes``."""
         part = part_bytes()
         if self._blocking is not None and (length is None or length <= part):
-            first, total = self._blocking.get(self.bucket, self.key(path), offset, part if length is None else length)
+            budget = self._blocking.new_budget()  # one for the whole read, the lanes' part of it too
+            first, total = self._blocking.get(self.bucket, self.key(path), offset, part if length is None else length,
+                                              budget)
             end = total if length is None else min(total, offset + length)
             if offset + len(first) >= end:
                 return first
             offset, length = offset + len(first), end - offset - len(first)
-            return first + self._get_on_lanes(path, offset, length)
+            return first + self._get_on_lanes(path, offset, length, budget)
         return self._get_on_lanes(path, offset, length)
 
-    def _get_on_lanes(self, path: str, offset: int, length: int | None) -> bytes:
+    def _get_on_lanes(self, path: str, offset: int, length: int | None,
+                      budget: OperationBudget | None = None) -> bytes:
         client = self._lanes.next_data_client()
-        return self._lanes.run(client, lambda: get_object(client, self.bucket, self.key(path), offset, length))
+        return self._lanes.run(client, lambda: get_object(client, self.bucket, self.key(path), offset, length),
+                               budget)
 
     def _fetch_ahead(self, path: str) -> Future[bytes]:
         if self._blocking is not None:
@@ -322,7 +326,6 @@ class ObjectTier(StorageTier):
     def _upload(self, path: str, data: Buffer, view: memoryview, *, if_absent: bool) -> None:
         part = part_bytes()
         condition = {"IfNoneMatch": "*"} if if_absent else {}
-        client = self._lanes.next_data_client()
         with self._errors("uploading", path):
             if len(view) <= part:
                 body = data if isinstance(data, (bytes, bytearray)) else bytes(view)  # sent as it is, no copy
@@ -330,9 +333,10 @@ class ObjectTier(StorageTier):
                 if self._blocking is not None:
                     self._blocking.put(self.bucket, self.key(path), body, **condition, **sums)
                 else:
-                    self._call(client, "put_object", Bucket=self.bucket, Key=self.key(path), Body=body, **condition,
-                               **sums)
+                    self._call(self._lanes.next_data_client(), "put_object", Bucket=self.bucket, Key=self.key(path),
+                               Body=body, **condition, **sums)
             else:
+                client = self._lanes.next_data_client()
                 concurrency = max(1, settings().s3_concurrency)
                 owner = (self.key(new_record_path(path)), UploadOwner.mine(path))
                 self._lanes.run(client, lambda: multipart_upload(client, self.bucket, self.key(path), view,

@@ -24,10 +24,11 @@ its threads down, and the next request starts new ones.
 from __future__ import annotations
 
 import itertools
+import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from ckptd.config import settings
@@ -46,8 +47,10 @@ T = TypeVar("T")
 
 def blocking_client_arguments(options: dict[str, Any]) -> dict[str, Any] | None:
     """What :func:`make_blocking_client` needs from the lanes' s3fs arguments, or None when they name
-    something only s3fs knows how to apply."""
-    if set(options) - _TRANSLATED:
+    something only s3fs or aiobotocore knows how to apply (``connector_args`` in ``config_kwargs``...)."""
+    from botocore.config import Config
+
+    if set(options) - _TRANSLATED or set(options.get("config_kwargs") or {}) - set(Config.OPTION_DEFAULTS):
         return None
     return dict(options)
 
@@ -101,7 +104,7 @@ class BlockingRequests:
         self._loader = loader
         self._lock = threading.Lock()
         self._client: Any = None
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: _DaemonPool | None = None
         self._handlers: list[tuple[str, Callable[..., Any]]] = []
 
     @property
@@ -123,18 +126,23 @@ class BlockingRequests:
         if client is not None:
             client.meta.events.register(event, handler)
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def _executor(self) -> _DaemonPool:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=max(1, settings().s3_concurrency),
-                                                thread_name_prefix=f"ckptd-s3-data-{next(_names)}")
+                self._pool = _DaemonPool(max(1, settings().s3_concurrency), f"ckptd-s3-data-{next(_names)}")
             return self._pool
 
-    def get(self, bucket: str, key: str, start: int, length: int) -> tuple[bytes, int]:
-        """One ranged GET as one operation: the bytes and the object's total size (a range past the end:
-        no bytes). A body that arrives short or stalls is fetched again while the budget lasts."""
+    def new_budget(self) -> OperationBudget:
+        """A fresh retry budget for one operation."""
+        return self._budget()
+
+    def get(self, bucket: str, key: str, start: int, length: int,
+            budget: OperationBudget | None = None) -> tuple[bytes, int]:
+        """One ranged GET as one operation (spending from ``budget``, else a fresh one): the bytes and the
+        object's total size (a range past the end: no bytes). A body that arrives short or stalls is
+        fetched again while the budget lasts."""
         client = self.client
-        budget = self._budget()
+        budget = budget if budget is not None else self._budget()
 
         def attempt() -> tuple[bytes, int]:
             retry = 0
@@ -179,12 +187,51 @@ class BlockingRequests:
             pool, self._pool = self._pool, None
             client, self._client = self._client, None
         if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
-            deadline = time.monotonic() + _CLOSE_TIMEOUT_S
-            for thread in list(getattr(pool, "_threads", ())):
-                thread.join(max(0.0, deadline - time.monotonic()))
+            pool.shutdown(_CLOSE_TIMEOUT_S)
         if client is not None:
             client.close()
+
+
+class _DaemonPool:
+    """``count`` daemon threads running submitted calls (a :class:`~concurrent.futures.ThreadPoolExecutor`'s
+    threads are joined at interpreter exit, so a GET stuck until its read timeouts would hold the exit)."""
+
+    def __init__(self, count: int, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}_{index}", daemon=True)
+                         for index in range(count)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, call: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self._queue.put((future, call))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, call = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                future.set_exception(exc)
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Cancel the calls not started, and wait up to ``timeout_s`` for the threads to end."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in self._threads:
+            self._queue.put(None)
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 __all__ = ["BlockingRequests", "blocking_client_arguments", "make_blocking_client"]

@@ -117,16 +117,24 @@ class IoLanes:
         clients = self.data_clients
         return clients[next(self._turn) % len(clients)]
 
-    def run(self, client: Any, coroutine_factory: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
+    def run(self, client: Any, coroutine_factory: Callable[[], Coroutine[Any, Any, Any]],
+            budget: OperationBudget | None = None) -> Any:
         """Run a coroutine on ``client``'s loop from a caller's thread and return its result: one
-        operation, whose requests share one retry budget (:mod:`ckptd.tiers.s3_budget`)."""
+        operation, whose requests share one retry budget (:mod:`ckptd.tiers.s3_budget`): ``budget``, or a
+        fresh one."""
         from fsspec.asyn import sync
 
-        return sync(client.loop, within_budget, _budget_of(client), coroutine_factory)
+        return sync(client.loop, within_budget, budget if budget is not None else _budget_of(client),
+                    coroutine_factory)
 
     def submit(self, client: Any, coroutine: Coroutine[Any, Any, Any]) -> Any:
         """Schedule a coroutine on ``client``'s loop as one operation; returns a concurrent future."""
         return asyncio.run_coroutine_threadsafe(within_budget(_budget_of(client), lambda: coroutine), client.loop)
+
+    @property
+    def started_metadata_client(self) -> Any:
+        """The metadata client if the lanes are running, else None (starts nothing)."""
+        return self._metadata
 
     @property
     def running(self) -> bool:
