@@ -197,3 +197,50 @@ def test_aiobotocore_only_config_keeps_every_request_on_the_lanes(s3_bucket, s3_
     finally:
         tier.close()
     assert object_tier(s3_bucket, s3_options)._blocking is not None, "plain options use the blocking client"
+
+
+def test_a_restore_from_the_object_tier_reads_each_metadata_file_once_and_looks_nothing_up(tmp_path, s3_bucket,
+                                                                                          s3_options):
+    # the read-ahead before the restore and the restore share one reader of manifests and indexes, and a
+    # metadata read is one bounded GET (no HEAD for its size first): a listing, a manifest, an index, the chunks
+    import collections
+
+    import torch
+
+    import ckptd
+    from ckptd.promotion import promote_step
+    from ckptd.tiers.local import LocalTier
+
+    state = {"big": torch.randn(3 * 1024 * 1024), "small": torch.arange(10)}
+    with override(chunk_bytes=4 * 1024 * 1024), ckptd.CheckpointManager(tmp_path / "writer", capture_rng=False) as m:
+        m.save(1, state)
+    remote = object_tier(s3_bucket, s3_options, prefix="once")
+    promote_step(LocalTier(tmp_path / "writer"), remote, 1)
+    with ckptd.CheckpointManager(tmp_path / "empty", remote=remote.url, storage_options=s3_options,
+                                 capture_rng=False) as reader:
+        calls: list[tuple[str, str]] = []
+        reader.remote.on_call(lambda method, params: calls.append((method, str(params.get("Key", "")))))
+        target = {"big": torch.zeros(3 * 1024 * 1024), "small": torch.zeros(10, dtype=torch.long)}
+        assert reader.restore(target) == 1
+    assert torch.equal(target["big"], state["big"]) and torch.equal(target["small"], state["small"])
+    counted = collections.Counter(method for method, _ in calls)
+    assert "head_object" not in counted, calls
+    metadata = [key for method, key in calls if key.endswith(("manifest.json", ".index.json"))]
+    assert sorted(metadata) == sorted(set(metadata)) and len(metadata) == 2, metadata
+
+
+def test_a_metadata_file_past_the_limit_is_refused_naming_it(tmp_path, monkeypatch):
+    from ckptd.errors import IntegrityError
+    from ckptd.stepio import step_reader
+    from ckptd.tiers.local import LocalTier
+
+    from ckptd.format.layout import step_file
+
+    tier = LocalTier(tmp_path, create=True)
+    path = step_file(1, "manifest.json")
+    tier.write_bytes(path, b"{" + b" " * 200 + b"}")
+    monkeypatch.setattr(step_reader, "MAX_METADATA_BYTES", 100)
+    with pytest.raises(IntegrityError) as caught:
+        step_reader.load_step_manifest(tier, 1)
+    assert "implausibly large" in str(caught.value) and "manifest.json" in str(caught.value)
+    assert tier.read_bytes(path, 0, 1 << 40) == b"{" + b" " * 200 + b"}", "a bound past the size reads the file"

@@ -98,6 +98,8 @@ class TierListings:
         self._steps: dict[int, frozenset[int]] = {}
         #: Why each tier that failed was left out, by its label.
         self.failed: dict[str, str] = {}
+        #: The manifests and rank indexes read during the restore (the read-ahead before it too), once each.
+        self.metadata = _Metadata(self)
 
     def committed(self, tier: StorageTier) -> frozenset[int]:
         """The tier's committed steps (listed on first use); empty for a tier that did not answer."""
@@ -210,7 +212,7 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
     keys = [keys] if isinstance(keys, str) else keys
     coordinator = coordinator or SingleProcessCoordinator()
     listings = listings if listings is not None else TierListings(tiers)
-    metadata = _Metadata(listings)
+    metadata = listings.metadata
     committed = listings.all_committed()
     missing = None
     if step is not None:  # a rank that lacks it still takes part in the exchange, then every rank raises

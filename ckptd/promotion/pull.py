@@ -11,27 +11,38 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import Protocol
 
 from ckptd.errors import CkptdError, IntegrityError
 from ckptd.format.layout import step_file
 from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
-from ckptd.format.records import ChunkRecord, DataFile
+from ckptd.format.records import ChunkRecord, DataFile, RankIndex
 from ckptd.promotion.contents import RankShare, read_step_contents, read_stored_chunk, read_verified_pack
 from ckptd.stepio.packs import chunk_location, max_range_bytes, plan_ranges, read_by_digest, whole_object
 from ckptd.state.tree import skeleton_tensor_names
 from ckptd.tiers.atomicity import step_commit
+from ckptd.tiers.base import StorageTier
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
 
 log = logging.getLogger("ckptd.promotion")
 
 
-def prefetch_step(remote: ObjectTier, step: int, rank: int) -> int:
+class MetadataReader(Protocol):
+    """Reads each manifest and rank index of a restore once (``ckptd.manager.restoring``'s)."""
+
+    def rank_index(self, tier: StorageTier, step: int, rank: int) -> RankIndex: ...
+
+
+def prefetch_step(remote: ObjectTier, step: int, rank: int, *, metadata: MetadataReader | None = None) -> int:
     """Start fetching the chunks of ``rank`` at ``step`` in restore order; returns how many. Best effort:
-    a step that cannot be read is simply not prefetched."""
+    a step that cannot be read is simply not prefetched. With ``metadata`` (the restore's) the prefetch and
+    the restore read the manifest and the index once."""
     try:
-        manifest = load_step_manifest(remote, step)
-        index = load_rank_index(remote, manifest, rank)
+        if metadata is not None:
+            index = metadata.rank_index(remote, step, rank)
+        else:
+            index = load_rank_index(remote, load_step_manifest(remote, step), rank)
     except CkptdError as error:
         log.debug("not prefetching step %d: %s", step, error)
         return 0

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from ckptd.errors import CkptdError, ConfigError
 from ckptd.policy import Policy
-from ckptd.promotion.pull import prefetch_step, pull_step
+from ckptd.promotion.pull import MetadataReader, prefetch_step, pull_step
 from ckptd.promotion.schedule import PromotionSchedule
 from ckptd.promotion.uploader import BackgroundUploader
 from ckptd.tiers import StorageTier, open_tier
@@ -49,6 +49,8 @@ def _run_beating(work: Callable[[], None], while_waiting: Callable[[], None]) ->
 
 
 class _Listings(Protocol):
+    metadata: MetadataReader
+
     def committed(self, tier: StorageTier) -> frozenset[int]: ...
 
 
@@ -112,7 +114,8 @@ class RemoteSync:
                 local_steps = frozenset(self.local.committed_steps())
             target = step if step is not None else max(remote_steps | local_steps, default=None)
             if target is not None and target in remote_steps and target not in local_steps:
-                prefetch_step(self.remote, target, self.rank)
+                prefetch_step(self.remote, target, self.rank,
+                              metadata=None if listings is None else listings.metadata)
         except CkptdError as error:  # read-ahead is an optimisation; restore reports real problems
             log.debug("no read-ahead before restore: %s", error)
 

@@ -56,11 +56,13 @@ _PREFAULT_MIN_BYTES = 256 * 1024
 
 
 def _read_metadata(tier: StorageTier, path: str, step: int) -> bytes:
-    size = tier.size(path)
-    if size > MAX_METADATA_BYTES:
+    """The bytes of a manifest or index: one read of at most one byte past the limit (no size lookup
+    first: on the object tier that was a HEAD before every GET)."""
+    raw = tier.read_bytes(path, 0, MAX_METADATA_BYTES + 1)
+    if len(raw) > MAX_METADATA_BYTES:
         raise IntegrityError("metadata file is implausibly large", path=path, step=step, tier=tier.label,
-                             expected=f"<= {MAX_METADATA_BYTES}", actual=str(size))
-    return tier.read_bytes(path)
+                             expected=f"<= {MAX_METADATA_BYTES}", actual=f"> {MAX_METADATA_BYTES}")
+    return raw
 
 
 def load_step_manifest(tier: StorageTier, step: int) -> Manifest:

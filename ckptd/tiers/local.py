@@ -294,7 +294,10 @@ class LocalTier(StorageTier):
         try:
             with open(self._path(path), "rb") as handle:
                 handle.seek(offset)
-                return handle.read() if length is None else handle.read(length)
+                if length is None:
+                    return handle.read()
+                # a bound above the size (a metadata read's) must not allocate the whole bound first
+                return handle.read(max(0, min(length, os.fstat(handle.fileno()).st_size - offset)))
         except FileNotFoundError as exc:
             raise NotFoundError("file not found", path=path, tier=self.label) from exc
         except OSError as exc:

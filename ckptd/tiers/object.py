@@ -176,13 +176,13 @@ class ObjectTier(StorageTier):
             return self._get(path, offset, length)
 
     def _get(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
-        """The bytes of ``path`` from ``offset`` (``length`` None: to its end): one blocking GET, or the
-        lanes' parallel ranged GETs for what is longer than ``s3_part_bytes``."""
+        """The bytes of ``path`` from ``offset`` (``length`` None: to its end, or a bound past it): one
+        blocking GET of up to ``s3_part_bytes``, then the lanes' parallel ranged GETs for the rest."""
         part = part_bytes()
-        if self._blocking is not None and (length is None or length <= part):
+        if self._blocking is not None:
             budget = self._blocking.new_budget()  # one for the whole read, the lanes' part of it too
-            first, total = self._blocking.get(self.bucket, self.key(path), offset, part if length is None else length,
-                                              budget)
+            first, total = self._blocking.get(self.bucket, self.key(path), offset,
+                                              part if length is None else min(length, part), budget)
             end = total if length is None else min(total, offset + length)
             if offset + len(first) >= end:
                 return first
