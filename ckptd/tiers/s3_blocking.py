@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 from ckptd.config import settings
 from ckptd.tiers.s3_budget import OperationBudget, backoff_s, install_hooks, run_within_budget
 from ckptd.tiers.s3_errors import is_past_the_end
-from ckptd.tiers.s3_transfers import object_size
+from ckptd.tiers.s3_transfers import byte_range, ranged_answer
 
 #: s3fs arguments that change nothing about a request, or that :func:`blocking_client_arguments` translates.
 _TRANSLATED = frozenset({"key", "secret", "token", "profile", "anon", "use_ssl", "client_kwargs", "config_kwargs",
@@ -148,18 +148,14 @@ class BlockingRequests:
             retry = 0
             while True:
                 try:
-                    response = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{start + length - 1}")
+                    response = client.get_object(Bucket=bucket, Key=key, Range=byte_range(start, length))
                 except Exception as exc:
                     if is_past_the_end(exc):
                         return b"", start
                     raise
                 body = response["Body"]
                 try:
-                    data = body.read()
-                    expected = response.get("ContentLength")
-                    if expected is not None and len(data) != expected:
-                        raise ConnectionError(f"body truncated: {len(data)} of {expected} bytes")
-                    return data, object_size(response, start + len(data))
+                    return ranged_answer(response, body.read(), start)
                 except Exception:
                     if not budget.take(connect_failure=False):
                         raise

@@ -65,25 +65,34 @@ async def get_object(client: Any, bucket: str, key: str, offset: int = 0, length
     return b"".join([first, *rest])
 
 
+def byte_range(start: int, length: int) -> str:
+    """The ``Range`` header of ``length`` bytes from ``start``."""
+    return f"bytes={start}-{start + length - 1}"
+
+
+def ranged_answer(response: dict[str, Any], data: bytes, start: int) -> tuple[bytes, int]:
+    """The body of a ranged GET read whole, and the object's size; ConnectionError when it came short (the
+    caller fetches it again while its budget lasts)."""
+    expected = response.get("ContentLength")
+    if expected is not None and len(data) != expected:
+        raise ConnectionError(f"body truncated: {len(data)} of {expected} bytes")
+    return data, object_size(response, start + len(data))
+
+
 async def get_range(client: Any, bucket: str, key: str, start: int, length: int) -> tuple[bytes, int]:
     """One ranged GET and the object's total size; a range past the end gives no bytes. A body that
     arrives truncated or stalls is retried while the operation's retry budget lasts."""
     attempt = 0
     while True:
         try:
-            response = await client._call_s3("get_object", Bucket=bucket, Key=key,
-                                             Range=f"bytes={start}-{start + length - 1}")
+            response = await client._call_s3("get_object", Bucket=bucket, Key=key, Range=byte_range(start, length))
         except OSError as exc:
             if is_past_the_end(exc):
                 return b"", start
             raise
         body = response["Body"]
         try:
-            data = await body.read()
-            expected = response.get("ContentLength")
-            if expected is not None and len(data) != expected:
-                raise ConnectionError(f"body truncated: {len(data)} of {expected} bytes")
-            return bytes(data), object_size(response, start + len(data))
+            return ranged_answer(response, bytes(await body.read()), start)
         except Exception:  # aiohttp/botocore streaming errors: retry the whole GET
             budget = current_budget()
             if budget is None or not budget.take(connect_failure=False):
@@ -316,5 +325,6 @@ class ReadAhead:
 
 
 
-__all__ = ["MIN_PART_BYTES", "ReadAhead", "checksum_enabled", "crc32_checksum", "data_filesystem_class", "get_object",
-           "get_range", "multipart_upload", "object_size", "part_bytes", "put_arguments", "send_bodies_whole"]
+__all__ = ["MIN_PART_BYTES", "byte_range", "checksum_enabled", "crc32_checksum", "data_filesystem_class", "get_object",
+           "get_range", "multipart_upload", "object_size", "part_bytes", "put_arguments", "ranged_answer", "ReadAhead",
+           "send_bodies_whole"]
