@@ -100,7 +100,10 @@ def test_two_ranks_supersede_together_and_keep_pace(tmp_path: Path, s3_server, s
         assert not result["running"] and result["closed_in"] <= CLOSE_TIMEOUT_S, rank
         assert result["pins_left"] == [], f"rank {rank}: every pin is released once the newest step is promoted"
         for sample in result["samples"]:
-            assert len(sample["pinned"]) <= cap.max_steps, (rank, sample)
+            # the cap bounds the pins of unpromoted steps; a step whose promotion just ended may still hold its
+            # pin for a moment (seen under load in CI: pinned 12-16 with 12 promoted), never more than that one
+            waiting = [step for step in sample["pinned"] if step in sample["unpromoted"]]
+            assert len(waiting) <= cap.max_steps and len(sample["pinned"]) <= cap.max_steps + 1, (rank, sample)
             assert len(sample["announced"]) <= 2, (rank, sample)
     for sample in results[0]["samples"]:  # rank 0 decides: one step in flight, one queued
         assert len(sample["unpromoted"]) <= 2, sample

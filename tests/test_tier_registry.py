@@ -138,6 +138,7 @@ def test_object_tier_close_stops_its_event_loops(s3_bucket: str, s3_options: dic
     with override(s3_io_threads=3):
         tier = open_tier(f"s3://{s3_bucket}/run", storage_options=s3_options)
     tier.write_bytes("a.bin", b"a")
+    assert tier.exists("a.bin")  # a lookup: the metadata client's lane starts them all
     mine = [thread for thread in _s3_threads() if thread not in before]
     assert len(mine) == 3 and all(thread.is_alive() for thread in mine)
     tier.close()
@@ -154,6 +155,7 @@ def test_changing_settings_does_not_leak_event_loops(s3_bucket: str, s3_options:
         with override(s3_io_threads=threads):
             tier = open_tier(f"s3://{s3_bucket}/run", storage_options=s3_options)
             tier.write_bytes("b.bin", b"b")
+            assert tier.exists("b.bin")  # a lookup starts the lanes (a single PUT does not)
             assert len(set(_s3_threads()) - before) == threads
         del tier  # dropped without close(): its finalizer stops the loops
         gc.collect()

@@ -160,10 +160,14 @@ def _transport_kind(chain: tuple[BaseException, ...]) -> str | None:
         if isinstance(link, (boto.NoCredentialsError, boto.PartialCredentialsError, boto.CredentialRetrievalError,
                              boto.NoAuthTokenError, boto.TokenRetrievalError)):
             return "credentials"
+    if chain and (isinstance(chain[0], boto.ResponseStreamingError) or type(chain[0]).__name__ == "ProtocolError"):
+        # the store answered and its body broke off (botocore's or urllib3's error for a body read; urllib3's
+        # error before an answer reaches here as botocore's ConnectionClosedError): a failure of the store,
+        # not of the way to it, as aiohttp's payload errors are on the event-loop clients
+        return None
     for link in chain:
         if isinstance(link, (boto.EndpointConnectionError, boto.ConnectTimeoutError, boto.ReadTimeoutError,
-                             boto.ConnectionClosedError, boto.ProxyConnectionError, boto.ResponseStreamingError,
-                             socket.gaierror,
+                             boto.ConnectionClosedError, boto.ProxyConnectionError, socket.gaierror,
                              ConnectionError, TimeoutError, asyncio.TimeoutError)):
             return "unreachable"
         if type(link).__name__ in {"FSTimeoutError", "ServerTimeoutError", "ClientConnectorError"}:
