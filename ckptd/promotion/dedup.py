@@ -172,7 +172,11 @@ def chunks_to_upload(remote: ObjectTier, needed: dict[str, tuple[RankShare, Chun
 
 def mark_uploaded(remote: ObjectTier, keys: Iterable[str]) -> None:
     """After chunks (content addresses ``keys``) were uploaded again from intact copies: clear their bad
-    records, so later promotions and restores trust them. One LIST, one DELETE per cleared record."""
+    records, so later promotions and restores trust them. One LIST (none when nothing was uploaded: the
+    usual case at training cadence, where only packs change), one DELETE per cleared record."""
+    keys = list(keys)
+    if not keys:
+        return
     bad = bad_chunk_paths(remote)
     for key in keys:
         path = remote.chunk_path(key)
