@@ -308,13 +308,14 @@ def test_the_ckptd_entry_point_runs_a_module_from_the_current_directory_with_and
     package = tmp_path / "localpkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
-    (package / "train.py").write_text("import os, sys\nopen(sys.argv[1] + '/rank' + os.environ['RANK'], 'w')"
-                                      ".write(sys.path[0])\n")
+    (package / "train.py").write_text("import json, os, sys\nopen(sys.argv[1] + '/rank' + os.environ['RANK'], 'w')"
+                                      ".write(json.dumps([sys.path[0], sys.argv[1:]]))\n")
     entry_point = Path(sys.executable).with_name("ckptd")
     for preload in ("--preload", "--no-preload"):
         out = tmp_path / preload.strip("-")
         out.mkdir()
         result = subprocess.run([str(entry_point), "launch", preload, "--nproc-per-node", "2", "-m", "localpkg.train",
-                                 str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                                 str(out), "-u", "3"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
         assert result.returncode == 0, (preload, result.stderr[-4000:])
-        assert [(out / f"rank{rank}").read_text() for rank in range(2)] == [str(tmp_path)] * 2, preload
+        seen = [json.loads((out / f"rank{rank}").read_text()) for rank in range(2)]
+        assert seen == [[str(tmp_path), [str(out), "-u", "3"]]] * 2, (preload, seen)  # the script's own -u stays

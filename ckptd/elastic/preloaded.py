@@ -73,7 +73,7 @@ def _run_rank(command: Sequence[str], environment: dict[str, str]) -> None:  # p
     os.environ.update(environment)
     sys.stdout, sys.stderr = _unbuffered(1), _unbuffered(2)
     sys.stdin = _inherited_stdin()
-    arguments = [part for part in command[1:] if part != "-u"]
+    arguments = list(command[2:] if tuple(command[1:2]) == ("-u",) else command[1:])  # the interpreter's -u only
     # sys.path[0] is the fork server's (the supervisor's: its script's folder, or the ckptd console script's);
     # python puts the current directory there for -m and the script's folder for a script
     first = os.getcwd() if arguments and arguments[0] == "-m" else os.path.dirname(os.path.abspath(arguments[0]))

@@ -145,27 +145,36 @@ class _Metadata:
         self.listings = listings
         self._seen: dict[tuple[int, int, int | None], Manifest | RankIndex | CkptdError] = {}
 
-    def _get(self, tier: StorageTier, key: tuple[int, int, int | None],
-             read: Callable[[], Manifest | RankIndex]) -> Any:
+    def _get(self, tier: StorageTier, key: tuple[int, int, int | None], read: Callable[[], Manifest | RankIndex],
+             remember_failure: bool) -> Any:
         if key not in self._seen:
             try:
                 self._seen[key] = read()
             except TierUnreachableError as error:
+                if not remember_failure:
+                    raise
                 self.listings.fail(tier, error)
                 self._seen[key] = error
             except CkptdError as error:
+                if not remember_failure:
+                    raise
                 self._seen[key] = error
         found = self._seen[key]
         if isinstance(found, CkptdError):
             raise found
         return found
 
-    def manifest(self, tier: StorageTier, step: int) -> Manifest:
-        return self._get(tier, (id(tier), step, None), lambda: load_step_manifest(tier, step))
+    def manifest(self, tier: StorageTier, step: int, *, remember_failure: bool = True) -> Manifest:
+        return self._get(tier, (id(tier), step, None), lambda: load_step_manifest(tier, step), remember_failure)
 
-    def rank_index(self, tier: StorageTier, step: int, rank: int) -> RankIndex:
-        return self._get(tier, (id(tier), step, rank),
-                         lambda: load_rank_index(tier, self.manifest(tier, step), rank))
+    def rank_index(self, tier: StorageTier, step: int, rank: int, *, remember_failure: bool = True) -> RankIndex:
+        return self._get(tier, (id(tier), step, rank), lambda: load_rank_index(
+            tier, self.manifest(tier, step, remember_failure=remember_failure), rank), remember_failure)
+
+    def prefetch_index(self, tier: StorageTier, step: int, rank: int) -> RankIndex:
+        """:meth:`rank_index` for a read-ahead, which is best effort: a failure is not remembered and does not
+        leave the tier out, so the restore reads the file again itself."""
+        return self.rank_index(tier, step, rank, remember_failure=False)
 
 
 def _sources(metadata: _Metadata, step: int, rank: int, world_size: int) -> list[ChunkSource]:

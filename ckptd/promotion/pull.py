@@ -31,7 +31,7 @@ log = logging.getLogger("ckptd.promotion")
 class MetadataReader(Protocol):
     """Reads each manifest and rank index of a restore once (``ckptd.manager.restoring``'s)."""
 
-    def rank_index(self, tier: StorageTier, step: int, rank: int) -> RankIndex: ...
+    def prefetch_index(self, tier: StorageTier, step: int, rank: int) -> RankIndex: ...
 
 
 def prefetch_step(remote: ObjectTier, step: int, rank: int, *, metadata: MetadataReader | None = None) -> int:
@@ -40,7 +40,7 @@ def prefetch_step(remote: ObjectTier, step: int, rank: int, *, metadata: Metadat
     the restore read the manifest and the index once."""
     try:
         if metadata is not None:
-            index = metadata.rank_index(remote, step, rank)
+            index = metadata.prefetch_index(remote, step, rank)
         else:
             index = load_rank_index(remote, load_step_manifest(remote, step), rank)
     except CkptdError as error:

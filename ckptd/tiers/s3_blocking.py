@@ -126,11 +126,6 @@ class BlockingRequests:
         if client is not None:
             client.meta.events.register(event, handler)
 
-    def _executor(self) -> _DaemonPool:
-        with self._lock:
-            if self._pool is None:
-                self._pool = _DaemonPool(max(1, settings().s3_concurrency), f"ckptd-s3-data-{next(_names)}")
-            return self._pool
 
     def new_budget(self) -> OperationBudget:
         """A fresh retry budget for one operation."""
@@ -167,8 +162,12 @@ class BlockingRequests:
         return run_within_budget(budget, attempt)
 
     def submit(self, call: Callable[[], T]) -> Future[T]:
-        """``call()`` on one of the pool's threads (``s3_concurrency`` of them)."""
-        return self._executor().submit(call)
+        """``call()`` on one of the pool's threads (``s3_concurrency`` of them; started again after a close).
+        Queued under the lock, so that a close either cancels it or comes after it."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = _DaemonPool(max(1, settings().s3_concurrency), f"ckptd-s3-data-{next(_names)}")
+            return self._pool.submit(call)
 
     def put(self, bucket: str, key: str, body: bytes | bytearray, **arguments: Any) -> dict[str, Any]:
         """One PUT of a whole object as one operation."""
