@@ -261,8 +261,12 @@ class Supervisor:
             keys.ENV_RESTART_COUNT: str(rank.restarts),
         }
 
+    def _job_environment(self) -> dict[str, str]:
+        """This process's environment with :meth:`_job_variables`: what every rank and spare starts from."""
+        return {**os.environ, **self._job_variables()}
+
     def _spawn(self, variables: dict[str, str]) -> RankProcess:
-        job = {**os.environ, **self._job_variables()}
+        job = self._job_environment()
         if self._starter is not None:
             return self._starter.start(self.spec.command, {**job, **variables})
         return subprocess.Popen(list(self.spec.command), env={**job, **variables},
@@ -289,7 +293,7 @@ class Supervisor:
         """Start the node's ranks and watch them until the job finishes; raises WorkerError when it stops."""
         try:
             if self.spec.preload:  # before the first heartbeat: the imports take seconds
-                self._starter = PreloadedStarter({**os.environ, **self._job_variables()})
+                self._starter = PreloadedStarter(self._job_environment())
                 self._starter.warm(self.spec.join_timeout_s)
             self._connect()
             self._supervise()

@@ -126,7 +126,6 @@ class BlockingRequests:
         if client is not None:
             client.meta.events.register(event, handler)
 
-
     def new_budget(self) -> OperationBudget:
         """A fresh retry budget for one operation."""
         return self._budget()
@@ -154,7 +153,7 @@ class BlockingRequests:
                 except Exception:
                     if not budget.take(connect_failure=False):
                         raise
-                    threading.Event().wait(backoff_s(retry))
+                    time.sleep(backoff_s(retry))
                     retry += 1
                 finally:
                     body.close()
@@ -188,8 +187,9 @@ class BlockingRequests:
 
 
 class _DaemonPool:
-    """``count`` daemon threads running submitted calls (a :class:`~concurrent.futures.ThreadPoolExecutor`'s
-    threads are joined at interpreter exit, so a GET stuck until its read timeouts would hold the exit)."""
+    """``count`` daemon threads running submitted calls. Not :class:`ckptd.background.TaskPool`: its
+    :class:`~concurrent.futures.ThreadPoolExecutor` threads are joined at interpreter exit, so a GET stuck
+    until its read timeouts would hold the exit."""
 
     def __init__(self, count: int, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
