@@ -146,7 +146,10 @@ def test_recoveries_in_a_row_end_bit_for_bit_and_the_survivor_keeps_no_old_gener
     # thread per generation grows by 2 over generations 2 to 4)
     later = [survivor[generation] for generation in sorted(survivor) if generation >= 2]
     assert len({record["fds"] for record in later}) == 1, [(record["fds"], record["threads"]) for record in later]
-    tasks = [record["tasks"] for record in later]
+    # the manager's read and write pools start their threads on demand, up to their fixed size, and keep them
+    # across generations: seen once in CI as 13, 13, 15 with ckptd-read_2 and _3 started in generation 4
+    pooled = ("ckptd-read_", "ckptd-write_")
+    tasks = [record["tasks"] - sum(name.startswith(pooled) for name in record["threads"]) for record in later]
     assert max(tasks) - min(tasks) <= 1, [(record["tasks"], record["threads"]) for record in later]
     # what run() froze after setup is frozen once: no later generation adds its leftovers to the frozen objects
     frozen = [survivor[generation]["frozen"] for generation in sorted(survivor)]
