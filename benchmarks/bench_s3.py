@@ -119,7 +119,10 @@ class _Bench:
         promote_step(local, restore_remote, 1)
 
         def connect(tier: ObjectTier) -> ObjectTier:
-            """Open ``tier``'s connections (the plain clients are connected before their timer too)."""
+            """Open ``tier``'s clients and connections, for data and for metadata (the plain clients are
+            connected before their timer too)."""
+            tier.connect()
+            tier.exists("warm-up")
             for _ in tier.lanes:
                 with contextlib.suppress(NotFoundError):
                     tier.read_bytes("warm-up")

@@ -2,7 +2,9 @@
 
 :func:`prefetch_step` tells the object tier which chunks one rank's restore will read, in the order it
 reads them, so they are fetched by parallel requests ahead of the reader (a pack that is read in one
-request is fetched ahead whole). :func:`pull_step` rebuilds a rank's data files and index on the local
+request is fetched ahead whole). Uncompressed chunks are left out: the reader's threads read them straight
+into the tensors (:meth:`~ckptd.tiers.object.ObjectTier.read_whole_into`), which a read-ahead into new
+buffers cannot. :func:`pull_step` rebuilds a rank's data files and index on the local
 tier from the verified chunks and packs (byte for byte the files that were promoted) and writes the
 manifest once every rank's share is there, so the next restore is local.
 """
@@ -14,6 +16,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from ckptd.errors import CkptdError, IntegrityError
+from ckptd.format import codecs
 from ckptd.format.layout import step_file
 from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 from ckptd.format.records import ChunkRecord, DataFile, RankIndex
@@ -51,7 +54,7 @@ def prefetch_step(remote: ObjectTier, step: int, rank: int, *, metadata: Metadat
     whole_packs = {number for number, data_file in enumerate(index.data_files) if data_file.packed and
                    whole_object(plan_ranges(index.packed_chunks(number), max_range_bytes()), data_file.size)}
     paths = [chunk_location(remote, index, chunk) for name in order for chunk in index.tensors[name].chunks
-             if read_by_digest(remote, index, chunk) or chunk.file in whole_packs]
+             if (read_by_digest(remote, index, chunk) and chunk.codec != codecs.RAW) or chunk.file in whole_packs]
     paths = list(dict.fromkeys(paths))
     remote.read_ahead(paths)
     return len(paths)

@@ -75,6 +75,8 @@ def lower_thread_priority(increment: int | None = None) -> None:
 def _pool_shape(purpose: str, options: Settings) -> tuple[int, Any]:
     if purpose == "read":
         return max(1, options.read_threads), None
+    if purpose == "remote-read":
+        return max(1, options.read_threads, options.s3_concurrency), None
     nice = options.background_nice
     return max(1, options.io_threads), lambda: lower_thread_priority(nice)
 
@@ -83,7 +85,8 @@ def io_pool(purpose: str = "write", options: Settings | None = None) -> TaskPool
     """The process-wide pool for ``purpose``: ``"write"`` (``CKPTD_IO_THREADS`` threads hashing, encoding
     and writing behind a save, at lowered priority, see :func:`lower_thread_priority`) or ``"read"``
     (``CKPTD_READ_THREADS`` threads reading and verifying during a restore, which training waits for,
-    at normal priority), sized by ``options`` (default: the current settings).
+    at normal priority) or ``"remote-read"`` (the same for reads from a tier over the network, at least
+    ``CKPTD_S3_CONCURRENCY`` threads), sized by ``options`` (default: the current settings).
 
     For callers that take the pool per task: the pool lives until a change of its thread count
     supersedes it. A caller that keeps using one pool holds a lease instead (:func:`lease_io_pool`).

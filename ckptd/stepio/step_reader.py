@@ -127,7 +127,10 @@ def read_chunk(source: ChunkSource, chunk: ChunkRecord, out: memoryview, *, tens
     tier, index = source.tier, source.index
     path = chunk_location(tier, index, chunk)
     stored: Buffer | None
-    if read_by_digest(tier, index, chunk):
+    if read_by_digest(tier, index, chunk) and chunk.codec == codecs.RAW:
+        tier.read_whole_into(path, out)  # its digest is its name: the whole object is the chunk
+        stored = None
+    elif read_by_digest(tier, index, chunk):
         stored = tier.read_bytes(path)
     elif tier.stores_chunks_by_digest:  # in a pack, stored whole in the step directory
         stored = source.packs.stored_bytes(tier, index, chunk)
@@ -179,6 +182,8 @@ class StepReader:
         self.events: list[FallbackEvent] = []
         self._pending: list[Future[None]] = []
         self._pending_memory = _DisjointSpans()
+        # reads from a tier over the network wait on it, not on a core: more of them are kept in flight
+        self._purpose = "read" if sources[0].tier.capabilities.node_local else "remote-read"
 
     @property
     def index(self) -> RankIndex:
@@ -216,7 +221,7 @@ class StepReader:
             start = target.data_ptr()
             end = start + target.numel() * target.element_size()
             if not self._pending_memory.overlaps(start, end):
-                self._pending.extend(io_pool("read").submit(self._read_chunk, name, chunk, piece)
+                self._pending.extend(io_pool(self._purpose).submit(self._read_chunk, name, chunk, piece)
                                      for chunk, piece in pieces)
                 self._pending_memory.add(start, end)
                 return target
@@ -227,7 +232,7 @@ class StepReader:
             for chunk, piece in pieces:
                 self._read_chunk(name, chunk, piece)
         else:
-            _finish([io_pool("read").submit(self._read_chunk, name, chunk, piece) for chunk, piece in pieces])
+            _finish([io_pool(self._purpose).submit(self._read_chunk, name, chunk, piece) for chunk, piece in pieces])
         if out is not None and not direct:
             import torch
 

@@ -95,6 +95,28 @@ class ReadWriteConformance:
         tier.read_into(path, 50, memoryview(buffer))
         assert bytes(buffer) == data[50:150]
 
+    def test_read_whole_into(self, tier: StorageTier) -> None:
+        data = os.urandom(11 * 1024 * 1024 + 17)
+        path = step_file(2, "rank-00000.data")
+        with override(s3_part_bytes=5 * 1024 * 1024, s3_concurrency=3):
+            tier.write_bytes(path, data)
+            assert _readable(tier, path)
+            buffer = bytearray(len(data))
+            tier.read_whole_into(path, memoryview(buffer))  # in parts where the tier reads by part
+            assert buffer == data
+        small = step_file(3, "small.json")
+        tier.write_bytes(small, b"0123456789")
+        assert _readable(tier, small)
+        buffer = bytearray(10)
+        tier.read_whole_into(small, memoryview(buffer))
+        assert buffer == b"0123456789"
+        for wrong in (9, 11, 0):  # a buffer of another size than the file: its size is wrong
+            with pytest.raises(IntegrityError) as caught:
+                tier.read_whole_into(small, memoryview(bytearray(wrong)))
+            assert caught.value.path == small
+        with pytest.raises(NotFoundError):
+            tier.read_whole_into(step_file(3, "absent.data"), memoryview(bytearray(4)))
+
     def test_empty_file(self, tier: StorageTier) -> None:
         path = step_file(1, "empty.json")
         tier.write_bytes(path, b"")

@@ -114,6 +114,13 @@ class StorageTier(abc.ABC):
             raise IntegrityError("file is shorter than its index says", path=path, tier=self.label,
                                  expected=str(len(buffer)), actual=str(len(data)))
 
+    def read_whole_into(self, path: str, buffer: memoryview) -> None:
+        """Fill ``buffer`` with the whole of ``path``; IntegrityError when its size is not ``len(buffer)``
+        (the buffer may then hold part of it). Tiers that can read straight into memory do so."""
+        data = self.read_bytes(path)
+        check_whole_size(self, path, len(data), len(buffer))
+        buffer[:] = data
+
     @abc.abstractmethod
     def size(self, path: str) -> int:
         """Size in bytes of a file. Raises NotFoundError if absent."""
@@ -249,3 +256,13 @@ class StorageTier(abc.ABC):
 
     def close(self) -> None:
         """Release resources (locks, connections)."""
+
+
+def check_whole_size(tier: StorageTier, path: str, size: int, expected: int) -> None:
+    """IntegrityError unless file ``path`` of ``tier`` has the ``expected`` size."""
+    if size != expected:
+        from ckptd.errors import IntegrityError
+
+        raise IntegrityError("file has the wrong stored length", path=path, tier=tier.label,
+                             expected=str(expected), actual=str(size),
+                             hint="the file is damaged; the restore reads it from another tier")

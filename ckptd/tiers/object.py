@@ -26,15 +26,15 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import FIRST_EXCEPTION, Future, wait
 from typing import Any
 
 from ckptd._types import Buffer
 from ckptd.config import settings
-from ckptd.errors import AlreadyCommittedError, CkptdError, NotFoundError, PluginError, StorageError
+from ckptd.errors import AlreadyCommittedError, CkptdError, IntegrityError, NotFoundError, PluginError, StorageError
 from ckptd.format.layout import MANIFEST_NAME, STEP_PREFIX, TEMP_MARKER, parse_step_dir, step_dir
 from ckptd.tiers import s3_errors
-from ckptd.tiers.base import StorageTier, StoredObject, TierCapabilities, repeated_keys
+from ckptd.tiers.base import StorageTier, StoredObject, TierCapabilities, check_whole_size, repeated_keys
 from ckptd.tiers.s3_blocking import BlockingRequests, blocking_client_arguments
 from ckptd.tiers.s3_lanes import IoLanes
 from ckptd.tiers.s3_budget import OperationBudget, budgeted_filesystem_class
@@ -189,6 +189,38 @@ class ObjectTier(StorageTier):
             offset, length = offset + len(first), end - offset - len(first)
             return first + self._get_on_lanes(path, offset, length, budget)
         return self._get_on_lanes(path, offset, length)
+
+    def read_whole_into(self, path: str, buffer: memoryview) -> None:
+        """With the blocking client: ranged GETs of up to ``s3_part_bytes`` read straight into ``buffer``
+        (the first on this thread, the rest in parallel on the client's threads; a caller must not be one
+        of them), one retry budget for them all. A file being read ahead is taken from there."""
+        view = memoryview(buffer).cast("B")
+        ahead = self._read_ahead.take(path)
+        if self._blocking is None or ahead is not None or not len(view):
+            with self._errors("reading", path):
+                data = ahead.result() if ahead is not None else self._get(path)
+            check_whole_size(self, path, len(data), len(view))
+            view[:] = data
+            return
+        blocking, key, part = self._blocking, self.key(path), part_bytes()
+        with self._errors("reading", path):
+            budget = blocking.new_budget()
+            filled, total = blocking.get_into(self.bucket, key, 0, view[:part], budget)
+            check_whole_size(self, path, total, len(view))
+            if filled < min(part, total):
+                raise IntegrityError("object shorter than its listed size", path=path, tier=self.label)
+            rest = [blocking.submit(functools.partial(blocking.get_into, self.bucket, key, start,
+                                                      view[start:start + part], budget))
+                    for start in range(filled, total, part)]
+            try:
+                wait(rest, return_when=FIRST_EXCEPTION)
+            finally:
+                for future in rest:
+                    future.cancel()
+                wait(rest)  # no GET writes into the buffer after this returns
+            for start, future in zip(range(filled, total, part), rest):
+                if future.result()[0] != min(part, total - start):
+                    raise IntegrityError("object shorter than its listed size", path=path, tier=self.label)
 
     def _get_on_lanes(self, path: str, offset: int, length: int | None,
                       budget: OperationBudget | None = None) -> bytes:
