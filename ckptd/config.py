@@ -84,7 +84,8 @@ class Settings:
     #: Object tier: single GETs and PUTs of data through a blocking botocore client on threads (faster than
     #: the lanes' aiohttp: :mod:`ckptd.tiers.s3_blocking`); off: every request on the lanes.
     s3_blocking_data: bool = True
-    #: Object tier: chunks fetched ahead of the reader during a restore (0: as many as s3_concurrency).
+    #: Object tier: compressed chunks and whole packs fetched ahead of the reader during a restore (0: as
+    #: many as s3_concurrency); uncompressed chunks are read straight into the tensors instead.
     s3_read_ahead: int = 0
     #: Object tier: write commit markers with a conditional PUT (If-None-Match: *). Turn it off for a
     #: store that ignores the header; the tier then looks the key up before writing (not race-free).
