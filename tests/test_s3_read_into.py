@@ -1,6 +1,6 @@
 """Whole-object reads of the object tier straight into memory (``ObjectTier.read_whole_into``, against
 moto over HTTP): the blocking client's bodies are read by http.client into the caller's buffer and
-their connections serve the next request; other bodies are read piece by piece; injected faults are
+their connections go back to the pool; other bodies are read piece by piece; injected faults are
 retried and the bytes arrive whole; a restore from S3 reads its uncompressed chunks this way instead
 of fetching them ahead into new buffers."""
 
@@ -37,8 +37,11 @@ def _pieces_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return sizes
 
 
-def test_blocking_whole_reads_go_straight_into_memory_and_keep_their_connection(
+def test_blocking_whole_reads_go_straight_into_memory_and_give_their_connection_back(
         s3_bucket, s3_options, monkeypatch, caplog):
+    """A body read into place returns its connection to the pool, which the next GET takes: urllib3 logs a
+    new connection only when its pool has none. (moto's server closes every connection after its answer,
+    so urllib3 opens the pooled one again, "Resetting dropped connection"; S3 keeps them open.)"""
     bodies = [os.urandom(2 * _MIB + index) for index in range(5)]
     tier = object_tier(s3_bucket, s3_options)
     try:
@@ -54,7 +57,7 @@ def test_blocking_whole_reads_go_straight_into_memory_and_keep_their_connection(
             tier.read_whole_into(f"chunks/aa/whole{index}.raw", memoryview(buffer))
             assert buffer == body
         opened = [record.getMessage() for record in caplog.records if "Starting new" in record.getMessage()]
-        assert not opened, f"every GET after the first reuses its connection: {opened}"
+        assert not opened, f"every GET after the first takes the pooled connection: {opened}"
         assert not pieces, "S3's bodies are read by http.client into the buffer, not piece by piece"
     finally:
         tier.close()
