@@ -398,6 +398,12 @@ class _FlakyStore(ObjectTier):
             raise StorageError("the store did not answer", path=path, tier=self.label)
         return super().read_bytes(path, offset, length)
 
+    def read_whole_into(self, path: str, buffer: memoryview) -> None:  # how uncompressed chunks are read
+        if path == self.flaky and not self.failed:
+            self.failed += 1
+            raise StorageError("the store did not answer", path=path, tier=self.label)
+        super().read_whole_into(path, buffer)
+
 
 def test_a_read_the_store_fails_once_is_no_bad_object(tiers, s3_server, s3_bucket, s3_options):
     local, remote = tiers
