@@ -127,10 +127,11 @@ def read_chunk(source: ChunkSource, chunk: ChunkRecord, out: memoryview, *, tens
     tier, index = source.tier, source.index
     path = chunk_location(tier, index, chunk)
     stored: Buffer | None
-    if read_by_digest(tier, index, chunk) and chunk.codec == codecs.RAW:
+    by_digest = read_by_digest(tier, index, chunk)
+    if by_digest and chunk.codec == codecs.RAW:
         tier.read_whole_into(path, out)  # its digest is its name: the whole object is the chunk
         stored = None
-    elif read_by_digest(tier, index, chunk):
+    elif by_digest:
         stored = tier.read_bytes(path)
     elif tier.stores_chunks_by_digest:  # in a pack, stored whole in the step directory
         stored = source.packs.stored_bytes(tier, index, chunk)

@@ -207,20 +207,18 @@ class ObjectTier(StorageTier):
             budget = blocking.new_budget()
             filled, total = blocking.get_into(self.bucket, key, 0, view[:part], budget)
             check_whole_size(self, path, total, len(view))
-            if filled < min(part, total):
-                raise IntegrityError("object shorter than its listed size", path=path, tier=self.label)
+            starts = range(filled, total, part)
             rest = [blocking.submit(functools.partial(blocking.get_into, self.bucket, key, start,
-                                                      view[start:start + part], budget))
-                    for start in range(filled, total, part)]
+                                                      view[start:start + part], budget)) for start in starts]
             try:
                 wait(rest, return_when=FIRST_EXCEPTION)
             finally:
                 for future in rest:
                     future.cancel()
                 wait(rest)  # no GET writes into the buffer after this returns
-            for start, future in zip(range(filled, total, part), rest):
-                if future.result()[0] != min(part, total - start):
-                    raise IntegrityError("object shorter than its listed size", path=path, tier=self.label)
+            got = [(0, filled)] + [(start, future.result()[0]) for start, future in zip(starts, rest)]
+            if any(count != min(part, total - start) for start, count in got):
+                raise IntegrityError("object shorter than its listed size", path=path, tier=self.label)
 
     def _get_on_lanes(self, path: str, offset: int, length: int | None,
                       budget: OperationBudget | None = None) -> bytes:
