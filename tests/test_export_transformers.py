@@ -1,6 +1,8 @@
 """The safetensors export of a 2-rank FSDP2 checkpoint of a tiny ``transformers`` model (built from a
 config, no download) loads with ``AutoModelForCausalLM.from_pretrained`` and equals the trained weights
-bit for bit, whole and split into indexed shards, and the loaded model gives the trained model's logits."""
+bit for bit, whole and split into indexed shards, and the loaded model gives the logits of a model built from the
+config with the trained weights, in the same process (logits from another process can differ in their last
+bits: the matmul kernels split work by the thread count)."""
 
 from __future__ import annotations
 
@@ -31,8 +33,7 @@ def _config() -> Any:
 
 def _train_and_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """Train the model sharded with FSDP2 for STEP steps and save model and optimizer through a
-    CheckpointManager; returns the full trained weights and the logits of PROMPT (rank 0 computes them
-    on an unsharded copy)."""
+    CheckpointManager; returns the full trained weights."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -57,21 +58,22 @@ def _train_and_save(rank: int, world_size: int, root: str) -> dict[str, Any]:
         manager.save(STEP, {"model": model_state, "optim": optim_state, "step": STEP}, force=True)
     full = {key: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
             for key, value in model_state.items()}
-    reference = LlamaForCausalLM(_config())
-    reference.load_state_dict(full)
-    with torch.no_grad():
-        logits = reference(input_ids=torch.tensor(PROMPT)).logits
-    return {"weights": {key: value.numpy().copy() for key, value in full.items()}, "logits": logits.numpy().copy()}
+    return {"weights": {key: value.numpy().copy() for key, value in full.items()}}
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, torch.Tensor], torch.Tensor]:
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, dict[str, torch.Tensor]]:
     base = tmp_path_factory.mktemp("hf-export")
     root, config_dir = base / "ckpt", base / "config"
     results = run_multirank(_train_and_save, 2, str(root), timeout_s=240)
     _config().save_pretrained(config_dir)
     weights = {key: torch.from_numpy(value) for key, value in results[0]["weights"].items()}
-    return root, config_dir / "config.json", weights, torch.from_numpy(results[0]["logits"])
+    return root, config_dir / "config.json", weights
+
+
+def _logits(model: Any) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=torch.tensor(PROMPT)).logits
 
 
 def _bytes(tensor: torch.Tensor) -> bytes:
@@ -81,13 +83,13 @@ def _bytes(tensor: torch.Tensor) -> bytes:
 @pytest.mark.parametrize("max_shard_size", ["5GB", "20KB"])
 def test_from_pretrained_loads_the_export_with_the_trained_weights(trained, tmp_path: Path,
                                                                    max_shard_size: str) -> None:
-    root, config_file, weights, logits = trained
+    root, config_file, weights = trained
     out = tmp_path / "model"
     result = CliRunner().invoke(cli, ["export", str(root), "--step", str(STEP), "--consolidate", "--key-prefix",
                                       "model.", "--config", str(config_file), "--max-shard-size", max_shard_size,
                                       "--out", str(out)])
     assert result.exit_code == 0, result.output
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     sharded = max_shard_size != "5GB"
     assert (out / "model.safetensors.index.json").exists() == sharded
@@ -97,12 +99,13 @@ def test_from_pretrained_loads_the_export_with_the_trained_weights(trained, tmp_
     assert loaded.keys() == weights.keys()
     for key, tensor in weights.items():
         assert loaded[key].dtype == tensor.dtype and _bytes(loaded[key]) == _bytes(tensor), key
-    with torch.no_grad():
-        assert torch.equal(model(input_ids=torch.tensor(PROMPT)).logits, logits)
+    reference = LlamaForCausalLM(_config())
+    reference.load_state_dict(weights)
+    assert torch.equal(_logits(model.eval()), _logits(reference.eval()))
 
 
 def test_a_bf16_export_loads_as_bf16(trained, tmp_path: Path) -> None:
-    root, config_file, weights, _ = trained
+    root, config_file, weights = trained
     out = tmp_path / "model"
     result = CliRunner().invoke(cli, ["export", str(root), "--step", str(STEP), "--consolidate", "--key-prefix",
                                       "model", "--config", str(config_file), "--dtype", "bf16", "--out", str(out)])
