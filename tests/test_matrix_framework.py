@@ -118,6 +118,44 @@ def test_results_merge_into_the_report_and_the_readme_block(tmp_path: Path) -> N
         matrix_report.load_results([tmp_path / "bad.json"])
 
 
+def test_a_failure_replaced_by_a_later_run_of_its_seed_stays_in_the_report(tmp_path: Path) -> None:
+    entry = _entry(raises_on_odd_seeds)
+    failed = _document([(entry, [3])])
+    assert failed["revision"] is None or failed["revision"][:7].isalnum(), "the checkout's commit is recorded"
+    rerun = json.loads(json.dumps(failed))
+    rerun["generated"] = "9999-01-01T00:00:00+00:00"
+    rerun["scenarios"][0]["runs"][0]["held"] = True  # the same seed after a fix
+    merged = matrix_report.merge_results(matrix_report.load_results([
+        matrix_report.write_results(tmp_path / "before.json", failed),
+        matrix_report.write_results(tmp_path / "after.json", rerun)]), [entry])
+    assert merged["scenarios"][0]["summary"]["failed_seeds"] == [], "the newest run of a seed counts"
+    assert [(s["seed"], Path(s["file"]).name, s["held_later"]) for s in merged["superseded"]] == [
+        (3, "before.json", True)]
+    report = matrix_report.markdown_report(merged, command="make matrix", findings=[])
+    assert "- row 99 `raises_on_odd_seeds` seed 3: failed in `before.json`, held in `after.json`" in report
+    assert "row 99 `raises_on_odd_seeds` 1 of 4" in report, "a scenario short of its long_runs is named"
+    finding = {"source": "matrix", "row": 99, "scenario": "raises_on_odd_seeds", "seeds": [3], "symptom": "boom",
+               "cause": "odd seeds", "fix": "abc1234", "regression_test": "tests/test_x.py::test_y"}
+    named = matrix_report.markdown_report(merged, command="make matrix", findings=[finding])
+    assert "| row 99 | raises_on_odd_seeds | 3 | boom | odd seeds | abc1234 | `tests/test_x.py::test_y` |" in named
+    assert "seed 3: failed in" not in named, "a failure a finding names is listed once, as the finding"
+    block = matrix_report.readme_block(merged, command="make matrix", findings=[finding])
+    assert "found 1 failures (0 defects of ckptd, 1 of the scenarios)" in block
+
+
+def test_every_committed_finding_names_a_regression_test_that_exists() -> None:
+    repository = Path(__file__).resolve().parent.parent
+    findings = matrix_report.load_findings(repository / "reports" / "fault-matrix" / "findings.json")
+    assert findings, "the campaign's findings are recorded"
+    for finding in findings:
+        path, _, function = finding["regression_test"].partition("::")
+        source = (repository / path).read_text()
+        assert not function or f"def {function}(" in source, finding["regression_test"]
+        assert finding["symptom"] and finding["cause"], finding
+    report = (repository / "reports" / "fault-matrix" / "REPORT.md").read_text()
+    assert all(f["regression_test"] in report for f in findings), "REPORT.md was merged with the findings file"
+
+
 def test_long_run_runs_rows_writes_json_merges_and_replays(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     long_run = _long_run()

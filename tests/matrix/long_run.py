@@ -6,7 +6,9 @@ Run rows (seeds ``seed_for(row, 0..N-1)``, the short mode's seeds first)::
 
 Without ``--runs`` each scenario runs its ``long_runs`` times; ``--jobs N`` spreads the runs over N worker
 processes; the results file is rewritten every 10 runs (a run stopped early keeps what it did), and
-``--first-run K`` runs a further batch (seeds from index K) that ``--merge`` joins to the earlier ones. Merge every results file into the report and the README's table (one command)::
+``--first-run K`` runs a further batch (seeds from index K) that ``--merge`` joins to the earlier ones. Merge every results file into the report and the README's table (one command; the findings file
+``reports/fault-matrix/findings.json``, every failure found with its cause, fix and regression test, becomes
+the report's findings section)::
 
     python tests/matrix/long_run.py --merge 'reports/fault-matrix/*.json' \\
         --markdown reports/fault-matrix/REPORT.md --readme README.md
@@ -38,6 +40,7 @@ if str(REPO) not in sys.path:  # run as a script from a checkout
 
 from ckptd.testing import matrix, matrix_report  # noqa: E402
 
+FINDINGS = REPO / "reports" / "fault-matrix" / "findings.json"
 MERGE_COMMAND = ("python tests/matrix/long_run.py --merge 'reports/fault-matrix/*.json' "
                  "--markdown reports/fault-matrix/REPORT.md --readme README.md")
 
@@ -158,19 +161,21 @@ def replay(spec: str) -> int:
 
 
 def merge(patterns: list[str], markdown: str | None, readme: str | None) -> int:
-    paths = sorted({path for pattern in patterns for path in glob.glob(pattern)})
+    paths = sorted({path for pattern in patterns for path in glob.glob(pattern)
+                    if Path(path).resolve() != FINDINGS.resolve()})
     if not paths:
         print(f"--merge: no results file matches {' '.join(patterns)}", file=sys.stderr)
         return 2
     merged = matrix_report.merge_results(matrix_report.load_results(paths), matrix.scenarios())
+    findings = matrix_report.load_findings(FINDINGS) if FINDINGS.exists() else None
     if markdown:
         Path(markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(markdown).write_text(matrix_report.markdown_report(merged, command=MERGE_COMMAND))
+        Path(markdown).write_text(matrix_report.markdown_report(merged, command=MERGE_COMMAND, findings=findings))
         print(f"wrote {markdown} from {len(paths)} results file(s)")
     if readme:
         text = Path(readme).read_text()
         Path(readme).write_text(matrix_report.replace_marked_block(text, matrix_report.readme_block(
-            merged, command=MERGE_COMMAND)))
+            merged, command=MERGE_COMMAND, findings=findings)))
         print(f"updated the fault-matrix table in {readme}")
     if not markdown and not readme:
         print("\n".join(matrix_report.table_lines(merged)))
