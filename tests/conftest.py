@@ -1,5 +1,6 @@
 """Shared fixtures: a real S3 endpoint (moto's server over HTTP on 127.0.0.1) for the whole session, and the
-uninterrupted run of the elastic test job that the elastic tests compare their recovered runs with."""
+uninterrupted runs of the elastic test job (2 ranks, and 3) that the elastic tests compare their recovered
+runs with."""
 
 from __future__ import annotations
 
@@ -37,26 +38,41 @@ def s3_options(s3_server: EmbeddedS3) -> dict[str, Any]:
     return s3_server.storage_options
 
 
-@pytest.fixture(scope="session")
-def elastic_reference(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
+def _uninterrupted_run(tmp_path_factory: pytest.TempPathFactory, world: int) -> list[bytes]:
     """Each rank's final bytes of the elastic test job (:mod:`ckptd.testing.elastic_training`, default
-    arguments) run uninterrupted under ``ckptd launch``: run once per test session and shared by the
-    pytest-xdist workers (under a lock in their common temporary directory), since it is the same run."""
-    from ckptd.testing.elastic_runs import WORLD, finals, launch_job
+    arguments) run uninterrupted under ``ckptd launch`` with ``world`` ranks: run once per test session and
+    shared by the pytest-xdist workers (under a lock in their common temporary directory), since it is the
+    same run."""
+    from ckptd.testing.elastic_runs import finals, launch_job
 
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    root = Path(shared) / "elastic-reference"
-    with (Path(shared) / "elastic-reference.lock").open("a") as lock:
+    root = Path(shared) / f"elastic-reference-{world}-ranks"
+    with (Path(shared) / f"elastic-reference-{world}-ranks.lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (root / "done").exists():
-            result = launch_job(root)
+            result = launch_job(root, world=world)
             assert result.returncode == 0, result.stderr[-4000:]
             (root / "done").touch()
-    written = finals(root / "out")
+    written = finals(root / "out", world)
     ids = [sample for final in written for row in json.loads(final)["seen"] for sample in row]
-    assert -1 not in ids and len(ids) == 12 * 4 * WORLD, "every rank consumed a batch at every step"
+    assert -1 not in ids and len(ids) == 12 * 4 * world, "every rank consumed a batch at every step"
     return written
+
+
+@pytest.fixture(scope="session")
+def elastic_reference(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
+    """The uninterrupted run of the elastic test job with its usual WORLD (2) ranks (:func:`_uninterrupted_run`)."""
+    from ckptd.testing.elastic_runs import WORLD
+
+    return _uninterrupted_run(tmp_path_factory, WORLD)
+
+
+@pytest.fixture(scope="session")
+def elastic_reference_three_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
+    """The uninterrupted run of the elastic test job with 3 ranks (:func:`_uninterrupted_run`), for the tests in
+    which a rank survives the failure of two others."""
+    return _uninterrupted_run(tmp_path_factory, 3)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -65,9 +65,9 @@ class Job:
 
 def start_job(root: Path, *job_args: str, max_restarts: int = 3, hang_timeout: float = 60.0, nodes: int = 1,
               extra: tuple[str, ...] = (), settings: dict[str, str] | None = None,
-              module: str = "ckptd.testing.elastic_training") -> Job:
-    """Start ``ckptd launch`` of the test job (``module``) with WORLD ranks; with ``nodes=2`` two supervisors
-    (one rank each) stand in for two nodes: node 0 hosts the store, each keeps its ranks' checkpoints in
+              module: str = "ckptd.testing.elastic_training", world: int = WORLD) -> Job:
+    """Start ``ckptd launch`` of the test job (``module``) with ``world`` ranks; with ``nodes=2`` two supervisors
+    (``world // nodes`` ranks each) stand in for two nodes: node 0 hosts the store, each keeps its ranks' checkpoints in
     its own root (``root/ckpt-node<n>``). ``extra``: more launcher options; ``settings``: more environment
     variables (``CKPTD_*``) for the supervisors and their ranks."""
     environment = dict(os.environ, OMP_NUM_THREADS="1", CKPTD_ELASTIC_REJOIN_TIMEOUT_S="60")
@@ -75,8 +75,8 @@ def start_job(root: Path, *job_args: str, max_restarts: int = 3, hang_timeout: f
     endpoint = f"127.0.0.1:{free_port()}"
     commands = {}
     for node in range(nodes):
-        placement = ["--nproc-per-node", str(WORLD)] if nodes == 1 else [
-            "--nproc-per-node", str(WORLD // nodes), "--nnodes", str(nodes), "--node-rank", str(node),
+        placement = ["--nproc-per-node", str(world)] if nodes == 1 else [
+            "--nproc-per-node", str(world // nodes), "--nnodes", str(nodes), "--node-rank", str(node),
             "--rdzv-endpoint", endpoint]
         commands[node] = [sys.executable, "-m", "ckptd.cli.main", "launch", *placement,
                           "--max-restarts", str(max_restarts), "--hang-timeout", str(hang_timeout), *extra,
@@ -120,9 +120,9 @@ def record(out: Path, rank: int, generation: int) -> dict[str, Any] | None:
         return None
 
 
-def finals(out: Path) -> list[bytes]:
-    """Each rank's final weights, optimizer state and sample ids, as the bytes it wrote."""
-    return [(out / f"rank{rank}-final.json").read_bytes() for rank in range(WORLD)]
+def finals(out: Path, world: int = WORLD) -> list[bytes]:
+    """Each of the ``world`` ranks' final weights, optimizer state and sample ids, as the bytes it wrote."""
+    return [(out / f"rank{rank}-final.json").read_bytes() for rank in range(world)]
 
 
 def generations(out: Path, rank: int) -> dict[int, dict[str, Any]]:

@@ -10,7 +10,11 @@ With ``--kill-rank R --kill-step S`` rank R sends itself ``--kill-signal`` (KILL
 at step S of the first generation, ``--kill-phase`` before the step's collectives, before or after that
 step's save, before it once the earlier saves are committed, once that save is committed, or
 (``before-commit-marker``) from its writer thread once that save is agreed and committed in every other
-rank's directory, before it writes its own commit marker; with ``--kill-generations N`` also at the first step of generations 1 to N-1 (a crash loop). Each rank writes,
+rank's directory, before it writes its own commit marker; with ``--kill-generations N`` also at the first step of generations 1 to N-1 (a crash loop).
+With ``--kill-in-restore`` the process that replaces rank R SIGKILLs itself once more, inside its own
+restore: at its first read of a data file of the step agreed on (metadata read, step agreed, no tensor loaded
+yet), once per job (``rank<R>-killed-in-restore.json``, written first, keeps the next replacement from it).
+Each rank writes,
 for every generation it joins, ``rank<r>-gen<g>.json`` (pid, restored step, tier, its OS threads and open files, wall-clock times of
 entering the generation, of the restore and of its first completed step; the victim also writes
 ``rank<r>-killed.json`` just before the signal) and at the end
@@ -157,6 +161,30 @@ def _die_before_commit_marker(manager: ckptd.CheckpointManager, step: int, other
     commit.commit = dying  # type: ignore[method-assign]
 
 
+def _die_in_restore(manager: ckptd.CheckpointManager, marker: Path, generation: int) -> None:
+    """The fault of ``--kill-in-restore``: this process SIGKILLs itself at the first read of a data file
+    (``*.data``, a tensor's bytes) from the manager's local tier, unless ``marker`` exists; it creates
+    ``marker`` (exclusively: one reader thread alone dies) just before, naming the process, ``generation`` and
+    the file. Wraps the local tier's reads, so the signal lands inside the restore's load, wherever it reads."""
+    tier = manager.local
+    for name in ("read_bytes", "read_into", "read_whole_into"):
+        real = getattr(tier, name)
+
+        def dying(path: str, *args: Any, _real: Any = real, **options: Any) -> Any:
+            if path.endswith(".data") and not marker.exists():
+                try:
+                    with marker.open("x") as sink:
+                        json.dump({"pid": os.getpid(), "generation": generation, "path": path, "at": time.time()},
+                                  sink)
+                except FileExistsError:  # another reader thread is dying already
+                    pass
+                else:
+                    _signal_self("KILL")
+            return _real(path, *args, **options)
+
+        setattr(tier, name, dying)
+
+
 def _wait_for_the_assignment(timeout_s: float = 120.0) -> None:
     """In a spare (``--spare-setup-until-assigned``): hold the setup until the supervisor has handed this
     spare a rank, so that the rank is handed to a spare whose setup is not done."""
@@ -226,6 +254,8 @@ def _train(ctx: elastic.WorkerContext, args: argparse.Namespace) -> None:
     if ctx.rank == args.kill_rank and ctx.generation == 0 and args.kill_phase == "before-commit-marker":
         _die_before_commit_marker(manager, args.kill_step, [Path(args.root) / f"rank{other}"
                                                            for other in range(ctx.world_size) if other != ctx.rank])
+    if args.kill_in_restore and ctx.rank == args.kill_rank and ctx.generation > 0 and ctx.rejoined == 0:
+        _die_in_restore(manager, Path(args.out) / f"rank{ctx.rank}-killed-in-restore.json", ctx.generation)
     start = manager.restore(state)
     out = Path(args.out)
     record = {"pid": os.getpid(), "generation": ctx.generation, "restored": start, "restart_count": ctx.restart_count,
@@ -304,6 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-once-promoted", action="store_true",
                         help="the victim's signal waits until the object tier holds a committed step")
     parser.add_argument("--kill-generations", type=int, default=1)
+    parser.add_argument("--kill-in-restore", action="store_true",
+                        help="the replacement of --kill-rank SIGKILLs itself once, in its restore's first data read")
     parser.add_argument("--kill-when-spare-ready", action="store_true")
     parser.add_argument("--kill-spare-first", action="store_true",
                         help="with --kill-when-spare-ready: the victim SIGKILLs the ready spares before it dies")
