@@ -19,12 +19,11 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from ckptd.daemon.http_server import HttpServer
 from ckptd.daemon.metrics import DaemonMetrics
 from ckptd.errors import ConfigError
-from ckptd.testing.daemon_process import DaemonProcess, run_trainer, wait_until, write_config
+from ckptd.testing.daemon_process import DaemonProcess, metric_samples, run_trainer, wait_until, write_config
 
 
 def _get(url: str, *, data: bytes | None = None) -> tuple[int, bytes, str]:
@@ -34,12 +33,6 @@ def _get(url: str, *, data: bytes | None = None) -> tuple[int, bytes, str]:
             return response.status, response.read(), response.headers.get("Content-Type", "")
     except urllib.error.HTTPError as error:
         return error.code, error.read(), error.headers.get("Content-Type", "")
-
-
-def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of a Prometheus exposition: (name, sorted labels) -> value."""
-    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
 # --- against the real daemon --------------------------------------------------------------------------
@@ -67,14 +60,14 @@ def test_health_readiness_metrics_and_status_of_a_real_daemon(daemon):
 
     status, text, content_type = _get(process.http + "/metrics")
     assert status == 200 and content_type.startswith("text/plain")
-    before = _samples(text.decode())
+    before = metric_samples(text.decode())
     promoted = ("ckptd_promoted_steps_total", (("root", "run1"),))
     assert before.get(promoted, 0.0) == 0.0
 
     assert run_trainer(root, 1, 2) == [1, 2]  # a real trainer process: the daemon watches its root
 
     def promoted_twice() -> dict[Any, float] | None:
-        samples = _samples(_get(process.http + "/metrics")[1].decode())
+        samples = metric_samples(_get(process.http + "/metrics")[1].decode())
         return samples if samples.get(promoted, 0.0) >= 2 else None
 
     after = wait_until(promoted_twice, 60, "the metrics to count two promotions")
@@ -145,7 +138,7 @@ def test_metrics_render_what_was_recorded(served):
     stand_in.metrics.lag("run1", "object", 3, 12.5)
     stand_in.metrics.journal_depth("promote", 4)
     stand_in.metrics.retry("object", "promote")
-    samples = _samples(_get(server.url + "/metrics")[1].decode())
+    samples = metric_samples(_get(server.url + "/metrics")[1].decode())
     assert samples[("ckptd_promoted_bytes_total", (("root", "run1"),))] == 1000
     assert samples[("ckptd_promotion_lag_steps", (("root", "run1"), ("tier", "object")))] == 3
     assert samples[("ckptd_promotion_lag_seconds", (("root", "run1"), ("tier", "object")))] == 12.5
@@ -173,7 +166,7 @@ def test_a_status_that_fails_is_a_500_with_the_reason_and_counted(served):
     stand_in.status = broken  # type: ignore[method-assign]
     status, body, _ = _get(server.url + "/status")
     assert status == 500 and "journal is gone" in json.loads(body)["error"]
-    assert _samples(stand_in.metrics.render()[0].decode())[("ckptd_errors_total", (("where", "http"),))] == 1
+    assert metric_samples(stand_in.metrics.render()[0].decode())[("ckptd_errors_total", (("where", "http"),))] == 1
 
 
 def test_a_port_in_use_is_a_clear_error():
@@ -212,6 +205,6 @@ def test_a_status_or_readiness_that_hangs_is_a_503_with_the_reason(served, monke
         status, body, _ = _get(server.url + "/readyz")
         assert status == 503 and json.loads(body)["ready"] is False and "took longer" in json.loads(body)["why"]
         assert _get(server.url + "/healthz")[0] == 200
-        assert _samples(stand_in.metrics.render()[0].decode())[("ckptd_errors_total", (("where", "http"),))] == 1
+        assert metric_samples(stand_in.metrics.render()[0].decode())[("ckptd_errors_total", (("where", "http"),))] == 1
     finally:
         released.set()

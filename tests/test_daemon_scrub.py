@@ -1,6 +1,7 @@
 """The daemon's scrub: a flipped bit in a stored chunk is found in one pass and mended from another tier,
-byte for byte; what cannot be mended is reported and nothing else changes; the pacing holds its rate on
-a fake clock; a pass stops between chunks when asked."""
+byte for byte (also by a real ``ckptd daemon`` process on its own schedule, counted in its metrics); what
+cannot be mended is reported and nothing else changes; the pacing holds its rate on a fake clock; a pass
+stops between chunks when asked."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ckptd.errors import ConfigError, StorageError
 from ckptd.format.layout import step_dir
 from ckptd.promotion import promote_step
 from ckptd.stepio.step_reader import load_rank_index, load_step_manifest, verify_step
+from ckptd.testing.daemon_process import DaemonProcess, run_trainer, write_config
 from ckptd.testing.tamper import chunk_location, flip_bit
 from ckptd.tiers.chunk_health import bad_chunk_paths
 from ckptd.tiers.local import LocalTier
@@ -113,6 +115,58 @@ def test_a_flipped_bit_in_a_chunk_object_is_found_and_repaired_from_the_local_ti
     assert bad_chunk_paths(remote) == set(), "its bad record is cleared"
     code, answer = _verify_cli(remote.url, *_endpoint(s3_options))
     assert code == 0 and answer["problems"] == [] and answer["steps_checked"] == 2
+
+
+def _scrub_counts(daemon: DaemonProcess, tier: str) -> tuple[float, float]:
+    """(bad files scrub found, bad files repaired) on tiers of kind ``tier``, from the daemon's /metrics."""
+    samples = daemon.metrics()
+    return (samples.get(("ckptd_scrub_failures_total", (("tier", tier),)), 0.0),
+            samples.get(("ckptd_repairs_total", (("tier", tier),)), 0.0))
+
+
+def test_a_daemon_finds_a_flipped_bit_in_its_scheduled_scrub_and_mends_it_from_s3(tmp_path, s3_bucket, s3_options):
+    """A real ``ckptd daemon`` with a one-second scrub interval: a bit flipped in a chunk of a committed,
+    promoted step on the local tier (a chunk no other local step holds) is found by the next scheduled pass
+    and written back from the object tier's copy in that same pass, and ``/metrics`` counts one bad file and
+    one repair."""
+    root, state = tmp_path / "root", tmp_path / "state"
+    root.mkdir()
+    config = write_config(tmp_path / "daemon.toml", [{"name": "run1", "local": str(root),
+                                                      "remote": f"s3://{s3_bucket}/run1", "storage_options": s3_options}],
+                          state_dir=str(state), listen="127.0.0.1:0", node_id="node-a", poll_interval_s=0.2,
+                          retry_backoff_s=0.2, scrub_interval_s=1.0)
+    with DaemonProcess(config, state) as daemon:
+        daemon.wait_ready()
+        assert run_trainer(root, 1, 2, keep_local=None) == [1, 2]
+
+        def promoted_and_unpinned() -> bool:  # a pin is a hard link: a flip would change its bytes too
+            run = daemon.get_json("/status")["roots"]["run1"]
+            return run["tiers"]["object"]["steps"] == [1, 2] and run["pinned"] == []
+
+        daemon.wait_for(promoted_and_unpinned, 60, "steps 1 and 2 promoted and unpinned")
+        daemon.wait_for(lambda: daemon.metrics().get(("ckptd_scrubbed_bytes_total", (("tier", "local"),)), 0) > 0,
+                        60, "a scrub pass over the intact local tier")
+        found, repaired = _scrub_counts(daemon, "local")
+        assert found == repaired == 0, "nothing was bad before the flip"
+        data_file, offset, length = chunk_location(root, 2, "weights")  # seeded by the step: step 2's alone
+        intact, inode = data_file.read_bytes(), data_file.stat().st_ino
+        flip_bit(data_file, offset + length // 2, bit=6)
+        assert data_file.read_bytes() != intact
+
+        daemon.wait_for(lambda: _scrub_counts(daemon, "local")[1] >= 1, 60, "a scheduled scrub pass to repair it")
+
+        assert _scrub_counts(daemon, "local") == (1.0, 1.0), "found once and mended in the pass that found it"
+        assert data_file.read_bytes() == intact and data_file.stat().st_ino == inode, "mended in place"
+        assert list(verify_step(LocalTier(root), 2)) == []
+        errors = [error["error"] for error in daemon.get_json("/status")["recent_errors"] if error["where"] == "scrub"]
+        assert errors and "1 bad file(s)" in errors[-1] and "1 repaired" in errors[-1], errors
+        assert _scrub_counts(daemon, "object") == (0.0, 0.0), "the object tier's copy was only read"
+        assert daemon.terminate() == 0
+    remote = object_tier(s3_bucket, s3_options, prefix="run1")
+    try:
+        assert [list(verify_step(remote, step)) for step in (1, 2)] == [[], []]
+    finally:
+        remote.close()
 
 
 def _replica_of(local: LocalTier, directory: Path) -> LocalTier:

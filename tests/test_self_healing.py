@@ -164,20 +164,22 @@ def cli_credentials(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
 
 
-def _run_states() -> dict[int, dict[str, torch.Tensor]]:
-    """A frozen tensor shared by every step, an adapter that changes at step 2 and then stays (its chunk
-    is shared by steps 2 and 3), and a small trained tensor that changes every step."""
+def _run_states(last: int = 3) -> dict[int, dict[str, torch.Tensor]]:
+    """Steps 1 to ``last``: a frozen tensor shared by every step, an adapter that changes at step 2 and then
+    stays (its one chunk is shared by steps 2 to ``last``), and a small trained tensor that changes every
+    step (its chunk belongs to its step alone)."""
     frozen = torch.randn(1024 * 1024, generator=torch.Generator().manual_seed(0))
-    adapters = {1: torch.randn(512 * 1024, generator=torch.Generator().manual_seed(1))}
-    adapters[2] = adapters[3] = torch.randn(512 * 1024, generator=torch.Generator().manual_seed(2))
-    return {step: {"frozen": frozen, "adapter": adapters[step],
+    first = torch.randn(512 * 1024, generator=torch.Generator().manual_seed(1))
+    settled = torch.randn(512 * 1024, generator=torch.Generator().manual_seed(2))
+    return {step: {"frozen": frozen, "adapter": first if step == 1 else settled,
                    "trained": torch.randn(4096, generator=torch.Generator().manual_seed(100 + step))}
-            for step in (1, 2, 3)}
+            for step in range(1, last + 1)}
 
 
-def _adapter_key(tier, step: int) -> str:
+def _chunk_key(tier, step: int, tensor: str = "adapter") -> str:
+    """The content address of the one chunk of ``tensor`` (saved whole in one chunk) in ``step`` on ``tier``."""
     index = load_rank_index(tier, load_step_manifest(tier, step), 0)
-    (chunk,) = index.tensors["adapter"].chunks
+    (chunk,) = index.tensors[tensor].chunks
     return chunk.object_key
 
 
@@ -186,11 +188,13 @@ def _verify_cli(remote, s3_options, *extra: str):
     return CliRunner().invoke(cli, ["verify", remote.url, "--endpoint-url", endpoint, "--json", *extra])
 
 
-def _restore_fresh(directory, remote, s3_options, like):
+def _restore_fresh(directory, remote, s3_options, like, step: int | None = None):
+    """Restore the newest intact step (or ``step``) on a fresh node (an empty local directory, so from the
+    object tier alone) into zeros shaped like ``like``: (step, restored state, RestoreResult)."""
     restored = zero_like(like)
     with ckptd.CheckpointManager(directory, remote=remote.url, storage_options=s3_options,
                                  capture_rng=False) as manager:
-        step = manager.restore(restored)
+        step = manager.restore(restored, step)
         return step, restored, manager.last_restore
 
 
@@ -202,8 +206,8 @@ def test_a_bad_shared_chunk_is_recorded_by_restore_and_mended_by_verify_repair(t
     try:
         for step in states:
             promote_step(local, remote, step)
-        key = _adapter_key(remote, 3)
-        assert key == _adapter_key(remote, 2), "steps 2 and 3 share the adapter's chunk"
+        key = _chunk_key(remote, 3)
+        assert key == _chunk_key(remote, 2), "steps 2 and 3 share the adapter's chunk"
         _tamper_same_size(s3_server, s3_bucket, key)
 
         step, restored, result = _restore_fresh(tmp_path / "fresh", remote, s3_options, states[1])
@@ -271,7 +275,7 @@ def test_the_next_promotion_uploads_a_bad_chunk_again(tmp_path, s3_server, s3_bu
     remote = object_tier(s3_bucket, s3_options)
     try:
         promote_step(local, remote, 2)
-        key = _adapter_key(remote, 2)
+        key = _chunk_key(remote, 2)
         _tamper_same_size(s3_server, s3_bucket, key)  # no reader saw it: only dedup's checksum check can
         forget_verified()
         report = promote_step(local, remote, 3)
@@ -287,6 +291,77 @@ def test_the_next_promotion_uploads_a_bad_chunk_again(tmp_path, s3_server, s3_bu
         remote.close()
 
 
+def _chunk_puts(tier) -> Counter:
+    """Uploads (single PUTs and multipart starts) every client of ``tier`` sends from now on, by object key."""
+    puts: Counter = Counter()
+    tier.on_call(lambda method, params: puts.update([str(params["Key"])])
+                 if method in ("put_object", "create_multipart_upload") else None)
+    return puts
+
+
+def test_a_restore_records_a_bad_shared_chunk_the_next_promotion_uploads_it_and_repair_mends_the_rest(
+        tmp_path, s3_server, s3_bucket, s3_options, cli_credentials, monkeypatch):
+    """Issue 11's chain as one run. The adapter's chunk object (2 MiB, content-addressed, shared by steps 2, 3
+    and the next step 4) flips a byte in S3 at its size; so does step 2's own trained chunk, which no later
+    step holds. A restore on a fresh node falls back to step 1, says why and records the adapter's object as
+    bad; promoting step 4 uploads that object again because of the record alone (dedup's checksum check is
+    made to trust it here); ``verify --repair`` mends what step 4 did not hold; every step then verifies and
+    restores bit for bit from S3 alone."""
+    states = _run_states(last=4)
+    local = save_local(tmp_path / "local", states, chunk_bytes=_BIG_CHUNK)
+    remote = object_tier(s3_bucket, s3_options)
+    try:
+        for step in (1, 2, 3):
+            promote_step(local, remote, step)
+        shared, own = _chunk_key(remote, 3), _chunk_key(remote, 2, "trained")
+        assert shared == _chunk_key(remote, 2) == _chunk_key(local, 4) != _chunk_key(remote, 1)
+        intact = remote.read_bytes(remote.chunk_path(shared))
+        assert len(_tamper_same_size(s3_server, s3_bucket, shared)) == len(intact)
+        _tamper_same_size(s3_server, s3_bucket, own)
+
+        step, restored, result = _restore_fresh(tmp_path / "fresh", remote, s3_options, states[1])
+        assert step == 1 and same_bytes(restored, states[1]), "steps 3 and 2 are bad on S3: step 1"
+        assert [reason.split(" on ")[0] for reason in result.skipped] == ["step 3", "step 2"], result.skipped
+        assert f"chunk {shared.split('/')[-1].split('.')[0]}" in result.skipped[0], "the restore says which chunk"
+        assert f"chunks/{shared}" in bad_chunk_paths(remote) <= {f"chunks/{shared}", f"chunks/{own}"}
+
+        asked: list[str] = []
+        checked_by_store = dedup._verdict
+
+        def trusting(tier, local_tier, share, chunk) -> tuple[bool, str, int]:  # as if the checksum matched
+            asked.append(chunk.object_key)
+            return (True, "checksum", 0) if chunk.object_key == shared else checked_by_store(tier, local_tier,
+                                                                                              share, chunk)
+
+        forget_verified()
+        puts = _chunk_puts(remote)
+        with monkeypatch.context() as patched:
+            patched.setattr(dedup, "_verdict", trusting)
+            report = promote_step(local, remote, 4)
+        assert shared not in asked, "a chunk recorded bad is not checked again: it is uploaded"
+        assert dedup.last_check.recorded_bad == 1 and dedup.last_check.mismatched == 0, dedup.last_check
+        assert puts[f"run/chunks/{shared}"] == 1 and report.chunks_uploaded == 2, (dict(puts), report)
+        assert remote.read_bytes(remote.chunk_path(shared)) == intact, "the intact chunk is stored again"
+        assert f"chunks/{shared}" not in bad_chunk_paths(remote), "its record is cleared"
+
+        outcome = _verify_cli(remote, s3_options)
+        assert outcome.exit_code == IntegrityError.exit_code
+        assert {p["step"] for p in json.loads(outcome.output)["problems"]} == {2}, "step 3 was mended with it"
+        repaired = _verify_cli(remote, s3_options, "--repair", "--from", str(tmp_path / "local"))
+        assert repaired.exit_code == 0, repaired.output
+        answer = json.loads(repaired.output)
+        assert answer["repaired"] == [f"chunks/{own}"] and answer["problems"] == [] and answer["steps_checked"] == 4
+        assert bad_chunk_paths(remote) == set()
+
+        assert _verify_cli(remote, s3_options).exit_code == 0, "every remote step verifies"
+        for step, state in states.items():
+            restored_step, restored, result = _restore_fresh(tmp_path / f"fresh-{step}", remote, s3_options,
+                                                             state, step)
+            assert restored_step == step and same_bytes(restored, state) and not result.events, step
+    finally:
+        remote.close()
+
+
 def test_gc_forgets_bad_records_of_the_objects_it_deletes(tmp_path, s3_bucket, s3_options):
     from ckptd.policy import KeepLatest
     from ckptd.promotion.gc import collect_garbage
@@ -297,8 +372,8 @@ def test_gc_forgets_bad_records_of_the_objects_it_deletes(tmp_path, s3_bucket, s
     try:
         for step in states:
             promote_step(local, remote, step)
-        only_step_1 = f"chunks/{_adapter_key(remote, 1)}"
-        shared = f"chunks/{_adapter_key(remote, 3)}"
+        only_step_1 = f"chunks/{_chunk_key(remote, 1)}"
+        shared = f"chunks/{_chunk_key(remote, 3)}"
         report_bad_chunk(remote, only_step_1, step=1, reason="test")
         report_bad_chunk(remote, shared, step=3, reason="test")
         report = collect_garbage(remote, retention=KeepLatest(2))

@@ -75,6 +75,14 @@ def write_config(path: Path, roots: list[Mapping[str, Any]] | None = None, **opt
     return path
 
 
+def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a Prometheus text exposition: (name, sorted (label, value) pairs) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
+
+
 def wait_until(condition: Callable[[], Any], timeout_s: float, what: str, *, interval_s: float = 0.1) -> Any:
     """Poll ``condition`` until it returns something true; AssertionError naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
@@ -163,6 +171,11 @@ class DaemonProcess:
     def get_json(self, path: str) -> Any:
         with urllib.request.urlopen(self.http + path, timeout=10) as response:
             return json.loads(response.read())
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """The daemon's ``/metrics`` now, as :func:`metric_samples`."""
+        with urllib.request.urlopen(self.http + "/metrics", timeout=10) as response:
+            return metric_samples(response.read().decode())
 
     def tasks(self) -> list[dict[str, Any]]:
         """Every journal row (read straight from SQLite), by id."""
