@@ -236,6 +236,9 @@ class _HeldRead:
     def announce_closing(self) -> None:
         self.inner.announce_closing()
 
+    def wait_for_decision(self, after_index: int, timeout_s: float) -> None:
+        self.inner.wait_for_decision(after_index, timeout_s)
+
     def next_decision(self, after_index: int, timeout_s: float) -> Decision | None:
         decision = self.inner.next_decision(after_index, timeout_s)
         if decision is not None and decision.step == self.step and not self.gate.is_set():

@@ -51,18 +51,25 @@ class StorePromotionSchedule:
             self._follow_generation(self._announced)
             self._set(self._announced + 1, CLOSED)
 
-    def next_decision(self, after_index: int, timeout_s: float) -> Decision | None:
+    def _decision_key(self, after_index: int) -> tuple[int, str]:
         with self._lock:
             self._follow_generation(after_index)
-            index = after_index + 1
-            key = self._key(index)
+            return after_index + 1, self._key(after_index + 1)
+
+    def wait_for_decision(self, after_index: int, timeout_s: float) -> None:
+        if timeout_s <= 0:
+            return
+        _, key = self._decision_key(after_index)
+        try:
+            self.coordinator.store.wait([key], timedelta(seconds=timeout_s))
+        except Exception:  # noqa: BLE001 - c10d raises a plain RuntimeError/DistStoreError on timeout, and
+            pass  # a store gone away is reported by the read that follows
+
+    def next_decision(self, after_index: int, timeout_s: float) -> Decision | None:
+        self.wait_for_decision(after_index, timeout_s)
+        index, key = self._decision_key(after_index)
         store = self.coordinator.store
         try:
-            if timeout_s > 0:
-                try:
-                    store.wait([key], timedelta(seconds=timeout_s))
-                except Exception:  # noqa: BLE001 - c10d raises a plain RuntimeError/DistStoreError on timeout
-                    pass
             if not store.check([key]):
                 return None
             value = store.get(key).decode()

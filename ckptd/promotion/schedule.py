@@ -54,6 +54,10 @@ class PromotionSchedule(Protocol):
         """The decision after ``after_index`` (0: the first), waiting at most ``timeout_s`` seconds for it
         (0: only look); None when it was not announced by then."""
 
+    def wait_for_decision(self, after_index: int, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` seconds until the decision after ``after_index`` is announced, without
+        reading it (a reader waits with this, then reads with :meth:`next_decision` and no wait)."""
+
     def share_pins(self, steps: Sequence[int]) -> None:
         """Every rank (at the uploader's start, and again when the ranks re-form in a new generation): publish
         the steps this rank holds pinned with its own share. Never waits."""

@@ -742,12 +742,13 @@ class BackgroundUploader:
         ``timeout_s`` seconds for the first of them. ``blocking=False`` (the save path): nothing when the
         uploader thread is reading them right now (then False)."""
         assert self.schedule is not None
+        if blocking:  # the wait holds no lock: the save path's pin cap reads the decisions meanwhile
+            self.schedule.wait_for_decision(self._decision_index, timeout_s)
         if not self._fetch_lock.acquire(blocking=blocking):
             return False
         try:
-            wait = timeout_s
             while True:
-                decision = self.schedule.next_decision(self._decision_index, wait)
+                decision = self.schedule.next_decision(self._decision_index, 0.0)
                 if decision is None:
                     return True
                 with self._lock:
@@ -755,7 +756,6 @@ class BackgroundUploader:
                     self._decision_index = decision.index
                 if decision.closing:
                     return True
-                wait = 0.0
         finally:
             self._fetch_lock.release()
 
