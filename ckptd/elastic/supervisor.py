@@ -150,6 +150,8 @@ class _Rank:
     local_rank: int
     process: RankProcess | None = None
     restarts: int = 0
+    #: The generation its current process was started in.
+    generation: int = 0
     #: This rank's failures in a row with no step completed by it in between (its back-off doubles with them).
     looping: int = 0
     hung_for: float | None = None  # set when this supervisor killed it as hung
@@ -273,7 +275,7 @@ class Supervisor:
                                 preexec_fn=die_with_parent if sys.platform == "linux" else None)
 
     def _start(self, rank: _Rank) -> None:
-        rank.hung_for, rank.finished, rank.start_at = None, False, None
+        rank.hung_for, rank.finished, rank.start_at, rank.generation = None, False, None, self.generation
         # the new process is not judged by the old one's beats
         self.store.set(keys.beat(rank.rank), keys.NO_BEAT)
         self._beats[rank.rank] = _Beats()
@@ -486,16 +488,23 @@ class Supervisor:
             return
         failed_in = int(self.store.get(keys.GENERATION))
         self._read_beats()
-        looping = self._crash_loop(failed_in)
+        # a process that never reached the current generation died with the failure that raised it (two ranks
+        # dying together, seen in two rounds or by two supervisors): one event, not a crash loop
+        died_in = {rank.rank: max(rank.generation, self._beats[rank.rank].value[0]) for rank, _ in failed}
+        if any(generation >= failed_in for generation in died_in.values()):
+            looping = self._crash_loop(failed_in)
+        else:
+            looping = int(self.store.add(keys.CRASH_LOOP, 0))
         described: list[tuple[str, str, float]] = []
         for rank, cause in failed:
             beaten = self._beats[rank.rank].value
-            rank.looping = 0 if beaten[0] == failed_in and beaten[3] >= 0 else rank.looping + 1
+            own_generation = died_in[rank.rank]
+            rank.looping = 0 if beaten[0] == own_generation and beaten[3] >= 0 else rank.looping + 1
             in_a_row = max(looping, rank.looping)
             delay = self.spec.restart_backoff_s * 2 ** (in_a_row - 1) if in_a_row else 0.0
             last = self._last_step[rank.rank]
-            where = f"in generation {failed_in} " + (f"(its last step {last})" if last >= 0 else
-                                                     "(before completing a step)")
+            where = f"in generation {own_generation} " + (f"(its last step {last})" if last >= 0 else
+                                                          "(before completing a step)")
             if self.spec.crash_loop and looping >= self.spec.crash_loop:
                 self._stop_job(rank, cause, CrashLoopError, f"rank {rank.rank} {cause} {where}: {looping} "
                                f"failure(s) in a row with no step completed in between (--crash-loop "
