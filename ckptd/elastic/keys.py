@@ -37,6 +37,9 @@ OPEN = "elastic/open"
 NODES = "elastic/nodes"
 #: Failures in a row with no step completed in between (reset by a failure after a completed step).
 CRASH_LOOP = "elastic/crash-loop"
+#: The newest generation a counted failure happened in: a failure of a process of that generation or an older
+#: one is part of an event already counted (ranks dying together, found in several rounds or by several nodes).
+CRASH_LOOP_CHARGED = "elastic/crash-loop-charged"
 
 #: Exit code of every supervisor and rank of a job stopped on request (SIGTERM or SIGINT to a supervisor).
 EXIT_STOPPED = 15

@@ -488,13 +488,11 @@ class Supervisor:
             return
         failed_in = int(self.store.get(keys.GENERATION))
         self._read_beats()
-        # a process that never reached the current generation died with the failure that raised it (two ranks
-        # dying together, seen in two rounds or by two supervisors): one event, not a crash loop
+        # the generation each dead process was in (started in, or rejoined): a process that never reached the
+        # current generation died with the failure that raised it, and is counted with it, not as a crash loop
         died_in = {rank.rank: max(rank.generation, self._beats[rank.rank].value[0]) for rank, _ in failed}
-        if any(generation >= failed_in for generation in died_in.values()):
-            looping = self._crash_loop(failed_in)
-        else:
-            looping = int(self.store.add(keys.CRASH_LOOP, 0))
+        newest = max(died_in.values())
+        looping = self._crash_loop(newest) if self._charge(newest) else int(self.store.add(keys.CRASH_LOOP, 0))
         described: list[tuple[str, str, float]] = []
         for rank, cause in failed:
             beaten = self._beats[rank.rank].value
@@ -532,6 +530,16 @@ class Supervisor:
                 rank.process, rank.start_at = None, time.monotonic() + delay
             else:
                 self._start(rank)
+
+    def _charge(self, generation: int) -> bool:
+        """Whether a failure of a process of ``generation`` is a new event: no failure of that generation or a
+        later one was counted yet (by this supervisor or another)."""
+        while True:
+            charged = int(self.store.compare_set(keys.CRASH_LOOP_CHARGED, "", "-1"))
+            if generation <= charged:
+                return False
+            if int(self.store.compare_set(keys.CRASH_LOOP_CHARGED, str(charged), str(generation))) == generation:
+                return True
 
     def _crash_loop(self, generation: int) -> int:
         """Count this failure: the failures in a row with no step completed in between, this one included."""
