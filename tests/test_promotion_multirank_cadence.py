@@ -270,3 +270,21 @@ def test_the_pin_cap_waits_for_a_decision_being_read(tmp_path: Path, store_port:
     with pytest.raises(UnpromotedError) as raised:
         uploader.close(timeout_s=3.0)
     assert raised.value.steps == (4,)
+
+
+def test_a_wait_for_the_next_decision_holds_up_no_other_request_on_the_store(store_port: int) -> None:
+    # a c10d store client serves one request at a time: a blocking wait there would hold up the save path's
+    # read of the decisions (the pin cap) and the commit exchange for the whole wait
+    leader, follower = (StorePromotionSchedule(c) for c in _coordinators(store_port))
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        waiting = pool.submit(follower.wait_for_decision, 0, 3.0)
+        time.sleep(0.2)
+        assert not waiting.done(), "nothing was announced: the wait goes on"
+        looked = time.monotonic()
+        assert follower.next_decision(0, 0.0) is None
+        assert time.monotonic() - looked < 0.5, "a read on the same store waited for the wait to end"
+        assert leader.announce(5) == 1
+        waiting.result(timeout=2.0)
+        assert time.monotonic() - started < 2.0, "the wait ends once the decision is announced"
+    assert follower.next_decision(0, 0.0) == Decision(1, 5)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -25,6 +26,8 @@ from ckptd.promotion.schedule import Decision
 
 #: The value of the decision that says rank 0's uploader closed.
 CLOSED = "closed"
+#: How often a wait for the next decision looks for it.
+_WAIT_POLL_S = 0.02
 
 
 class StorePromotionSchedule:
@@ -57,13 +60,23 @@ class StorePromotionSchedule:
             return after_index + 1, self._key(after_index + 1)
 
     def wait_for_decision(self, after_index: int, timeout_s: float) -> None:
-        if timeout_s <= 0:
-            return
-        _, key = self._decision_key(after_index)
-        try:
-            self.coordinator.store.wait([key], timedelta(seconds=timeout_s))
-        except Exception:  # noqa: BLE001 - c10d raises a plain RuntimeError/DistStoreError on timeout, and
-            pass  # a store gone away is reported by the read that follows
+        # Polls with short checks: a c10d store client serves one request at a time, so a blocking wait would
+        # hold up every other user of the job's store in this process (the save path, the commit exchange).
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                if self._generation != (self.coordinator.store, self.coordinator.generation):
+                    return  # a new generation: the read that follows numbers its keys
+                key = self._key(after_index + 1)
+            try:
+                if self.coordinator.store.check([key]):
+                    return
+            except Exception:  # noqa: BLE001 - a store gone away is reported by the read that follows
+                return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            time.sleep(min(_WAIT_POLL_S, remaining))
 
     def next_decision(self, after_index: int, timeout_s: float) -> Decision | None:
         self.wait_for_decision(after_index, timeout_s)
