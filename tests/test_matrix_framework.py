@@ -140,7 +140,7 @@ def test_a_failure_replaced_by_a_later_run_of_its_seed_stays_in_the_report(tmp_p
     assert "| row 99 | raises_on_odd_seeds | 3 | boom | odd seeds | abc1234 | `tests/test_x.py::test_y` |" in named
     assert "seed 3: failed in" not in named, "a failure a finding names is listed once, as the finding"
     block = matrix_report.readme_block(merged, command="make matrix", findings=[finding])
-    assert "found 1 failures (0 defects of ckptd, 1 of the scenarios)" in block
+    assert "found 1 failures (0 defects of ckptd; 1 of the test scenarios or the campaign's setup)" in block
 
 
 def test_every_committed_finding_names_a_regression_test_that_exists() -> None:

@@ -245,7 +245,8 @@ def _seed_span(seeds: list[int]) -> str:
 
 def _findings_count(findings: list[dict[str, Any]]) -> str:
     defects = sum(1 for finding in findings if finding["cause"].startswith("ckptd:"))
-    return f"{len(findings)} failures ({defects} defects of ckptd, {len(findings) - defects} of the scenarios)"
+    return (f"{len(findings)} failures ({defects} defects of ckptd; {len(findings) - defects} of the test scenarios "
+            "or the campaign's setup)")
 
 
 def findings_lines(findings: list[dict[str, Any]], superseded: list[dict[str, Any]] = ()) -> list[str]:
@@ -262,8 +263,8 @@ def findings_lines(findings: list[dict[str, Any]], superseded: list[dict[str, An
         lines.append(f"| {where} | {_cell(finding['scenario'])} | {_seed_span(finding['seeds'])} | "
                      f"{_cell(finding['symptom'])} | {_cell(finding['cause'])} | {finding.get('fix') or '-'} | "
                      f"`{finding['regression_test']}` |")
-    named = {(f["row"], seed) for f in findings for seed in f["seeds"]}
-    unnamed = [s for s in superseded if (s["number"], s["seed"]) not in named]
+    named = {(f.get("row"), f["scenario"], seed) for f in findings for seed in f["seeds"]}
+    unnamed = [s for s in superseded if (s["number"], s["scenario"], s["seed"]) not in named]
     if unnamed:
         lines += ["", "Failed runs replaced by a newer run of their seed that no finding names:", ""]
         lines += [f"- row {s['number']} `{s['scenario']}` seed {s['seed']}: failed in `{Path(s['file']).name}`, "
