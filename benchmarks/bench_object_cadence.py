@@ -17,7 +17,12 @@ promoted and superseded, objects and requests per step on S3, and the promotion 
 moto's server runs on this machine's cores, where a real store would not: by default it is reniced to 19
 (``--store-nice 0`` leaves it alone), so that its CPU does not count as the object tier's cost.
 
-Usage: ``python benchmarks/bench_object_cadence.py [--steps 60] [--tensors 50] [--rounds 3] [--json]``.
+With ``--compute-threads 1`` the stand-in compute leaves a core to ckptd's background threads, as a GPU
+job's host does; by default it takes every core, and the writer (niced) then barely keeps up with a save
+every step.
+
+Usage: ``python benchmarks/bench_object_cadence.py [--steps 60] [--tensors 50] [--rounds 3]
+[--compute-threads 1] [--json]``.
 """
 
 from __future__ import annotations
@@ -169,8 +174,12 @@ def main() -> None:
     parser.add_argument("--compute-ms", type=float, default=30.0, help="stand-in compute per training step")
     parser.add_argument("--store-nice", type=int, default=19,
                         help="nice value for moto's server process (0: leave it; it stands in for a remote store)")
+    parser.add_argument("--compute-threads", type=int, default=0,
+                        help="torch threads of the stand-in compute (0: torch's default, every core)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.compute_threads > 0:
+        torch.set_num_threads(args.compute_threads)
     result = measure(args.steps, args.tensors, args.elements, args.rounds, args.compute_ms, args.store_nice)
     if args.json:
         print(json.dumps(result, indent=2))

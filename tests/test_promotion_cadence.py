@@ -5,6 +5,7 @@ from the tiers or known by the manager, says how far the object tier is behind."
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -158,3 +159,33 @@ def test_manager_promotion_lag_while_the_object_tier_refuses(tmp_path: Path, s3_
     assert manager.promotion_lag.steps_behind == 0
     with ckptd.CheckpointManager(tmp_path / "plain", capture_rng=False) as plain:
         assert plain.promotion_lag is None
+
+
+def test_the_uploaders_s3_calls_yield_to_a_save_being_written_for_a_bounded_time(
+        tmp_path: Path, s3_server, s3_bucket) -> None:
+    from ckptd.promotion import uploader as uploading
+
+    local = save_local(tmp_path / "node", {1: _state(1)})
+    remote = object_tier(s3_bucket, s3_server.storage_options, prefix="yield")
+    writing = threading.Event()
+    writing.set()
+    calls: list[tuple[str, bool]] = []
+    remote.on_call(lambda operation, _: calls.append((operation, writing.is_set())))
+    uploader = uploading.BackgroundUploader(local, remote, policy=Policy(), writer_busy=writing.is_set)
+    started = time.monotonic()
+    uploader._yield_to_writer("put_object", {})
+    assert uploading._YIELD_TO_WRITER_S <= time.monotonic() - started < 1.0, "a busy writer is waited for"
+    threading.Timer(0.005, writing.clear).start()
+    started = time.monotonic()
+    uploader._yield_to_writer("put_object", {})
+    assert time.monotonic() - started < uploading._YIELD_TO_WRITER_S, "the wait ends when the save is written"
+    assert calls == [], "the waits themselves call nothing"
+
+    writing.set()  # a writer that never stops writing: every call waits its bound, and the step still gets there
+    started = time.monotonic()
+    uploader.on_commit(1)
+    uploader.wait(timeout_s=60)
+    assert [report.step for report in uploader.reports] == [1]
+    assert calls and time.monotonic() - started >= uploading._YIELD_TO_WRITER_S, calls
+    assert list(verify_step(remote, 1)) == []
+    uploader.close(timeout_s=10)

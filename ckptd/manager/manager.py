@@ -169,7 +169,7 @@ class CheckpointManager:
                 self._remote_sync = RemoteSync(self.local, remote, storage_options=storage_options,
                                                policy=self.policy, rank=self.rank, world_size=self.world_size,
                                                repopulate_local=repopulate_local, repopulate_ranks=owned,
-                                               start_uploads=False)
+                                               start_uploads=False, writer_busy=lambda: self._saver.busy)
                 self.remote = self._remote_sync.remote
                 if self._handoff is None or not self._handoff.promotes:
                     self._start_uploads()

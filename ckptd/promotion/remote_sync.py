@@ -63,7 +63,8 @@ class RemoteSync:
 
     def __init__(self, local: LocalTier, url: str, *, storage_options: dict[str, Any] | None, policy: Policy,
                  rank: int, world_size: int, repopulate_local: bool,
-                 repopulate_ranks: tuple[int, ...] | None = None, start_uploads: bool = True) -> None:
+                 repopulate_ranks: tuple[int, ...] | None = None, start_uploads: bool = True,
+                 writer_busy: Callable[[], bool] | None = None) -> None:
         remote = open_tier(url, storage_options=storage_options)
         if not remote.capabilities.chunks_by_digest:
             raise ConfigError(f"remote={url!r} is not an object store URL", hint="pass remote='s3://bucket/prefix'")
@@ -74,6 +75,8 @@ class RemoteSync:
         #: this rank owns it; none otherwise; None: every rank of the step).
         self.repopulate_ranks = repopulate_ranks
         self.policy = policy
+        #: Whether the local writer is writing a save (the uploader's S3 calls yield to it).
+        self.writer_busy = writer_busy
         #: None while the node's daemon promotes this root (``start_uploads=False``): see :meth:`start_uploads`.
         self.uploader: BackgroundUploader | None = None
         if start_uploads:
@@ -85,7 +88,7 @@ class RemoteSync:
         if self.uploader is not None:
             return
         uploader = BackgroundUploader(self.local, self.remote, policy=self.policy, rank=self.rank,
-                                      world_size=self.world_size)
+                                      world_size=self.world_size, writer_busy=self.writer_busy)
         if self.world_size > 1:
             uploader.use_schedule(schedule)
         self.uploader = uploader

@@ -58,6 +58,8 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from ckptd.background import BackgroundWorker, FailureRecord, raise_failures
 from ckptd.config import settings
@@ -79,6 +81,10 @@ from ckptd.tiers.object import ObjectTier
 log = logging.getLogger("ckptd.promotion")
 #: The uploader runs this much below the writer's ``background_nice``: a save never waits for an upload's CPU.
 _UPLOADER_EXTRA_NICE = 5
+#: An S3 call of the uploader waits at most this long for the local writer of this process to finish a save
+#: (then goes on: promotion must not starve behind a writer that is always busy), looking this often.
+_YIELD_TO_WRITER_S = 0.02
+_YIELD_POLL_S = 0.001
 #: How many superseded or released step numbers an uploader remembers (for logs, close and tests).
 _KEPT_STEP_NUMBERS = 4096
 _RESUME_HINT = "the local copies stay pinned; promotion resumes when a manager or `ckptd promote` starts again"
@@ -99,8 +105,10 @@ class BackgroundUploader:
 
     def __init__(self, local: LocalTier, remote: ObjectTier, *, policy: Policy, rank: int = 0,
                  world_size: int = 1, pin_cap: PinCap | None = None,
-                 schedule: PromotionSchedule | None = None) -> None:
+                 schedule: PromotionSchedule | None = None, writer_busy: Callable[[], bool] | None = None) -> None:
         self.local, self.remote, self.policy = local, remote, policy
+        #: Whether this process's local writer is writing a save (its S3 calls wait for it, briefly).
+        self._writer_busy = writer_busy
         self.rank, self.world_size = rank, world_size
         self.pins = PinnedSteps(local)
         #: Most pinned steps and pin-only bytes kept (default: the ``pin_max_*`` settings).
@@ -409,6 +417,17 @@ class BackgroundUploader:
         nice = settings().background_nice
         lower_thread_priority(0 if nice <= 0 else nice + _UPLOADER_EXTRA_NICE)
         self.remote.connect()
+        if self._writer_busy is not None:
+            self.remote.on_call(self._yield_to_writer)
+
+    def _yield_to_writer(self, operation: str, params: dict[str, Any]) -> None:
+        """Before each S3 call of this tier: while the local writer writes a save, wait (at most
+        :data:`_YIELD_TO_WRITER_S`). Niceness does not stop a thread holding the GIL: an upload's Python work
+        (botocore) beside the writer's would slow the save the next ``save()`` then waits for."""
+        assert self._writer_busy is not None
+        deadline = time.monotonic() + _YIELD_TO_WRITER_S
+        while self._writer_busy() and time.monotonic() < deadline:
+            time.sleep(_YIELD_POLL_S)
 
     def _enqueue(self, step: int) -> None:
         with self._lock:

@@ -152,7 +152,8 @@ class ObjectTier(StorageTier):
     def on_call(self, handler: Callable[[str, dict[str, Any]], None]) -> None:
         """Call ``handler(operation, params)`` (``"put_object"``, the call's parameters) before every S3 call
         any client of this tier makes from now on; an exception it raises fails that call before anything is
-        sent. How tests inject faults and benchmarks count calls, whichever client makes them."""
+        sent, and the call waits while it runs. How tests inject faults and benchmarks count calls, whichever
+        client makes them, and how the in-process uploader yields to a save being written."""
 
         def before(model: Any, params: dict[str, Any], **_: Any) -> None:
             handler(_snake(model.name), params)
