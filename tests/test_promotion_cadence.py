@@ -189,3 +189,4 @@ def test_the_uploaders_s3_calls_yield_to_a_save_being_written_for_a_bounded_time
     assert calls and time.monotonic() - started >= uploading._YIELD_TO_WRITER_S, calls
     assert list(verify_step(remote, 1)) == []
     uploader.close(timeout_s=10)
+
