@@ -68,3 +68,15 @@ def test_a_completed_step_between_failures_ends_the_count() -> None:
     supervisor.store.set(keys.beat(0), "1:5:9:4")  # rank 0 completed step 4 in generation 1
     _fails(supervisor, 1, started_in=1)
     assert _count(supervisor) == 0
+
+
+def test_one_failure_found_by_two_supervisors_at_once_is_counted_once() -> None:
+    first = _supervisor()
+    second = Supervisor(first.spec)
+    second.store = dist.TCPStore("127.0.0.1", first.store.port, None, False, timeout=timedelta(seconds=5))
+    # the other supervisor claimed generation 0 and has not yet raised the newest counted generation: the
+    # claim alone decides, this supervisor's failure of generation 0 is the same event
+    assert second.store.add(f"{keys.CRASH_LOOP_CHARGED}/0", 1) == 1
+    assert first._charge(0) is False
+    assert [second._charge(1), first._charge(1), first._charge(0)] == [True, False, False]
+    assert first.store.get(keys.CRASH_LOOP_CHARGED) == b"1"

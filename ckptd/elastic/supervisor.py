@@ -533,12 +533,16 @@ class Supervisor:
 
     def _charge(self, generation: int) -> bool:
         """Whether a failure of a process of ``generation`` is a new event: no failure of that generation or a
-        later one was counted yet (by this supervisor or another)."""
-        while True:
-            charged = int(self.store.compare_set(keys.CRASH_LOOP_CHARGED, "", "-1"))
-            if generation <= charged:
-                return False
-            if int(self.store.compare_set(keys.CRASH_LOOP_CHARGED, str(charged), str(generation))) == generation:
+        later one was counted yet, by this supervisor or another (one claim per generation: the first
+        ``add`` wins)."""
+        if generation <= int(self.store.compare_set(keys.CRASH_LOOP_CHARGED, "", "-1")):
+            return False
+        if int(self.store.add(f"{keys.CRASH_LOOP_CHARGED}/{generation}", 1)) != 1:
+            return False
+        while True:  # raise the newest counted generation to this one, unless another supervisor went past it
+            current = self.store.compare_set(keys.CRASH_LOOP_CHARGED, "", "-1")
+            if int(current) >= generation or self.store.compare_set(
+                    keys.CRASH_LOOP_CHARGED, current, str(generation)) == str(generation).encode():
                 return True
 
     def _crash_loop(self, generation: int) -> int:
