@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -161,27 +162,33 @@ def test_manager_promotion_lag_while_the_object_tier_refuses(tmp_path: Path, s3_
         assert plain.promotion_lag is None
 
 
-def test_the_uploaders_s3_calls_yield_to_a_save_being_written_for_a_bounded_time(
+def test_s3_calls_yield_while_a_save_is_written_without_blocking_each_other(s3_server, s3_bucket) -> None:
+    remote = object_tier(s3_bucket, s3_server.storage_options, prefix="yield")
+    writing = threading.Event()
+    writing.set()
+    remote.yield_while(writing.is_set, limit_s=0.1)
+    started = time.monotonic()
+    remote.exists("missing")
+    assert 0.1 <= time.monotonic() - started < 1.0, "a call waits while the writer writes, at most its limit"
+    started = time.monotonic()
+    with ThreadPoolExecutor(4) as pool:  # 8 calls, each waiting its 0.1 s on the tier's event loop
+        assert list(pool.map(lambda index: remote.exists(f"missing-{index}"), range(8))) == [False] * 8
+    assert time.monotonic() - started < 0.5, "the waits blocked the event loop: they ran one after another"
+    writing.clear()
+    started = time.monotonic()
+    remote.exists("missing")
+    assert time.monotonic() - started < 0.1, "an idle writer is not waited for"
+
+
+def test_the_uploader_yields_to_a_writer_that_never_stops_and_still_promotes(
         tmp_path: Path, s3_server, s3_bucket) -> None:
     from ckptd.promotion import uploader as uploading
 
     local = save_local(tmp_path / "node", {1: _state(1)})
     remote = object_tier(s3_bucket, s3_server.storage_options, prefix="yield")
-    writing = threading.Event()
-    writing.set()
-    calls: list[tuple[str, bool]] = []
-    remote.on_call(lambda operation, _: calls.append((operation, writing.is_set())))
-    uploader = uploading.BackgroundUploader(local, remote, policy=Policy(), writer_busy=writing.is_set)
-    started = time.monotonic()
-    uploader._yield_to_writer("put_object", {})
-    assert uploading._YIELD_TO_WRITER_S <= time.monotonic() - started < 1.0, "a busy writer is waited for"
-    threading.Timer(0.005, writing.clear).start()
-    started = time.monotonic()
-    uploader._yield_to_writer("put_object", {})
-    assert time.monotonic() - started < uploading._YIELD_TO_WRITER_S, "the wait ends when the save is written"
-    assert calls == [], "the waits themselves call nothing"
-
-    writing.set()  # a writer that never stops writing: every call waits its bound, and the step still gets there
+    calls: list[str] = []
+    remote.on_call(lambda operation, _: calls.append(operation))
+    uploader = uploading.BackgroundUploader(local, remote, policy=Policy(), writer_busy=lambda: True)
     started = time.monotonic()
     uploader.on_commit(1)
     uploader.wait(timeout_s=60)
@@ -189,4 +196,3 @@ def test_the_uploaders_s3_calls_yield_to_a_save_being_written_for_a_bounded_time
     assert calls and time.monotonic() - started >= uploading._YIELD_TO_WRITER_S, calls
     assert list(verify_step(remote, 1)) == []
     uploader.close(timeout_s=10)
-

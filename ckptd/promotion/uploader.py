@@ -418,17 +418,9 @@ class BackgroundUploader:
         lower_thread_priority(0 if nice <= 0 else nice + _UPLOADER_EXTRA_NICE)
         self.remote.connect()
         if self._writer_busy is not None:
-            self.remote.on_call(self._yield_to_writer)
-
-    def _yield_to_writer(self, operation: str, params: dict[str, Any]) -> None:
-        """Before each S3 call of this tier: while the local writer writes a save, wait (at most
-        :data:`_YIELD_TO_WRITER_S`). Niceness does not stop a thread holding the GIL: an upload's Python work
-        (botocore) beside the writer's would slow the save the next ``save()`` then waits for. On the tier's
-        event loops too: they are its own (:mod:`ckptd.tiers.s3_lanes`) and serve no one else."""
-        assert self._writer_busy is not None
-        deadline = time.monotonic() + _YIELD_TO_WRITER_S
-        while self._writer_busy() and time.monotonic() < deadline:
-            time.sleep(_YIELD_POLL_S)
+            # Niceness does not stop a thread holding the GIL: an upload's Python work (botocore) beside the
+            # writer's slows the save that the next save() then waits for
+            self.remote.yield_while(self._writer_busy, limit_s=_YIELD_TO_WRITER_S, poll_s=_YIELD_POLL_S)
 
     def _enqueue(self, step: int) -> None:
         with self._lock:

@@ -152,8 +152,7 @@ class ObjectTier(StorageTier):
     def on_call(self, handler: Callable[[str, dict[str, Any]], None]) -> None:
         """Call ``handler(operation, params)`` (``"put_object"``, the call's parameters) before every S3 call
         any client of this tier makes from now on; an exception it raises fails that call before anything is
-        sent, and the call waits while it runs. How tests inject faults and benchmarks count calls, whichever
-        client makes them, and how the in-process uploader yields to a save being written."""
+        sent. How tests inject faults and benchmarks count calls, whichever client makes them."""
 
         def before(model: Any, params: dict[str, Any], **_: Any) -> None:
             handler(_snake(model.name), params)
@@ -163,6 +162,27 @@ class ObjectTier(StorageTier):
             client._s3.meta.events.register("before-parameter-build.s3", before)
         if self._blocking is not None:
             self._blocking.on_event("before-parameter-build.s3", before)
+
+    def yield_while(self, busy: Callable[[], bool], *, limit_s: float, poll_s: float = 0.001) -> None:
+        """Before every S3 call of this tier from now on, wait while ``busy()`` holds, at most ``limit_s``: on
+        the tier's event loops without blocking them (their other calls go on), on a caller's thread by
+        sleeping. How the in-process uploader yields to a save being written."""
+
+        async def on_loop(**_: Any) -> None:
+            deadline = time.monotonic() + limit_s
+            while busy() and time.monotonic() < deadline:
+                await asyncio.sleep(poll_s)
+
+        def on_thread(**_: Any) -> None:
+            deadline = time.monotonic() + limit_s
+            while busy() and time.monotonic() < deadline:
+                time.sleep(poll_s)
+
+        self.connect()
+        for client in [*self.lanes, self.fs]:
+            client._s3.meta.events.register("before-parameter-build.s3", on_loop)
+        if self._blocking is not None:
+            self._blocking.on_event("before-parameter-build.s3", on_thread)
 
     # --- reading -------------------------------------------------------------------------------
     def read_bytes(self, path: str, offset: int = 0, length: int | None = None) -> bytes:
