@@ -129,8 +129,10 @@ class StoreCoordinator:
             self.store.set(f"{base}/roster", json.dumps(roster))
         else:
             generation = self._join_as_member(counter, nonce, deadline)
-        self.generation = generation
+        # the prefix first: a reader that sees the new generation (the promotion schedule renumbers its keys
+        # then) must not combine it with the old prefix
         self.prefix = f"{self.root_prefix}/g{generation}"
+        self.generation = generation
         self._round = 0
         self._exchanges = 0
         log.debug("rank %d joined store generation %d", self.rank, generation)
