@@ -101,16 +101,22 @@ def write_results(path: str | os.PathLike[str], document: dict[str, Any]) -> Pat
     return target
 
 
+def _read_document(path: str | os.PathLike[str], format_name: str, kind: str) -> dict[str, Any]:
+    """A JSON document of ``format_name``; ValueError naming the file when it is not one."""
+    try:
+        document = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a readable fault-matrix {kind} file: {error}") from error
+    if not isinstance(document, dict) or document.get("format") != format_name:
+        raise ValueError(f"{path}: not a fault-matrix {kind} file (format {format_name!r} expected)")
+    return document
+
+
 def load_results(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]]:
     """Read results documents; a file that is not one raises ValueError naming it."""
     documents = []
     for path in paths:
-        try:
-            document = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as error:
-            raise ValueError(f"{path}: not a readable fault-matrix results file: {error}") from error
-        if not isinstance(document, dict) or document.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a fault-matrix results file (format {FORMAT!r} expected)")
+        document = _read_document(path, FORMAT, "results")
         document["_path"] = str(path)
         documents.append(document)
     return documents
@@ -228,13 +234,7 @@ def totals(merged: dict[str, Any]) -> dict[str, int]:
 def load_findings(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The campaign's findings file: every failure found, its cause, fix and regression test (ValueError
     naming the file when it is not one)."""
-    try:
-        document = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path}: not a readable fault-matrix findings file: {error}") from error
-    if not isinstance(document, dict) or document.get("format") != FINDINGS_FORMAT:
-        raise ValueError(f"{path}: not a fault-matrix findings file (format {FINDINGS_FORMAT!r} expected)")
-    return list(document["findings"])
+    return list(_read_document(path, FINDINGS_FORMAT, "findings")["findings"])
 
 
 def _seed_span(seeds: list[int]) -> str:
