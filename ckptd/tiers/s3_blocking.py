@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 from ckptd.config import settings
 from ckptd.errors import CkptdError, StorageError
 from ckptd.tiers.s3_budget import OperationBudget, backoff_s, install_hooks, run_within_budget
+from ckptd.tiers.s3_timestamps import use_fast_timestamps
 from ckptd.tiers.s3_errors import is_past_the_end
 from ckptd.tiers.s3_transfers import byte_range, object_size, ranged_answer
 
@@ -84,6 +85,7 @@ def make_blocking_client(arguments: dict[str, Any], *, loader: Any = None) -> An
 
     session = botocore.session.Session(profile=arguments.get("profile"))
     session.register_component("data_loader", _shared_loader(loader))
+    use_fast_timestamps(session)
     config_kwargs = dict(arguments.get("config_kwargs") or {})
     if arguments.get("anon"):
         config_kwargs["signature_version"] = UNSIGNED

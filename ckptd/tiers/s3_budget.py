@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptd.config import settings
+from ckptd.tiers.s3_timestamps import use_fast_timestamps
 
 _current: contextvars.ContextVar[OperationBudget | None] = contextvars.ContextVar("ckptd_s3_budget", default=None)
 _HOOKED = "_ckptd_budget_hooks"
@@ -181,6 +182,7 @@ def budgeted_filesystem_class() -> type:
         async def set_session(self, *args: Any, **kwargs: Any) -> Any:
             client = await super().set_session(*args, **kwargs)
             install_hooks(client)
+            use_fast_timestamps(self.session)
             return client
 
     return BudgetedS3FileSystem
