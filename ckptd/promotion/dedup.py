@@ -18,8 +18,10 @@ listing): a frozen chunk that every step shares is checked once, and again only 
 another ETag (the object was replaced). A chunk that fails is recorded as bad and uploaded again; after
 the upload :func:`mark_uploaded` clears its record.
 
-Cost per step, with every chunk already stored and remembered: the two LISTs. For each chunk not yet
-remembered: one HEAD plus a local read and CRC32 of its stored bytes (zlib, about 2 GB/s on one core).
+Cost per step, with every chunk already stored and remembered: the two LISTs (the promoter lists the bad
+records once and passes them in, and lists the chunks once more before committing only when it keeps
+chunks it did not upload itself). For each chunk not yet remembered: one HEAD plus a local read and CRC32
+of its stored bytes (zlib, about 2 GB/s on one core).
 
 Thread safety: every function may be called from any thread; the memo is shared by the process.
 """
@@ -110,15 +112,17 @@ def _refuse_if_other_encoding(remote: ObjectTier, path: str, share: RankShare, c
 
 
 def chunks_to_upload(remote: ObjectTier, needed: dict[str, tuple[RankShare, ChunkRecord]],
-                     local: StorageTier) -> list[tuple[RankShare, ChunkRecord]]:
+                     local: StorageTier, *, bad: set[str] | None = None) -> list[tuple[RankShare, ChunkRecord]]:
     """The chunks of ``needed`` (content address -> first rank share and record, as
     :meth:`~ckptd.promotion.contents.StepContents.unique_chunks` gives) that must be uploaded to
     ``remote``: missing, of another size, recorded bad, or failing the checksum check against the intact
     copy on ``local``. Raises IntegrityError when the local copy of a checked chunk is itself corrupt,
-    CommitError when the object tier holds a chunk intact in another encoding (see the module docstring)."""
+    CommitError when the object tier holds a chunk intact in another encoding (see the module docstring).
+    ``bad``: the paths recorded bad, when the caller listed them (:func:`bad_chunk_paths`; else listed here);
+    the paths this check records bad are added to it, so that :func:`mark_uploaded` clears them too."""
     global last_check
     listed = remote.listed_tags(remote.chunk_path("").rstrip("/"))
-    bad = bad_chunk_paths(remote)
+    bad = bad_chunk_paths(remote) if bad is None else bad
     upload: list[tuple[RankShare, ChunkRecord]] = []
     to_check: list[tuple[RankShare, ChunkRecord, tuple[str, str, int, str]]] = []
     missing = recorded_bad = remembered = 0
@@ -160,6 +164,7 @@ def chunks_to_upload(remote: ObjectTier, needed: dict[str, tuple[RankShare, Chun
             upload.append((share, chunk))
             report_bad_chunk(remote, memo[1], step=share.index.step,
                              reason=f"dedup: the stored object differs from the intact local copy ({how})")
+            bad.add(memo[1])
     last_check = DedupCheck(needed=len(needed), missing=missing, recorded_bad=recorded_bad, remembered=remembered,
                             checked_by_checksum=by_checksum, checked_by_reading=by_reading, mismatched=mismatched,
                             local_bytes_read=local_bytes)
@@ -170,14 +175,15 @@ def chunks_to_upload(remote: ObjectTier, needed: dict[str, tuple[RankShare, Chun
     return upload
 
 
-def mark_uploaded(remote: ObjectTier, keys: Iterable[str]) -> None:
+def mark_uploaded(remote: ObjectTier, keys: Iterable[str], *, recorded_bad: set[str] | None = None) -> None:
     """After chunks (content addresses ``keys``) were uploaded again from intact copies: clear their bad
-    records, so later promotions and restores trust them. One LIST (none when nothing was uploaded: the
-    usual case at training cadence, where only packs change), one DELETE per cleared record."""
+    records, so later promotions and restores trust them. One DELETE per cleared record, and one LIST
+    unless ``recorded_bad`` gives the records the dedup decision saw (none when nothing was uploaded). A
+    record made after that decision stays: the next promotion uploads that chunk once more."""
     keys = list(keys)
     if not keys:
         return
-    bad = bad_chunk_paths(remote)
+    bad = bad_chunk_paths(remote) if recorded_bad is None else recorded_bad
     for key in keys:
         path = remote.chunk_path(key)
         if path in bad:

@@ -16,8 +16,9 @@ it again):
    file, decoded and hashed, and compared with the index *before* those same bytes are sent (a pack is
    read whole and each of its chunks checked before the pack is sent); a local chunk that fails its
    digest stops the promotion and nothing is committed remotely;
-5. list again and check every chunk and pack the step references is stored with the right size, then
-   clear the bad records of the chunks uploaded again;
+5. list again and check that every chunk the step keeps from earlier uploads, and every pack, is stored with
+   the right size (the chunks uploaded in step 4 are vouched for by their PUTs: a step whose chunks are all
+   new lists no chunks here), then clear the bad records of the chunks uploaded again;
 6. with several ranks promoting their own shares, each writes ``rank-NNNNN.promoted`` and the committing
    rank (the share that includes rank 0, unless the caller names another) waits for all of them, at most
    ``CKPTD_COMMIT_TIMEOUT_S`` and never past :attr:`Promoter.give_up_at`, logging which ranks it waits for.
@@ -51,6 +52,7 @@ from ckptd.promotion.dedup import chunks_to_upload, mark_uploaded
 from ckptd.promotion.contents import (RankShare, StepContents, pack_path, read_step_contents, read_stored_chunk,
                                      read_verified_pack)
 from ckptd.promotion.lease import wait_for_collector
+from ckptd.tiers.chunk_health import bad_chunk_paths
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.object import ObjectTier
 
@@ -166,11 +168,14 @@ class Promoter:
         if waited >= 0.5:
             log.info("waited %.1fs for a garbage collection to finish before promoting step %d", waited, step)
         needed = contents.unique_chunks()
-        missing = chunks_to_upload(self.remote, needed, self.local)
+        recorded_bad = bad_chunk_paths(self.remote)
+        missing = chunks_to_upload(self.remote, needed, self.local, bad=recorded_bad)
         self.on_phase("chunks")
         uploaded_bytes += self._upload(missing, contents.packs(), progress)
-        self._check_all_stored(contents, needed)
-        mark_uploaded(self.remote, [chunk.object_key for _, chunk in missing])
+        uploaded = [chunk.object_key for _, chunk in missing]
+        sent = set(uploaded)
+        self._check_all_stored(contents, {key: item for key, item in needed.items() if key not in sent})
+        mark_uploaded(self.remote, uploaded, recorded_bad=recorded_bad)
         self.on_phase("verified")
         for share in contents.shares if ranks is not None else ():
             # written once too: a retry must not refresh the step directory, or GC never finds a leftover of
@@ -271,9 +276,13 @@ class Promoter:
         run_jobs(jobs, threads=self.concurrency, thread_name_prefix="ckptd-promote")
         return total
 
-    def _check_all_stored(self, contents: StepContents, needed: dict[str, tuple[RankShare, ChunkRecord]]) -> None:
-        stored = stored_chunks(self.remote)
-        for key, (_, chunk) in needed.items():
+    def _check_all_stored(self, contents: StepContents, kept: dict[str, tuple[RankShare, ChunkRecord]]) -> None:
+        """CommitError unless every chunk the step keeps from earlier uploads (``kept``: those dedup found
+        stored) is still listed with its size, and every pack of the step is stored. The chunks this
+        promotion uploaded are vouched for by their PUTs' answers (S3 reads its own writes), so a step
+        whose chunks are all new costs no listing of the whole chunk store here."""
+        stored = stored_chunks(self.remote) if kept else {}
+        for key, (_, chunk) in kept.items():
             if stored.get(key) != chunk.length:
                 raise CommitError("a chunk is missing on the object tier after upload; the step was not committed",
                                   step=contents.step, tier=self.remote.label, path=self.remote.chunk_path(key),
