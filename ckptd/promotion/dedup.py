@@ -3,7 +3,8 @@
 Dedup used to trust a stored chunk when its key and size matched, so one flipped object was inherited
 by every later step. Here a stored chunk is reused only when all of these hold:
 
-1. it is listed under ``chunks/`` with the recorded size (one LIST for the whole step). An object of
+1. it is stored under ``chunks/`` with the recorded size (one LIST for the whole step, or one HEAD per
+   chunk once the store is large: see below). An object of
    another size is bad, unless it decodes to the chunk's digest: then it is the same chunk in another
    encoding (a zstd level or version other than this step's), which the older steps that reference it
    read with its own length, so it is never replaced and the promotion fails with CommitError;
@@ -19,9 +20,16 @@ another ETag (the object was replaced). A chunk that fails is recorded as bad an
 the upload :func:`mark_uploaded` clears its record.
 
 Cost per step, with every chunk already stored and remembered: the two LISTs (the promoter lists the bad
-records once and passes them in, and lists the chunks once more before committing only when it keeps
+records once and passes them in, and looks for the chunks once more before committing only when it keeps
 chunks it did not upload itself). For each chunk not yet remembered: one HEAD plus a local read and CRC32
 of its stored bytes (zlib, about 2 GB/s on one core).
+
+A listing of the chunk store grows with every step kept on the tier (a run that keeps every step of a
+model of 5,000 chunks lists 5 million objects after 1,000 promotions, minutes of CPU each time), while
+the chunks a step needs do not. So once this process has seen the store hold more than
+:data:`LOOKUPS_ABOVE` objects per chunk a step needs, it looks the step's chunks up instead: one HEAD each
+(with ``ChecksumMode``, so the CRC32 of step 3 comes with it), in parallel, none of them a listing. The
+first promotion of a process always lists, to learn the size.
 
 Thread safety: every function may be called from any thread; the memo is shared by the process.
 """
@@ -47,6 +55,14 @@ log = logging.getLogger("ckptd.promotion")
 
 _memo_lock = threading.Lock()
 _verified: set[tuple[str, str, int, str]] = set()
+#: A step's chunks are looked up one HEAD each, instead of listing the whole chunk store, once the store holds
+#: more than this many objects per chunk looked for: one HEAD costs about the CPU of parsing 64 listed objects.
+LOOKUPS_ABOVE = 64
+#: Object tier URL -> objects under ``chunks/`` at this process's last listing of it, plus the chunks
+#: uploaded since (deletions are not subtracted: the estimate errs towards lookups, whose cost does not grow).
+_store_sizes: dict[str, int] = {}
+#: Size, ETag and store-kept CRC32 (None: none kept) of an object, from a lookup.
+_Stored = tuple[int, str, "str | None"]
 
 
 @dataclass(frozen=True)
@@ -77,11 +93,55 @@ def forget_verified() -> None:
         _verified.clear()
 
 
-def _verdict(remote: ObjectTier, local: StorageTier, share: RankShare, chunk: ChunkRecord) -> tuple[bool, str, int]:
-    """(whether the stored object holds exactly the local copy's bytes, how it was checked, local bytes read)."""
+def _looks_up(remote: ObjectTier, count: int) -> bool:
+    """Whether ``count`` chunks are cheaper to look up one by one than to find in a listing of the store."""
+    with _memo_lock:
+        known = _store_sizes.get(remote.url)
+    return known is not None and known > LOOKUPS_ABOVE * max(1, count)
+
+
+def _look_up(remote: ObjectTier, paths: list[str]) -> dict[str, _Stored]:
+    """Size, ETag and CRC32 of those of ``paths`` that are stored: one HEAD each, in parallel."""
+
+    def head(path: str) -> _Stored | None:
+        try:
+            return remote.stored_checksum(path)
+        except NotFoundError:
+            return None
+
+    if not paths:
+        return {}
+    workers = max(1, min(settings().s3_concurrency, len(paths)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-dedup") as pool:
+        found = list(pool.map(head, paths))
+    return {path: stored for path, stored in zip(paths, found) if stored is not None}
+
+
+def _listed_store(remote: ObjectTier) -> dict[str, tuple[int, str]]:
+    """Path -> (size, ETag) of every chunk stored: one paginated listing, whose size this process remembers."""
+    listed = remote.listed_tags(remote.chunk_path("").rstrip("/"))
+    with _memo_lock:
+        _store_sizes[remote.url] = len(listed)
+    return listed
+
+
+def stored_sizes(remote: ObjectTier, keys: Iterable[str]) -> dict[str, int]:
+    """Content address -> stored size of those of ``keys`` that the object tier holds: a listing of the chunk
+    store, or one HEAD per key once the store is much larger than ``keys`` (:data:`LOOKUPS_ABOVE`)."""
+    paths = {remote.chunk_path(key): key for key in keys}
+    if _looks_up(remote, len(paths)):
+        return {paths[path]: size for path, (size, _, _) in _look_up(remote, list(paths)).items()}
+    listed = _listed_store(remote)
+    return {key: listed[path][0] for path, key in paths.items() if path in listed}
+
+
+def _verdict(remote: ObjectTier, local: StorageTier, share: RankShare, chunk: ChunkRecord,
+             looked_up: _Stored | None = None) -> tuple[bool, str, int]:
+    """(whether the stored object holds exactly the local copy's bytes, how it was checked, local bytes read).
+    ``looked_up``: the object's HEAD, when the dedup decision made one."""
     path = remote.chunk_path(chunk.object_key)
     try:
-        size, _, crc = remote.stored_checksum(path)
+        size, _, crc = looked_up if looked_up is not None else remote.stored_checksum(path)
     except NotFoundError:
         return False, "checksum", 0
     stored = read_stored_chunk(local, share, chunk)  # the local copy, checked against its digest
@@ -121,7 +181,12 @@ def chunks_to_upload(remote: ObjectTier, needed: dict[str, tuple[RankShare, Chun
     ``bad``: the paths recorded bad, when the caller listed them (:func:`bad_chunk_paths`; else listed here);
     the paths this check records bad are added to it, so that :func:`mark_uploaded` clears them too."""
     global last_check
-    listed = remote.listed_tags(remote.chunk_path("").rstrip("/"))
+    looked_up: dict[str, _Stored] = {}
+    if _looks_up(remote, len(needed)):
+        looked_up = _look_up(remote, [remote.chunk_path(key) for key in needed])
+        listed = {path: (size, tag) for path, (size, tag, _) in looked_up.items()}
+    else:
+        listed = _listed_store(remote)
     bad = bad_chunk_paths(remote) if bad is None else bad
     upload: list[tuple[RankShare, ChunkRecord]] = []
     to_check: list[tuple[RankShare, ChunkRecord, tuple[str, str, int, str]]] = []
@@ -149,7 +214,8 @@ def chunks_to_upload(remote: ObjectTier, needed: dict[str, tuple[RankShare, Chun
     if to_check:
         workers = max(1, min(settings().s3_concurrency, len(to_check)))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-dedup") as pool:
-            verdicts = list(pool.map(lambda item: _verdict(remote, local, item[0], item[1]), to_check))
+            verdicts = list(pool.map(lambda item: _verdict(remote, local, item[0], item[1],
+                                                           looked_up.get(item[2][1])), to_check))
         for (share, chunk, memo), (intact, how, read) in zip(to_check, verdicts):
             local_bytes += read
             if how == "checksum":
@@ -183,6 +249,9 @@ def mark_uploaded(remote: ObjectTier, keys: Iterable[str], *, recorded_bad: set[
     keys = list(keys)
     if not keys:
         return
+    with _memo_lock:
+        if remote.url in _store_sizes:
+            _store_sizes[remote.url] += len(keys)
     bad = bad_chunk_paths(remote) if recorded_bad is None else recorded_bad
     for key in keys:
         path = remote.chunk_path(key)
@@ -190,4 +259,5 @@ def mark_uploaded(remote: ObjectTier, keys: Iterable[str], *, recorded_bad: set[
             clear_bad_chunk(remote, path)
 
 
-__all__ = ["DedupCheck", "chunks_to_upload", "forget_verified", "last_check", "mark_uploaded"]
+__all__ = ["LOOKUPS_ABOVE", "DedupCheck", "chunks_to_upload", "forget_verified", "last_check", "mark_uploaded",
+           "stored_sizes"]

@@ -16,9 +16,10 @@ it again):
    file, decoded and hashed, and compared with the index *before* those same bytes are sent (a pack is
    read whole and each of its chunks checked before the pack is sent); a local chunk that fails its
    digest stops the promotion and nothing is committed remotely;
-5. list again and check that every chunk the step keeps from earlier uploads, and every pack, is stored with
-   the right size (the chunks uploaded in step 4 are vouched for by their PUTs: a step whose chunks are all
-   new lists no chunks here), then clear the bad records of the chunks uploaded again;
+5. look again (a listing, or a HEAD per chunk once the store is large) and check that every chunk the step
+   keeps from earlier uploads, and every pack, is stored with the right size (the chunks uploaded in step 4
+   are vouched for by their PUTs: a step whose chunks are all new looks up none), then clear the bad
+   records of the chunks uploaded again;
 6. with several ranks promoting their own shares, each writes ``rank-NNNNN.promoted`` and the committing
    rank (the share that includes rank 0, unless the caller names another) waits for all of them, at most
    ``CKPTD_COMMIT_TIMEOUT_S`` and never past :attr:`Promoter.give_up_at`, logging which ranks it waits for.
@@ -48,7 +49,7 @@ from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
 from ckptd.tiers.atomicity import step_commit
 from ckptd.format.records import ChunkRecord, Manifest
 from ckptd.stepio.step_reader import load_step_manifest
-from ckptd.promotion.dedup import chunks_to_upload, mark_uploaded
+from ckptd.promotion.dedup import chunks_to_upload, mark_uploaded, stored_sizes
 from ckptd.promotion.contents import (RankShare, StepContents, pack_path, read_step_contents, read_stored_chunk,
                                      read_verified_pack)
 from ckptd.promotion.lease import wait_for_collector
@@ -277,25 +278,29 @@ class Promoter:
         return total
 
     def _check_all_stored(self, contents: StepContents, kept: dict[str, tuple[RankShare, ChunkRecord]]) -> None:
-        """CommitError unless every chunk the step keeps from earlier uploads (``kept``: those dedup found
-        stored) is still listed with its size, and every pack of the step is stored. The chunks this
-        promotion uploaded are vouched for by their PUTs' answers (S3 reads its own writes), so a step
-        whose chunks are all new costs no listing of the whole chunk store here."""
-        stored = stored_chunks(self.remote) if kept else {}
+        """CommitError unless this promotion's rank indexes and packs are still in the step directory, and
+        every chunk the step keeps from earlier uploads (``kept``: those dedup found stored) is still stored
+        with its size. The chunks this promotion uploaded are vouched for by their PUTs' answers (S3 reads
+        its own writes) and by the indexes: a collector that took this step for abandoned (older than
+        ``gc_abandoned_s``) deletes its directory before it sweeps the chunks only the step names. So a step
+        whose chunks are all new costs one small listing of its own directory here, and the kept chunks are
+        found as dedup finds them (a listing of the chunk store, or a HEAD each once it is large)."""
+        in_step = {obj.path: obj.size for obj in self.remote.list_objects(step_dir(contents.step))}
+        expected = [(step_file(contents.step, share.index_name), len(share.index_bytes), "rank index")
+                    for share in contents.shares]
+        expected += [(pack_path(share, number), share.index.data_files[number].size, "pack")
+                     for share, number in contents.packs()]
+        for path, size, what in expected:
+            if in_step.get(path) != size:
+                raise CommitError(f"a {what} is missing on the object tier after upload (a garbage collection took "
+                                  "the step for abandoned, or the object was deleted); the step was not committed",
+                                  step=contents.step, tier=self.remote.label, path=path,
+                                  hint="promote the step again")
+        stored = stored_sizes(self.remote, kept) if kept else {}
         for key, (_, chunk) in kept.items():
             if stored.get(key) != chunk.length:
                 raise CommitError("a chunk is missing on the object tier after upload; the step was not committed",
                                   step=contents.step, tier=self.remote.label, path=self.remote.chunk_path(key),
-                                  hint="promote the step again")
-        packs = contents.packs()
-        if not packs:
-            return
-        in_step = {obj.path: obj.size for obj in self.remote.list_objects(step_dir(contents.step))}
-        for share, number in packs:
-            path = pack_path(share, number)
-            if in_step.get(path) != share.index.data_files[number].size:
-                raise CommitError("a pack is missing on the object tier after upload; the step was not committed",
-                                  step=contents.step, tier=self.remote.label, path=path,
                                   hint="promote the step again")
 
     def _stop_if_released(self, contents: StepContents, ranks: list[int]) -> None:
