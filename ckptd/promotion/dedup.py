@@ -15,7 +15,7 @@ by every later step. Here a stored chunk is reused only when all of these hold:
    without checksums) has the object read back once instead and compared byte for byte.
 
 A chunk that passes is remembered for the life of the process by (tier, key, size, ETag from the
-listing): a frozen chunk that every step shares is checked once, and again only when the listing shows
+listing; a store that sends no ETag has its chunks checked every time): a frozen chunk that every step shares is checked once, and again only when the listing shows
 another ETag (the object was replaced). A chunk that fails is recorded as bad and uploaded again; after
 the upload :func:`mark_uploaded` clears its record.
 
@@ -29,7 +29,7 @@ model of 5,000 chunks lists 5 million objects after 1,000 promotions, minutes of
 the chunks a step needs do not. So once this process has seen the store hold more than
 :data:`LOOKUPS_ABOVE` objects per chunk a step needs, it looks the step's chunks up instead: one HEAD each
 (with ``ChecksumMode``, so the CRC32 of step 3 comes with it), in parallel, none of them a listing. The
-first promotion of a process always lists, to learn the size.
+first promotion of a process always lists, to learn the size; a collection in the process sets it again.
 
 Thread safety: every function may be called from any thread; the memo is shared by the process.
 """
@@ -117,11 +117,16 @@ def _look_up(remote: ObjectTier, paths: list[str]) -> dict[str, _Stored]:
     return {path: stored for path, stored in zip(paths, found) if stored is not None}
 
 
+def note_store_size(tier: StorageTier, count: int) -> None:
+    """Remember that ``tier`` holds ``count`` chunks (a listing, or a collection that just swept some)."""
+    with _memo_lock:
+        _store_sizes[tier.url] = count
+
+
 def _listed_store(remote: ObjectTier) -> dict[str, tuple[int, str]]:
     """Path -> (size, ETag) of every chunk stored: one paginated listing, whose size this process remembers."""
     listed = remote.listed_tags(remote.chunk_path("").rstrip("/"))
-    with _memo_lock:
-        _store_sizes[remote.url] = len(listed)
+    note_store_size(remote, len(listed))
     return listed
 
 
@@ -223,8 +228,9 @@ def chunks_to_upload(remote: ObjectTier, needed: dict[str, tuple[RankShare, Chun
             else:
                 by_reading += 1
             if intact:
-                with _memo_lock:
-                    _verified.add(memo)
+                if memo[3]:  # without an ETag a same-size replacement could not be told apart: check every time
+                    with _memo_lock:
+                        _verified.add(memo)
                 continue
             mismatched += 1
             upload.append((share, chunk))
@@ -260,4 +266,4 @@ def mark_uploaded(remote: ObjectTier, keys: Iterable[str], *, recorded_bad: set[
 
 
 __all__ = ["LOOKUPS_ABOVE", "DedupCheck", "chunks_to_upload", "forget_verified", "last_check", "mark_uploaded",
-           "stored_sizes"]
+           "note_store_size", "stored_sizes"]

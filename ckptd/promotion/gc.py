@@ -36,6 +36,7 @@ from ckptd.format.records import RankIndex
 from ckptd.stepio.packs import read_by_digest
 from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 from ckptd.policy import RetentionPolicy
+from ckptd.promotion.dedup import note_store_size
 from ckptd.promotion.lease import gc_lease
 from ckptd.promotion.promoter import stored_chunks
 from ckptd.tiers.base import StorageTier
@@ -152,6 +153,8 @@ def _sweep(tier: StorageTier, report: GcReport, kept: list[int], in_flight: list
     garbage = {key: size for key, size in candidates.items() if key not in marked}
     if not dry_run and garbage:
         tier.delete_files([tier.chunk_path(key) for key in sorted(garbage)])
+    if not dry_run:
+        note_store_size(tier, len(candidates) - len(garbage))  # promotions here choose listing or lookups by it
     if not dry_run:
         gone = {tier.chunk_path(key) for key in garbage}
         gone_steps = {step_dir(step) for step in (*report.deleted_steps, *report.abandoned_steps)}
