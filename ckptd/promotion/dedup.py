@@ -15,8 +15,8 @@ by every later step. Here a stored chunk is reused only when all of these hold:
    without checksums) has the object read back once instead and compared byte for byte.
 
 A chunk that passes is remembered for the life of the process by (tier, key, size, ETag from the
-listing; a store that sends no ETag has its chunks checked every time): a frozen chunk that every step shares is checked once, and again only when the listing shows
-another ETag (the object was replaced). A chunk that fails is recorded as bad and uploaded again; after
+listing; a store that sends no ETag has its chunks checked every time): a frozen chunk that every step
+shares is checked once, and again only when the listing shows another ETag (the object was replaced). A chunk that fails is recorded as bad and uploaded again; after
 the upload :func:`mark_uploaded` clears its record.
 
 Cost per step, with every chunk already stored and remembered: the two LISTs (the promoter lists the bad
@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from ckptd.config import settings
 from ckptd.errors import CommitError, IntegrityError, NotFoundError
@@ -53,6 +54,8 @@ from ckptd.tiers.s3_transfers import crc32_checksum
 
 log = logging.getLogger("ckptd.promotion")
 
+T = TypeVar("T")
+R = TypeVar("R")
 _memo_lock = threading.Lock()
 _verified: set[tuple[str, str, int, str]] = set()
 #: A step's chunks are looked up one HEAD each, instead of listing the whole chunk store, once the store holds
@@ -100,6 +103,15 @@ def _looks_up(remote: ObjectTier, count: int) -> bool:
     return known is not None and known > LOOKUPS_ABOVE * max(1, count)
 
 
+def _in_parallel(function: Callable[[T], R], items: list[T]) -> list[R]:
+    """``function`` of every item, on up to ``s3_concurrency`` threads, in the items' order."""
+    if not items:
+        return []
+    workers = max(1, min(settings().s3_concurrency, len(items)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-dedup") as pool:
+        return list(pool.map(function, items))
+
+
 def _look_up(remote: ObjectTier, paths: list[str]) -> dict[str, _Stored]:
     """Size, ETag and CRC32 of those of ``paths`` that are stored: one HEAD each, in parallel."""
 
@@ -109,12 +121,7 @@ def _look_up(remote: ObjectTier, paths: list[str]) -> dict[str, _Stored]:
         except NotFoundError:
             return None
 
-    if not paths:
-        return {}
-    workers = max(1, min(settings().s3_concurrency, len(paths)))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-dedup") as pool:
-        found = list(pool.map(head, paths))
-    return {path: stored for path, stored in zip(paths, found) if stored is not None}
+    return {path: stored for path, stored in zip(paths, _in_parallel(head, paths)) if stored is not None}
 
 
 def note_store_size(tier: StorageTier, count: int) -> None:
@@ -130,14 +137,21 @@ def _listed_store(remote: ObjectTier) -> dict[str, tuple[int, str]]:
     return listed
 
 
-def stored_sizes(remote: ObjectTier, keys: Iterable[str]) -> dict[str, int]:
-    """Content address -> stored size of those of ``keys`` that the object tier holds: a listing of the chunk
-    store, or one HEAD per key once the store is much larger than ``keys`` (:data:`LOOKUPS_ABOVE`)."""
-    paths = {remote.chunk_path(key): key for key in keys}
+def _find_stored(remote: ObjectTier, paths: list[str]) -> tuple[dict[str, tuple[int, str]], dict[str, _Stored]]:
+    """(path -> (size, ETag) of the chunks stored, path -> HEAD answer of those looked up): a listing of the
+    whole chunk store, or one HEAD per path once the store is much larger (:data:`LOOKUPS_ABOVE`)."""
     if _looks_up(remote, len(paths)):
-        return {paths[path]: size for path, (size, _, _) in _look_up(remote, list(paths)).items()}
-    listed = _listed_store(remote)
-    return {key: listed[path][0] for path, key in paths.items() if path in listed}
+        looked_up = _look_up(remote, paths)
+        return {path: (size, tag) for path, (size, tag, _) in looked_up.items()}, looked_up
+    return _listed_store(remote), {}
+
+
+def stored_sizes(remote: ObjectTier, keys: Iterable[str]) -> dict[str, int]:
+    """Content address -> stored size of those of ``keys`` that the object tier holds (a listing of the chunk
+    store, or one HEAD per key once the store is much larger than ``keys``: see the module docstring)."""
+    paths = {remote.chunk_path(key): key for key in keys}
+    stored, _ = _find_stored(remote, list(paths))
+    return {key: stored[path][0] for path, key in paths.items() if path in stored}
 
 
 def _verdict(remote: ObjectTier, local: StorageTier, share: RankShare, chunk: ChunkRecord,
@@ -186,12 +200,7 @@ def chunks_to_upload(remote: ObjectTier, needed: dict[str, tuple[RankShare, Chun
     ``bad``: the paths recorded bad, when the caller listed them (:func:`bad_chunk_paths`; else listed here);
     the paths this check records bad are added to it, so that :func:`mark_uploaded` clears them too."""
     global last_check
-    looked_up: dict[str, _Stored] = {}
-    if _looks_up(remote, len(needed)):
-        looked_up = _look_up(remote, [remote.chunk_path(key) for key in needed])
-        listed = {path: (size, tag) for path, (size, tag, _) in looked_up.items()}
-    else:
-        listed = _listed_store(remote)
+    listed, looked_up = _find_stored(remote, [remote.chunk_path(key) for key in needed])
     bad = bad_chunk_paths(remote) if bad is None else bad
     upload: list[tuple[RankShare, ChunkRecord]] = []
     to_check: list[tuple[RankShare, ChunkRecord, tuple[str, str, int, str]]] = []
@@ -217,10 +226,8 @@ def chunks_to_upload(remote: ObjectTier, needed: dict[str, tuple[RankShare, Chun
                 to_check.append((share, chunk, memo))
     by_checksum = by_reading = mismatched = local_bytes = 0
     if to_check:
-        workers = max(1, min(settings().s3_concurrency, len(to_check)))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-dedup") as pool:
-            verdicts = list(pool.map(lambda item: _verdict(remote, local, item[0], item[1],
-                                                           looked_up.get(item[2][1])), to_check))
+        verdicts = _in_parallel(lambda item: _verdict(remote, local, item[0], item[1], looked_up.get(item[2][1])),
+                                to_check)
         for (share, chunk, memo), (intact, how, read) in zip(to_check, verdicts):
             local_bytes += read
             if how == "checksum":

@@ -181,8 +181,9 @@ def budgeted_filesystem_class() -> type:
 
         async def set_session(self, *args: Any, **kwargs: Any) -> Any:
             client = await super().set_session(*args, **kwargs)
-            install_hooks(client)
-            use_fast_timestamps(self.session)
+            if not getattr(client, _HOOKED, False):  # s3fs calls set_session before every request
+                use_fast_timestamps(self.session)
+                install_hooks(client)
             return client
 
     return BudgetedS3FileSystem
