@@ -140,8 +140,25 @@ def test_a_kept_chunk_that_vanishes_before_the_commit_stops_the_commit(tmp_path,
         assert remote.committed_steps() == [1], "step 2 was not committed"
         report = Promoter(local, remote).promote(2)  # promoted again: the missing chunk is uploaded
         assert report.chunks_uploaded >= 1 and remote.committed_steps() == [1, 2]
+        _assert_stored_as_saved(s3_server, s3_bucket, remote, local, 2)
     finally:
         remote.close()
+
+
+def _assert_stored_as_saved(server, bucket: str, remote, local, step: int) -> None:
+    """Every chunk and rank index of ``step`` on the object tier holds the bytes of the local copy."""
+    from ckptd.format.layout import step_file
+    from ckptd.promotion.contents import read_step_contents, read_stored_chunk
+    from test_promotion_support import s3_client
+
+    client = s3_client(server)
+    contents = read_step_contents(local, step)
+    for digest, (share, chunk) in contents.unique_chunks().items():
+        stored = client.get_object(Bucket=bucket, Key=remote.key(remote.chunk_path(digest)))["Body"].read()
+        assert stored == read_stored_chunk(local, share, chunk), (step, digest)
+    for share in contents.shares:
+        key = remote.key(step_file(step, share.index_name))
+        assert client.get_object(Bucket=bucket, Key=key)["Body"].read() == share.index_bytes, (step, key)
 
 
 def _calls(remote) -> list[tuple[str, str]]:
@@ -236,7 +253,7 @@ def test_lookups_start_once_the_store_is_larger_than_the_chunks_looked_for(tmp_p
         remote.close()
 
 
-def test_a_step_a_collector_took_for_abandoned_midway_is_not_committed(tmp_path, s3_bucket, s3_options):
+def test_a_step_a_collector_took_for_abandoned_midway_is_not_committed(tmp_path, s3_server, s3_bucket, s3_options):
     # a promotion that ran past gc_abandoned_s (a long outage, retries): a collector deletes the step's
     # directory (its rank indexes) and then sweeps the chunks only that step named. The step is all new
     # chunks, so nothing of it is kept from earlier uploads: its own indexes are what tells the loss
@@ -266,5 +283,6 @@ def test_a_step_a_collector_took_for_abandoned_midway_is_not_committed(tmp_path,
         needed = read_step_contents(local, 1).unique_chunks()
         assert dedup.stored_sizes(remote, needed) == {key: chunk.length for key, (_, chunk) in needed.items()}
         assert remote.committed_steps() == [1]
+        _assert_stored_as_saved(s3_server, s3_bucket, remote, local, 1)
     finally:
         remote.close()
