@@ -7,11 +7,13 @@ import math
 import pytest
 
 from ckptd.errors import ConfigError
-from ckptd.planning import (Bandwidths, Layout, ParameterCount, PlanInputs, Retention, StateBytes, daly_interval_s,
-                            job_mtbf_hours, lost_fraction, make_plan, per_gpu_failures_per_hour, shape_from_config,
-                            split_checkpoint, young_interval_s)
+from ckptd.planning import (PRESETS, Bandwidths, Layout, ParameterCount, PlanInputs, Retention, StateBytes,
+                            daly_interval_s, job_mtbf_hours, lost_fraction, make_plan, per_gpu_failures_per_hour,
+                            shape_from_config, split_checkpoint, young_interval_s)
 
 P70 = ParameterCount.flat(70_000_000_000)
+#: The 16 bytes of bf16 weights and gradients, fp32 master weights and two moments (the old default).
+ADAM_MIXED = PRESETS["adam-mixed"]
 
 LLAMA2_7B = {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 11008,
              "vocab_size": 32000, "num_attention_heads": 32, "num_key_value_heads": 32,
@@ -27,19 +29,19 @@ QWEN25_7B = {"model_type": "qwen2", "num_hidden_layers": 28, "hidden_size": 3584
 GPT2 = {"n_layer": 12, "n_embd": 768, "n_head": 12, "vocab_size": 50257, "n_positions": 1024}
 
 
-def _split(layout: Layout, *, count: ParameterCount = P70, dedup: bool = True, state: StateBytes = StateBytes()):
-    return split_checkpoint(count.stages(layout.pp), state, layout, dedup=dedup)
+def _split(layout: Layout, *, count: ParameterCount = P70, dedup: bool = True, state: StateBytes = ADAM_MIXED):
+    return split_checkpoint(count.stages(layout.pp), state, layout, replicas="once" if dedup else "every-rank")
 
 
 # --- bytes over layouts ------------------------------------------------------------------------------
 
 def test_70b_at_16_bytes_is_1_12_tb():
     split = _split(Layout())
-    assert StateBytes().total == 16
+    assert ADAM_MIXED.total == 16 and StateBytes().total == 12, "the default is fsdp2's 12 bytes"
     assert split.unique.as_dict() == {"weights": 140 * 10**9, "grads": 140 * 10**9, "master": 280 * 10**9,
                                       "moments": 560 * 10**9, "total": 1_120 * 10**9}
     assert split.rank_written.as_dict()["total"] == 1_120_000_000_000
-    assert StateBytes(grads=0).total == 14  # a checkpoint after the optimizer step
+    assert StateBytes(weights=2, master=4).total == 14  # Megatron's distributed optimizer
 
 
 def test_zero_1_over_dp_8_divides_the_optimizer_state_by_8():
@@ -152,7 +154,7 @@ def test_lost_fraction_adds_overhead_recompute_and_restart():
 # --- the whole plan -----------------------------------------------------------------------------------
 
 def _plan(mtbf_hours: float = 24.0, **layout: int):
-    return make_plan(PlanInputs(parameters=P70, parameters_from="--params", state=StateBytes(),
+    return make_plan(PlanInputs(parameters=P70, parameters_from="--params", state=ADAM_MIXED,
                                 layout=Layout(**{"dp": 8, "zero_stage": 1, **layout}), mtbf_hours=mtbf_hours,
                                 restart_s=600.0, retention=Retention(keep_local=2, keep_peer=1, keep_remote=5),
                                 bandwidths=Bandwidths(d2h=10, host_memcpy=100, disk=5, peer=10, object=2)))
@@ -166,8 +168,9 @@ def test_a_whole_plan_against_hand_figures():
     assert local.durable_s == pytest.approx(14 + 224)
     assert peer.durable_s == pytest.approx(14 + 224 + 1.12e12 / 5e9), "the buddy's disk (5) is slower than the link"
     assert remote.durable_s == pytest.approx(14 + 224 + 560)
-    # the node holds 8 x 385e9; it wrote 1.12e12 itself, the rest comes from other replicas over the peer link
-    assert local.restore_s == pytest.approx(max(1.12e12 / 5e9, (8 * 385e9 - 1.12e12) / 10e9))
+    # one node holds the whole job's directory: it reads the 1.12e12 it wrote, nothing from elsewhere
+    assert local.restore_s == pytest.approx(1.12e12 / 5e9) and local.restore_from == "own directory"
+    assert plan.replicas == "once", "one node, one directory: the manager writes replicas once"
     assert local.storage_per_node == 2 * 1.12e12 and local.peak_per_node == 3 * 1.12e12
     assert remote.storage_total == 5 * 1.12e12 and remote.storage_per_node is None
     assert local.interval.seconds == pytest.approx(daly_interval_s(14, 86400)) and local.interval.bound == "daly"

@@ -1,11 +1,15 @@
 """``ckptd plan``: what checkpointing a planned job will cost, before it runs.
 
-From a model size (``--params`` or ``--config``), the bytes each parameter's state takes (``--state`` and the
-per-component ``--*-bytes``), a layout (``--tp --pp --dp --ep --zero-stage --gpus-per-node``), bandwidths
-(given, defaults, or ``--measure``d here), retention and a failure rate, it prints per rank and per node the
-bytes of a checkpoint, the staging stall, the durable time, restore time and storage of each tier, the
-checkpoint interval per tier and the expected fraction of time lost. The arithmetic and the ``--json``
-schema are documented in :mod:`ckptd.planning.plan`. Bad input exits 2 with one line naming the option.
+From a model size (``--params`` or ``--config``), the bytes each parameter's state takes (``--state`` presets
+named after what frameworks save, and the per-component ``--*-bytes``), a layout (``--tp --pp --dp --ep
+--zero-stage --gpus-per-node``), the replica mode and directory layout (``--replicas``, by default what
+``CheckpointManager`` would pick, ``--directories``), bandwidths (given, defaults, or ``--measure``d here),
+retention, a failure rate and optionally the run's length (``--tokens --tflops-per-gpu`` or ``--run-days``), it
+prints per rank and per node the bytes of a checkpoint, the staging stall, the durable time, restore time and
+path and storage of each tier, the checkpoint interval per tier and the expected fraction of time lost, for
+asynchronous (ckptd) and synchronous saves side by side, with the failures, hours lost and bytes written over
+the run. The arithmetic and the ``--json`` schema are documented in :mod:`ckptd.planning.plan` and
+docs/plan.md. Bad input exits 2 with one line naming the option.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import click
 
 from ckptd.cli.options import json_option, print_json, s3_options, storage_options
+from ckptd.planning.layout import DEFAULT_PRESET, DIRECTORY_LAYOUTS, PRESETS, REPLICA_MODES
 
 _COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
 #: Parameter counts at or above this are refused (a typo, or a float that overflowed to infinity).
@@ -25,6 +30,8 @@ _MAX_COUNT = 1e18
 _MAX_MEASURE_MIB = 4096
 #: The fleet record the issue cites (Llama 3 405B pre-training), used when no failure rate is given.
 _DEFAULT_FAILURES = (419.0, 54.0, 16384)
+#: Bytes per parameter of each ``--state`` preset.
+_PRESET_BYTES = {name: state.total for name, state in PRESETS.items()}
 _BANDWIDTH_HELP = {
     "d2h": "device-to-host copy per GPU (pinned)",
     "host_memcpy": "host-memory copy per node (all its ranks together)",
@@ -35,18 +42,18 @@ _BANDWIDTH_HELP = {
 }
 
 
-def _parse_count(value: str | None, option: str) -> int | None:
-    """A parameter count: ``70e9``, ``70B``, ``6.74b``, ``175_000_000_000``."""
+def _parse_count(value: str | None, option: str, *, noun: str = "parameter count like 70e9 or 70B") -> int | None:
+    """A count: ``70e9``, ``70B``, ``6.74b``, ``175_000_000_000``, ``1.4T``."""
     from ckptd.errors import ConfigError
 
     if value is None:
         return None
     match = re.fullmatch(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?(?:e[0-9]+)?)\s*([a-zA-Z]?)\s*", value, flags=re.I)
     if not match or match.group(2).lower() not in _COUNT_SUFFIXES:
-        raise ConfigError(f"{option}: {value!r} is not a parameter count like 70e9 or 70B")
+        raise ConfigError(f"{option}: {value!r} is not a {noun}")
     scaled = float(match.group(1).replace("_", "")) * _COUNT_SUFFIXES[match.group(2).lower()]
     if not scaled < _MAX_COUNT:
-        raise ConfigError(f"{option}: {value!r} is more parameters than ckptd plan counts (at most 1e18)")
+        raise ConfigError(f"{option}: {value!r} is more than ckptd plan counts (at most 1e18)")
     count = round(scaled)
     if count < 1:
         raise ConfigError(f"{option}: {value!r}: the count must be at least 1")
@@ -73,11 +80,11 @@ def _bandwidth_options(command: Any) -> Any:
               help="Whether the LM head shares the embedding (default: the config's tie_word_embeddings).")
 @click.option("--expert-params", default=None, metavar="COUNT",
               help="With --params: how many of them are in experts (split over --ep).")
-@click.option("--state", "preset", type=click.Choice(["adam-mixed", "adam-mixed-no-grads", "adam-fp32",
-                                                      "sgd-momentum-mixed"]),
-              default="adam-mixed", show_default=True,
-              help="Bytes per parameter a checkpoint holds: adam-mixed = bf16 weights 2 + bf16 grads 2 + fp32 "
-                   "master 4 + two fp32 moments 8 = 16.")
+@click.option("--state", "preset", type=click.Choice(list(_PRESET_BYTES)), default=DEFAULT_PRESET, show_default=True,
+              help="Bytes per parameter a checkpoint holds, as frameworks save it: "
+                   + "; ".join(f"{name} {total:g}" for name, total in _PRESET_BYTES.items())
+                   + " (fsdp2: fp32 parameters + two fp32 Adam moments; megatron: distributed optimizer; "
+                     "deepspeed: ZeRO 1/2; see docs/plan.md).")
 @click.option("--weight-bytes", type=float, default=None, help="Override: weight bytes per parameter.")
 @click.option("--grad-bytes", type=float, default=None, help="Override: gradient bytes per parameter (0: not saved).")
 @click.option("--master-bytes", type=float, default=None, help="Override: master-weight bytes per parameter.")
@@ -92,8 +99,13 @@ def _bandwidth_options(command: Any) -> Any:
               help="ZeRO stage: 1 shards optimizer state over DP, 2 also grads, 3 also weights (FSDP).")
 @click.option("--gpus-per-node", type=int, default=8, show_default=True, envvar="CKPTD_PLAN_GPUS_PER_NODE",
               help="GPUs (ranks) per node. [env: CKPTD_PLAN_GPUS_PER_NODE]")
-@click.option("--dedup/--no-dedup", default=True, show_default=True,
-              help="Replicas written once (ckptd), or every replica writes its copy.")
+@click.option("--replicas", type=click.Choice(list(REPLICA_MODES)), default=None,
+              help="How replicated pieces are written, as CheckpointManager(write_replicas=...) (default: what the "
+                   "manager picks: once when the job has one local directory, else once-per-directory).")
+@click.option("--directories", type=click.Choice(list(DIRECTORY_LAYOUTS)), default="per-node",
+              show_default=True, help="Which ranks share a local-tier directory: a node's (one NVMe per node), none, "
+                                      "or the whole job's (a parallel file system).")
+@click.option("--no-dedup", "no_dedup", is_flag=True, hidden=True, help="Old name of --replicas every-rank.")
 @_bandwidth_options
 @click.option("--measure", is_flag=True,
               help="Measure host memcpy (one copier per rank of a node, up to this machine's cores), device-to-host (with a GPU), the disk of --local and the object store "
@@ -116,20 +128,39 @@ def _bandwidth_options(command: Any) -> Any:
 @click.option("--gpus", type=int, default=None, help="GPUs of that fleet (default 16384).")
 @click.option("--restart-minutes", type=float, default=10.0, show_default=True,
               help="Time to notice a failure and restart, before the restore.")
+@click.option("--tokens", default=None, metavar="COUNT",
+              help="The run's training tokens (1.4T, 15e12): its length is 6 x parameters x tokens / (GPUs x "
+                   "--tflops-per-gpu). Or give --run-days.")
+@click.option("--tflops-per-gpu", type=float, default=None,
+              help="With --tokens: the FLOP rate each GPU sustains in training, in TFLOP/s (e.g. 400).")
+@click.option("--run-days", type=float, default=None, help="The run's length in days of training, without failures.")
+@click.option("--object-store-limit-gb-per-s", "object_store_limit", type=float, default=None,
+              help="Warn when the job-wide rate into the object store the plan assumes (nodes x "
+                   "--object-gb-per-s) exceeds this many GB/s (default 100). [env: "
+                   "CKPTD_PLAN_OBJECT_STORE_LIMIT_GB_PER_S]")
 @json_option
 def plan(params: str | None, config_path: str | None, tied_embeddings: bool | None, expert_params: str | None,
          preset: str, weight_bytes: float | None, grad_bytes: float | None, master_bytes: float | None,
          moment_bytes: float | None, tp: int, pp: int, dp: int | None, ep: int, world_size: int | None,
-         zero_stage: int, gpus_per_node: int, dedup: bool, measure: bool, local_dir: str | None,
-         measure_object: str | None, measure_mib: int, endpoint_url: str | None, region: str | None,
-         keep_local: int, keep_peer: int, keep_remote: int, mtbf_hours: float | None, failures: float | None,
-         days: float | None, gpus: int | None, restart_minutes: float, as_json: bool, **gbps: float | None) -> None:
-    """Show what checkpointing a planned job costs: bytes per rank and node, times, storage, intervals, lost time."""
+         zero_stage: int, gpus_per_node: int, replicas: str | None, directories: str, no_dedup: bool, measure: bool,
+         local_dir: str | None, measure_object: str | None, measure_mib: int, endpoint_url: str | None,
+         region: str | None, keep_local: int, keep_peer: int, keep_remote: int, mtbf_hours: float | None,
+         failures: float | None, days: float | None, gpus: int | None, restart_minutes: float, tokens: str | None,
+         tflops_per_gpu: float | None, run_days: float | None, object_store_limit: float | None, as_json: bool,
+         **gbps: float | None) -> None:
+    """Show what checkpointing a planned job costs: bytes per rank and node, times, storage, intervals, lost time,
+    and with a run length the failures, hours lost and bytes written over the run, async against sync."""
     from dataclasses import replace
 
-    from ckptd.planning import PRESETS, Bandwidths, Layout, PlanInputs, Retention, make_plan
+    from ckptd.errors import ConfigError
+    from ckptd.planning import Bandwidths, Layout, PlanInputs, Retention, make_plan
     from ckptd.planning.plan import DEFAULT_GBPS
 
+    if no_dedup:
+        if replicas not in (None, "every-rank"):
+            raise ConfigError("--no-dedup is the old name of --replicas every-rank; it contradicts --replicas "
+                              f"{replicas}")
+        replicas = "every-rank"
     overrides = {name: value for name, value in (("weights", weight_bytes), ("grads", grad_bytes),
                                                  ("master", master_bytes), ("moments", moment_bytes))
                  if value is not None}
@@ -139,20 +170,42 @@ def plan(params: str | None, config_path: str | None, tied_embeddings: bool | No
         else Layout(tp=tp, pp=pp, dp=1 if dp is None else dp, **others)
     count, source = _parameters(params, config_path, tied_embeddings, expert_params, tp=layout.tp)
     mtbf_hours, rate = _mtbf(mtbf_hours, failures, days, gpus, job_gpus=layout.world_size)
+    run = _run_length(tokens, tflops_per_gpu, run_days, parameters=count.total, gpus=layout.world_size)
     values, sources = _bandwidths(gbps, measure=measure, local_dir=local_dir, measure_object=measure_object,
                                   copiers=min(layout.ranks_per_node, os.cpu_count() or 1),
                                   nbytes=measure_mib << 20, options=storage_options(endpoint_url, region),
                                   defaults=DEFAULT_GBPS)
     inputs = PlanInputs(parameters=count, parameters_from=source, state=state, layout=layout, mtbf_hours=mtbf_hours,
                         mtbf_from="given" if rate is None else "failures", per_gpu_failures_per_hour=rate,
-                        restart_s=restart_minutes * 60.0, dedup=dedup,
+                        restart_s=restart_minutes * 60.0, replicas=replicas, directories=directories,
+                        state_preset=None if overrides else preset,
                         bandwidths=Bandwidths(**values, sources=sources),
-                        retention=Retention(keep_local=keep_local, keep_peer=keep_peer, keep_remote=keep_remote))
+                        retention=Retention(keep_local=keep_local, keep_peer=keep_peer, keep_remote=keep_remote),
+                        run=run, object_store_limit_gbps=object_store_limit)
     result = make_plan(inputs)
     if as_json:
         print_json(result.as_json())
         return
     _print_plan(result.as_json())
+
+
+def _run_length(tokens: str | None, tflops_per_gpu: float | None, run_days: float | None, *, parameters: int,
+                gpus: int) -> Any:
+    """The run's :class:`~ckptd.planning.RunLength` from ``--tokens --tflops-per-gpu`` or ``--run-days``, or None."""
+    from ckptd.errors import ConfigError
+    from ckptd.planning import RunLength
+
+    if tokens is not None and run_days is not None:
+        raise ConfigError("give the run's length one way: --tokens with --tflops-per-gpu, or --run-days")
+    if tokens is None:
+        if tflops_per_gpu is not None:
+            raise ConfigError("--tflops-per-gpu goes with --tokens (6 x parameters x tokens FLOPs at that rate)")
+        return None if run_days is None else RunLength.from_days(run_days)
+    if tflops_per_gpu is None:
+        raise ConfigError("--tokens needs --tflops-per-gpu: the FLOP rate each GPU sustains in training, e.g. 400 "
+                          "(TFLOP/s) for bf16 on an H100 at about 40% of its peak")
+    count = _parse_count(tokens, "--tokens", noun="token count like 1.4T or 15e12")
+    return RunLength.from_tokens(count or 0, parameters=parameters, flops_per_gpu=tflops_per_gpu * 1e12, gpus=gpus)
 
 
 def _parameters(params: str | None, config_path: str | None, tied_embeddings: bool | None,
@@ -240,7 +293,7 @@ def _duration(seconds: float) -> str:
 
 
 def _print_plan(document: dict[str, Any]) -> None:
-    """The plan as a few lines and two rich tables (bytes; tiers)."""
+    """The plan as a few lines and rich tables (bytes; tiers; async against sync saves)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -249,15 +302,19 @@ def _print_plan(document: dict[str, Any]) -> None:
         console.width = 120  # a file or pipe does not wrap
     inputs, layout = document["inputs"], document["inputs"]["layout"]
     per_parameter = inputs["bytes_per_parameter"]
+    preset = f"--state {inputs['state_preset']}: " if inputs["state_preset"] else ""
     console.print(f"model: {inputs['parameters'] / 1e9:.4g} B parameters (from {inputs['parameters_from']}"
                   + (f", {inputs['expert_parameters'] / 1e9:.4g} B in experts" if inputs["expert_parameters"] else "")
-                  + f"), {per_parameter['total']:g} bytes each (weights {per_parameter['weights']:g}, grads "
+                  + f"), {preset}{per_parameter['total']:g} bytes each (weights {per_parameter['weights']:g}, grads "
                   f"{per_parameter['grads']:g}, master {per_parameter['master']:g}, moments {per_parameter['moments']:g})")
+    console.print("presets, bytes per parameter: " + ", ".join(
+        f"{name} {preset_figures['bytes_per_parameter']:g}" for name, preset_figures in inputs["presets"].items()))
+    chosen = "the manager's default" if inputs["replicas_from"] == "default" else "given"
     console.print(f"layout: tp {layout['tp']} x pp {layout['pp']} x dp {layout['dp']}"
                   + (f" (ep {layout['ep']})" if layout["ep"] > 1 else "")
                   + f" = {layout['world_size']} GPUs on {layout['nodes']} node(s) of {layout['gpus_per_node']}, "
-                  f"ZeRO stage {layout['zero_stage']}, "
-                  + ("replicas written once" if inputs["dedup"] else "every replica writes its copy"))
+                  f"ZeRO stage {layout['zero_stage']}, local directory {inputs['directories'].replace('-', ' ')}, "
+                  f"replicas written {inputs['replicas']} ({chosen})")
     rank, node = document["rank"], document["node"]
     table = Table("bytes", "checkpoint", f"rank {rank['busiest']} holds", f"rank {rank['busiest']} writes",
                   f"node {node['busiest']} writes", title="one checkpoint (busiest rank and node)")
@@ -265,23 +322,25 @@ def _print_plan(document: dict[str, Any]) -> None:
         table.add_row(name, _size(document["checkpoint"]["unique_bytes"][name]), _size(rank["held_bytes"][name]),
                       _size(rank["written_bytes"][name]), _size(node["written_bytes"][name]))
     console.print(table)
+    console.print(f"all nodes write {_size(document['checkpoint']['written_bytes_all_nodes'])} per checkpoint")
     staging = document["staging"]
     console.print(f"staging stall: {_duration(staging['seconds'])} ({staging['bound']} bound)")
     gbps, sources = inputs["bandwidths_gb_per_s"], inputs["bandwidth_sources"]
     console.print("bandwidths, GB/s: " + ", ".join(
         f"{name.replace('_', ' ')} {value:.3g} ({sources[name]})" for name, value in gbps.items() if value is not None))
-    tiers = Table("tier", "durable", "restore", "kept/node", "job total", "every", "Young", "lost",
+    tiers = Table("tier", "durable", "restore", "from", "kept/node", "job total", "every", "Young", "lost",
                   title=f"tiers: MTBF {_duration(inputs['failures']['mtbf_hours'] * 3600)}, interval by Daly")
     for name, tier in document["tiers"].items():
         interval = tier["interval"]
         tiers.add_row(name, _duration(tier["durable_seconds"]),
-                      _duration(tier["restore_seconds"]), _size(tier["storage_bytes_per_node"]),
+                      _duration(tier["restore_seconds"]), tier["restore_from"], _size(tier["storage_bytes_per_node"]),
                       _size(tier["storage_bytes_total"]),
                       _duration(interval["seconds"]) + ("*" if interval["bound"] == "tier" else ""),
                       _duration(interval["young_seconds"]), f"{tier['lost_fraction']['total']:.2%}")
     console.print(tiers)
     if any(tier["interval"]["bound"] == "tier" for tier in document["tiers"].values()):
         console.print("*: raised to what the tier can absorb (a save reaches it before the next one does)")
+    _print_modes(console, document, Table)
     failures = inputs["failures"]
     if failures["mtbf_from"] == "failures":
         console.print(f"MTBF {failures['mtbf_hours']:.3g} h for {layout['world_size']} GPUs at "
@@ -289,3 +348,29 @@ def _print_plan(document: dict[str, Any]) -> None:
                       f"{_duration(failures['restart_s'])} plus the restore")
     for warning in document["warnings"]:
         console.print(f"warning: {warning}", style="yellow")
+
+
+def _print_modes(console: Any, document: dict[str, Any], table_type: Any) -> None:
+    """Asynchronous (ckptd) against synchronous saves per tier, with the run's totals when it has a length."""
+    run = document["run"]
+    columns = ["tier", "mode", "stall", "every", "goodput"]
+    if run is not None:
+        columns += ["saves over run", "failures", "lost", "written"]
+        source = (f"{run['tokens']:.3g} tokens x 6 x {document['inputs']['parameters'] / 1e9:.4g} B parameters at "
+                  f"{run['flops_per_gpu'] / 1e12:g} TFLOP/s per GPU" if run["from"] == "tokens" else "given")
+        console.print(f"run: {run['compute_days']:.3g} days of compute ({source}); "
+                      f"{run['failures_in_compute_time']:.3g} failures expected in that time")
+    table = table_type(*columns, title="async (ckptd) and synchronous saves"
+                       + (" over the run" if run is not None else ""))
+    for name, tier in document["tiers"].items():
+        for mode, figures, stall in (("async", tier, document["staging"]["seconds"]),
+                                     ("sync", tier["sync"], tier["sync"]["stall_seconds"])):
+            row = [name, mode, _duration(stall), _duration(figures["interval"]["seconds"]), f"{figures['goodput']:.2%}"]
+            totals = figures["run"]
+            if totals is not None:
+                row += [f"{totals['saves']:.4g}",
+                        "-" if totals["expected_failures"] is None else f"{totals['expected_failures']:.3g}",
+                        "-" if totals["lost_hours"] is None else f"{totals['lost_hours']:.3g} h",
+                        _size(totals["bytes_written"])]
+            table.add_row(*row)
+    console.print(table)
