@@ -1,9 +1,15 @@
 """``ckptd ls``: the steps in one or more tiers, with time, size, ranks and state, and how far the object
 tier is behind the local one.
 
-Exit status: 0, or 4 (:class:`~ckptd.errors.IntegrityError`'s code) when some copy is corrupt (a
-manifest or index that does not parse or match, or with ``--verify`` a bad chunk). An incomplete step
-(no manifest yet: a save being written, or one a crash interrupted) is listed but is no error.
+Steps a restore set aside in a local root (``.set-aside/``, see :mod:`ckptd.manager.set_aside`) are listed
+with state ``set-aside``, why and when; ``ckptd verify`` fails on them until ``ckptd gc --remove-set-aside``
+deletes them.
+
+Exit status: 0; 2 when a path is a file or a folder inside a checkpoint root (the message names the root
+to pass instead); 8 when a local directory does not exist; 4 (:class:`~ckptd.errors.IntegrityError`'s
+code) when some copy is corrupt (a manifest or index that does not parse or match, or with ``--verify`` a
+bad chunk). An incomplete step (no manifest yet: a save being written, or one a crash interrupted) and a
+set-aside step are listed but are no error.
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ from typing import Any
 
 import click
 
-from ckptd.cli.options import json_option, open_cli_tier, print_json, s3_options
+from ckptd.cli.options import json_option, print_json, s3_options
+from ckptd.cli.roots import holds_root, open_root, set_aside_of
 from ckptd.errors import CkptdError, IntegrityError
+from ckptd.manager.set_aside import SetAsideProblem, SetAsideRecord
 from ckptd.tiers import StorageTier
 
 
@@ -32,6 +40,16 @@ class StepCopy:
     detail: str | None = None
     #: The ranks whose files this copy holds, when it holds only some (a node-local directory).
     ranks_here: tuple[int, ...] | None = None
+    #: A set-aside step: when (Unix time), where (relative to the root), and what the restore found wrong.
+    set_aside_at: float | None = None
+    set_aside_as: str | None = None
+    problems: tuple[SetAsideProblem, ...] | None = None
+
+
+def set_aside_copy(tier: StorageTier, record: SetAsideRecord) -> StepCopy:
+    """A step set aside in a local root, as ``ls`` reports it."""
+    return StepCopy(record.step, tier.label, "set-aside", detail=record.describe(), set_aside_at=record.set_aside_at,
+                    set_aside_as=record.name, problems=record.problems)
 
 
 def describe_step(tier: StorageTier, step: int, *, verify: bool) -> StepCopy:
@@ -96,11 +114,16 @@ def ls(paths: tuple[str, ...], verify: bool, lag_only: bool, endpoint_url: str |
     """List steps in PATHS (directories or s3:// URLs, nearest tier first) and their state on each.
 
     Given a local directory and an object tier, also says how far the object tier is behind (steps and
-    seconds between the newest committed step of each). Exits 4 when some copy is corrupt."""
+    seconds between the newest committed step of each). Steps a restore set aside are listed as set-aside,
+    with why and when.
+
+    \b
+    Exit status: 0 listed (set-aside and incomplete steps included); 4 a copy is corrupt;
+    2 PATH is a file or a folder inside a checkpoint root (the message names the root); 8 no such directory."""
     copies: list[StepCopy] = []
     tiers: list[StorageTier] = []
     try:
-        tiers.extend(open_cli_tier(path, endpoint_url, region) for path in paths)
+        tiers.extend(open_root(path, endpoint_url, region) for path in paths)
         try:
             lag = _lag_of(tiers)
         except CkptdError as error:  # the listing below names the tier that fails
@@ -119,6 +142,8 @@ def ls(paths: tuple[str, ...], verify: bool, lag_only: bool, endpoint_url: str |
             return
         for tier in tiers:
             copies.extend(describe_step(tier, step, verify=verify) for step in tier.list_step_numbers())
+            copies.extend(set_aside_copy(tier, record) for record in set_aside_of(tier))
+        roots = [holds_root(tier) for tier in tiers]
     finally:
         for tier in tiers:
             tier.close()
@@ -126,7 +151,8 @@ def ls(paths: tuple[str, ...], verify: bool, lag_only: bool, endpoint_url: str |
     if as_json:
         print_json([asdict(copy) for copy in copies])
     elif not copies:
-        click.echo("no checkpoints")
+        click.echo("no checkpoints" if any(roots) else
+                   f"no checkpoints: no ckptd checkpoint root in {', '.join(paths)} (no step-* folders)")
     else:
         _print_table(copies)
         if lag is not None or lag_error is not None:
@@ -145,5 +171,8 @@ def _print_table(copies: list[StepCopy]) -> None:
             ranks = f"{len(copy.ranks_here)}/{ranks}"
         click.echo(f"{copy.step:>10}  {copy.state:<10}  {created:<19}  {_human_bytes(copy.bytes):>10}  "
                    f"{ranks:>5}  {copy.tier}")
+        if copy.set_aside_at is not None:
+            when = datetime.datetime.fromtimestamp(copy.set_aside_at, datetime.timezone.utc)
+            click.echo(f"{'':>10}  set aside {when:%Y-%m-%d %H:%M:%S} UTC as {copy.set_aside_as}")
         if copy.detail:
             click.echo(f"{'':>10}  {copy.detail}")

@@ -1,6 +1,10 @@
 """``ckptd restore``: export one rank's share of a step to a plain ``torch.save`` file or to one safetensors
 file (with the non-tensor values as JSON in its metadata). ``ckptd export`` writes the Hugging Face
-layout of a whole sharded step instead."""
+layout of a whole sharded step instead.
+
+Exit status: 0; 8 when the step is not committed there (the message lists the committed steps, and those a
+restore set aside); 2 when PATH is a file or a folder inside a root (the message names the root); 4 when a
+chunk read fails its digest."""
 
 from __future__ import annotations
 
@@ -10,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckptd.cli.options import open_cli_tier, s3_options
+from ckptd.cli.options import s3_options
+from ckptd.cli.roots import open_root, set_aside_of
 from ckptd.errors import ConfigError, NotFoundError
 
 if TYPE_CHECKING:
@@ -74,15 +79,25 @@ def write_rank_file(state: Any, out: Path, fmt: str, step: int) -> int:
 @s3_options
 def restore(path: str, step: int, out: Path, fmt: str | None, rank: int, allow_pickle: bool, keep_rng: bool,
             endpoint_url: str | None, region: str | None) -> None:
-    """Export one step of PATH, verified, to a file usable without ckptd."""
+    """Export one step of PATH, verified, to a file usable without ckptd.
+
+    \b
+    Exit status: 0 written; 8 the step is not committed there (the message lists the steps that are);
+    4 a chunk fails its digest; 2 PATH is a file or a folder inside a root."""
     from ckptd.state.rng import RNG_KEY
     from ckptd.state.tree import rebuild
     from ckptd.stepio.step_reader import ChunkSource, StepReader, load_rank_index, load_step_manifest
     from ckptd.tiers.atomicity import ranks_held
 
     fmt = fmt or ("safetensors" if out.suffix == ".safetensors" else "torch")
-    tier = open_cli_tier(path, endpoint_url, region)
+    tier = open_root(path, endpoint_url, region)
     try:
+        committed = tier.committed_steps()
+        if step not in committed:
+            aside = sorted({record.step for record in set_aside_of(tier)})
+            raise NotFoundError(f"step {step} is not committed in {path}", step=step, tier=tier.label,
+                                hint=f"committed steps there: {committed or 'none'}"
+                                     + (f"; set aside by a restore: {aside} (`ckptd ls` says why)" if aside else ""))
         manifest = load_step_manifest(tier, step)
         held = ranks_held(tier, step, manifest)
         if rank not in held:

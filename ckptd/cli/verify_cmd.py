@@ -3,15 +3,25 @@
 With ``--repair`` on an object tier, every object found bad (and every one recorded bad earlier, by a
 restore or a promotion) is replaced with an intact copy from the local roots named by ``--from`` or
 from the object tier itself (:mod:`ckptd.promotion.repair`), and the steps that had problems are
-verified again: exit 0 when every step is intact afterwards."""
+verified again: exit 0 when every step is intact afterwards.
+
+Steps a restore set aside in a local root (``.set-aside/``) are reported with what the restore found
+(file, chunk, tier, digests) and make ``verify`` fail until ``ckptd gc --remove-set-aside`` deletes them:
+evidence of corruption does not disappear with the fallback.
+
+Exit status: 0 every committed step intact and nothing set aside; 4 a bad file or chunk, or a set-aside
+step; 2 PATH is a file or a folder inside a root (the message names the root to pass); 8 PATH holds no
+ckptd checkpoint root, or ``--step`` names a step that is not there."""
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import asdict
 
 import click
 
-from ckptd.cli.options import byte_progress, json_option, open_cli_tier, print_json, s3_options
+from ckptd.cli.options import byte_progress, json_option, print_json, s3_options
+from ckptd.cli.roots import holds_root, open_root, set_aside_of
 from ckptd.errors import CkptdError, IntegrityError, NotFoundError
 from ckptd.format.layout import parse_step_dir
 from ckptd.promotion.repair import RepairReport, repair_objects, repair_sources
@@ -72,16 +82,29 @@ def _repair(tier: StorageTier, problems: list[VerifyProblem], sources: tuple[str
 @json_option
 def verify(path: str, step: int | None, repair: bool, sources: tuple[str, ...], endpoint_url: str | None,
            region: str | None, as_json: bool) -> None:
-    """Re-hash everything in PATH and report each bad file and chunk (exit 4 when any is bad)."""
-    tier = open_cli_tier(path, endpoint_url, region)
+    """Re-hash everything in PATH and report each bad file and chunk (exit 4 when any is bad).
+
+    Steps a restore set aside (.set-aside/ of a local root) are reported with file, chunk, tier and digests,
+    and fail the verify until `ckptd gc PATH --remove-set-aside` deletes them.
+
+    \b
+    Exit status: 0 every committed step intact, nothing set aside; 4 a bad file or chunk, or a set-aside step;
+    2 PATH is a file or a folder inside a root; 8 PATH holds no checkpoint root, or --step is not there."""
+    tier = open_root(path, endpoint_url, region)
     report: RepairReport | None = None
     try:
         if repair and not tier.stores_chunks_by_digest:
             raise click.UsageError("--repair mends an object tier (s3://...); a bad local step is set aside by "
                                    "the next restore and saved again")
+        if not holds_root(tier):
+            raise NotFoundError(f"{path} holds no ckptd checkpoint root: nothing to verify", tier=tier.label,
+                                hint="pass the directory given to CheckpointManager (holding step-* folders) or "
+                                     "its s3:// URL")
+        set_aside = [record for record in set_aside_of(tier) if step is None or record.step == step]
         steps = tier.list_step_numbers() if step is None else [step]
-        if step is not None and step not in steps:
-            raise NotFoundError("no such step", step=step, tier=tier.label, hint="`ckptd ls` lists the steps")
+        if step is not None and step not in tier.list_step_numbers() and not set_aside:
+            raise NotFoundError("no such step", step=step, tier=tier.label,
+                                hint=f"committed steps there: {tier.committed_steps() or 'none'}")
         problems, checked = _verify(tier, steps, as_json)
         if repair:
             report = _repair(tier, problems, sources)
@@ -90,7 +113,8 @@ def verify(path: str, step: int | None, repair: bool, sources: tuple[str, ...], 
     finally:
         tier.close()
     if as_json:
-        answer = {"tier": tier.label, "steps_checked": checked, "problems": [asdict(p) for p in problems]}
+        answer = {"tier": tier.label, "steps_checked": checked, "problems": [asdict(p) for p in problems],
+                  "set_aside": [{**record.to_json(), "recorded": record.recorded} for record in set_aside]}
         if report is not None:
             answer["repaired"] = list(report.repaired)
             answer["unrepairable"] = [{"path": path, "why": why} for path, why in report.unrepairable]
@@ -107,7 +131,16 @@ def verify(path: str, step: int | None, repair: bool, sources: tuple[str, ...], 
         for problem in problems:
             rank = "-" if problem.rank is None else problem.rank
             click.echo(f"BAD step {problem.step} rank {rank}: {problem.error}")
-        click.echo(f"{checked} committed step(s) checked on {tier.label}: "
-                   f"{'all intact' if not problems else f'{len(problems)} problem(s)'}")
-    if problems:
+        for record in set_aside:
+            when = datetime.datetime.fromtimestamp(record.set_aside_at, datetime.timezone.utc)
+            click.echo(f"SET-ASIDE step {record.step} ({record.name}, {when:%Y-%m-%d %H:%M:%S} UTC): {record.reason}")
+            for found in record.problems:
+                click.echo(f"  {found.describe()}")
+        verdict = ("all intact" if not set_aside else "every one intact") if not problems else \
+            f"{len(problems)} problem(s)"
+        if set_aside:
+            verdict += (f"; {len(set_aside)} step(s) set aside by a restore: inspect them, then remove them with "
+                        f"`ckptd gc {path} --remove-set-aside`")
+        click.echo(f"{checked} committed step(s) checked on {tier.label}: {verdict}")
+    if problems or set_aside:
         raise click.exceptions.Exit(IntegrityError.exit_code)

@@ -18,35 +18,15 @@ from __future__ import annotations
 
 import errno
 import os
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 from ckptd.errors import StorageError
-from ckptd.format.layout import step_dir
-from ckptd.tiers.local import fsync_directory
+from ckptd.manager.set_aside import SET_ASIDE_DIRECTORY, set_aside_step  # noqa: F401  (where callers look)
 
 #: File in a local-tier root that holds the directory's identity.
 IDENTITY_FILE = ".ckptd-directory-id"
-#: Directory in a local-tier root where committed steps that training went back past are kept.
-SET_ASIDE_DIRECTORY = ".set-aside"
-
-
-def set_aside_step(root: Path, step: int) -> str:
-    """Rename the directory of ``step`` to ``.set-aside/<step dir>-<time>`` (one rename: the step stops
-    being listed at once, and every byte of it is kept); returns the new name relative to ``root``."""
-    target_dir = root / SET_ASIDE_DIRECTORY
-    name = f"{SET_ASIDE_DIRECTORY}/{step_dir(step)}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    try:
-        target_dir.mkdir(exist_ok=True)
-        os.rename(root / step_dir(step), root / name)
-        fsync_directory(root)
-        fsync_directory(target_dir)
-    except OSError as exc:
-        raise StorageError(f"cannot set step {step} aside: {exc.strerror or exc}", path=str(root / step_dir(step)),
-                           step=step, tier="local", hint="check permissions of the checkpoint directory") from exc
-    return name
 
 
 def directory_identity(root: Path) -> str:
@@ -73,13 +53,33 @@ def directory_identity(root: Path) -> str:
         if exc.errno == errno.EEXIST:
             return _read_identity(final)
         raise StorageError(f"cannot create the directory identity: {exc.strerror or exc}", path=str(final),
-                           tier="local", hint="the local tier directory must be writable") from exc
+                           tier="local", hint=_unwritable_hint(exc, root)) from exc
     finally:
-        temporary.unlink(missing_ok=True)
+        try:
+            temporary.unlink(missing_ok=True)
+        except OSError:  # a read-only or unwritable root: the error above says so
+            pass
+
+
+def _unwritable_hint(exc: OSError, root: Path) -> str:
+    """What to do about a local root this process cannot write."""
+    if exc.errno == errno.EROFS:
+        return (f"{root} is on a read-only file system: remount it read-write or pass a directory on a writable "
+                "disk (a new root needs its identity file written once)")
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return (f"this process (uid {os.geteuid()}) may not write {root}: make it writable for this user or pass "
+                "another local directory")
+    return f"the local tier directory {root} must be writable"
 
 
 def _read_identity(path: Path) -> str:
-    text = path.read_text(encoding="ascii", errors="replace").strip()
+    try:
+        text = path.read_text(encoding="ascii", errors="replace").strip()
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise StorageError(f"cannot read the directory identity: {exc.strerror or exc}", path=str(path),
+                           tier="local", hint=_unwritable_hint(exc, path.parent)) from exc
     if len(text) != 32 or any(c not in "0123456789abcdef" for c in text):
         raise StorageError("the directory identity file is damaged", path=str(path), tier="local",
                            hint="delete it; it is re-created on the next start")

@@ -71,12 +71,29 @@ def _storage_error(exc: OSError, path: Path | str, what: str) -> StorageError:
     hint = None
     if exc.errno == errno.EROFS:
         hint = f"the file system is read-only (remounted after errors?): fix it or move the local tier; {_KEPT}"
+    elif exc.errno in (errno.EACCES, errno.EPERM):
+        hint = (f"this process (uid {os.geteuid()}) may not write there: make the directory writable for it "
+                f"or pass another local directory; {_KEPT}")
     elif exc.errno == errno.EIO and what.startswith(("fsync", "committing (fsync")):
         # After a failed fsync the kernel may have dropped the dirty pages and a second fsync "succeeds":
         # the bytes are unknown, so the file is never fsynced again and trusted.
         hint = ("the disk reported a write-back error, so the file's bytes may be lost: the step was not "
                 f"committed and is not retried (check the disk, e.g. dmesg); save a new step; {_KEPT}")
     return StorageError(f"{what} failed: {exc.strerror or exc}", **where, hint=hint)
+
+
+def file_in_the_way(directory: Path) -> Path | None:
+    """``directory`` itself, or the nearest of its parents, when it exists and is not a directory (so
+    ``directory`` cannot be one); None otherwise."""
+    for path in (directory, *directory.parents):
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            continue
+        except OSError:  # not reachable (ENOTDIR of a file above, EACCES): a parent decides
+            continue
+        return None if stat.S_ISDIR(mode) else path
+    return None
 
 
 def fsync_directory(directory: Path) -> None:
@@ -267,6 +284,11 @@ class LocalTier(StorageTier):
     def __init__(self, url: str | os.PathLike[str], *, create: bool = True) -> None:
         super().__init__(str(url))
         self.root = local_root(str(url))
+        blocker = file_in_the_way(self.root)
+        if blocker is not None:
+            what = "is a file" if blocker == self.root else f"lies under {blocker}, which is a file"
+            raise StorageError(f"the local checkpoint root {what}, not a directory", path=str(self.root),
+                               tier="local", hint="pass a directory (a checkpoint root holds step-* directories)")
         if not create and not self.root.is_dir():
             raise NotFoundError("checkpoint directory does not exist", path=str(self.root), tier="local",
                                 hint="check the path")

@@ -10,6 +10,7 @@ Use::
     accelerator.save_state("out/step-100")                   # staged for ckptd, written in the background
     hooks.restore()                                          # the newest step, verified, no pickle, no directory
     hooks.restore(100)                                       # a given step
+    hooks.restore("out/step-100")                            # the step save_state noted there (or an older one)
 
 **What the hooks do.** The save pre-hook (``register_save_state_pre_hook``) stages everything accelerate
 tracks for one ckptd step: the prepared models, optimizers, schedulers, the gradient scaler, the objects
@@ -23,7 +24,11 @@ models' weights only; the other lists are the accelerator's own).
 
 **Resuming without pickle.** :meth:`CkptdAccelerate.restore` is the way to resume: it reads only ckptd's
 verified step (``restore(step)`` for the step a directory's ``ckptd-step.json`` names) and needs no accelerate
-directory (the node lost its disk: the step comes from the object tier). ``accelerator.load_state()`` cannot
+directory (the node lost its disk: the step comes from the object tier). Given an output directory,
+``restore(directory)`` reads the step its ``ckptd-step.json`` names; when no tier holds that step intact (the
+process died before it committed) it warns, naming the directory, the step and the step it goes back to,
+and restores the newest older committed step, as every ckptd integration does
+(:mod:`ckptd.plugins.fallback`). ``accelerator.load_state()`` cannot
 be kept from reading accelerate's files after the load pre-hook: it unpickles them (``custom_checkpoint_N.pkl``
 with ``weights_only=False``, whatever the caller asks) and sets the optimizers, schedulers, RNG and registered
 objects from them, over ckptd's verified values. So the load pre-hook refuses with
@@ -46,7 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import ckptd
-from ckptd.errors import ConfigError, PickleRefusedError, ResumeMismatchError
+from ckptd.errors import ConfigError, FormatError, NotFoundError, PickleRefusedError, ResumeMismatchError
+from ckptd.plugins.fallback import restore_pointed_step
 from ckptd.plugins.huggingface.random_states import RandomStates
 from ckptd.plugins.huggingface.requirements import require
 
@@ -172,10 +178,18 @@ class CkptdAccelerate:
         log.info("accelerate save_state: step %d staged for ckptd, no weights written to %s", step, output_dir)
 
     # --- restoring ----------------------------------------------------------------------------
-    def restore(self, step: int | None = None) -> int | None:
+    def restore(self, step: int | str | os.PathLike[str] | None = None) -> int | None:
         """Load the newest intact step (or ``step``) into everything accelerate tracks, from the nearest tier,
-        and set the RNG states; returns the step, or None when ckptd holds none. Needs no accelerate directory."""
-        restored = self.manager.restore(self._state(), step=step)
+        and set the RNG states; returns the step, or None when ckptd holds none. Needs no accelerate directory.
+
+        ``step`` may be an output directory of ``save_state``: the step its ``ckptd-step.json`` names, or, when
+        no tier holds that one intact, the newest older committed step, with a warning (NotFoundError when
+        there is none). A step number given as an int is restored exactly or raises NotFoundError."""
+        if isinstance(step, (str, os.PathLike)):
+            restored: int | None = restore_pointed_step(self.manager, self._state, saved_step(step),
+                                                        Path(step, STEP_FILE))
+        else:
+            restored = self.manager.restore(self._state(), step=step)
         if restored is not None:
             self._random_states.apply()
             log.info("step %d restored from ckptd tier(s) %s", restored,
@@ -188,16 +202,23 @@ class CkptdAccelerate:
             raise ResumeMismatchError(f"{input_dir} was not saved through ckptd (it has no {STEP_FILE})",
                                       path=str(marker), hint="load it without CkptdAccelerate, or call "
                                       "CkptdAccelerate.restore() to resume from ckptd's newest step")
-        step = int(json.loads(marker.read_text(encoding="utf-8"))["step"])
+        step = saved_step(input_dir)
         if not self.manager.allow_pickle:
             pickled = sorted(path.name for pattern in _PICKLED_FILES for path in Path(input_dir).glob(pattern))
             raise PickleRefusedError(
                 f"accelerator.load_state({str(input_dir)!r}) would unpickle accelerate's own files after ckptd "
                 f"restored step {step} ({', '.join(pickled) or 'none there yet'}) and load them over it",
                 path=str(input_dir), step=step,
-                hint=f"call CkptdAccelerate.restore({step}) instead (ckptd's verified step, no pickle), or pass "
+                hint=f"call CkptdAccelerate.restore({step}) instead (ckptd's verified step, no pickle; "
+                     f"restore({str(input_dir)!r}) goes back to an older step when that one is lost), or pass "
                      "allow_pickle=True to CkptdAccelerate to let accelerate read its files")
-        self.restore(step)
+        try:
+            self.restore(step)
+        except NotFoundError as error:  # accelerate's files there are of that step: no fallback under them
+            raise NotFoundError(f"accelerator.load_state({str(input_dir)!r}): {error.message}", step=step,
+                                path=str(marker), tier=error.tier,
+                                hint=f"CkptdAccelerate.restore({str(input_dir)!r}) goes back to the newest older "
+                                     "committed step, with a warning (without accelerate's files)") from error
         models.clear()  # loaded: accelerate reads no weights file
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -211,3 +232,22 @@ class CkptdAccelerate:
         """Unregister the hooks, wait for pending writes and uploads and release the manager."""
         self.remove()
         self.manager.close()
+
+
+def saved_step(output_dir: str | os.PathLike[str]) -> int:
+    """The ckptd step that ``save_state`` noted in ``output_dir`` (its ``ckptd-step.json``)."""
+    marker = Path(output_dir, STEP_FILE)
+    try:
+        body = json.loads(marker.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise NotFoundError(f"{output_dir} holds no {STEP_FILE}: it was not saved through CkptdAccelerate",
+                            path=str(marker), hint="pass a directory accelerator.save_state() wrote with "
+                            "CkptdAccelerate registered, or a step number") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise FormatError(f"{STEP_FILE} cannot be read: {exc}", path=str(marker),
+                          hint="the directory was damaged; restore a step number instead") from exc
+    step = body.get("step") if isinstance(body, dict) else None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise FormatError(f"{STEP_FILE} names no step", path=str(marker),
+                          hint="the directory was damaged; restore a step number instead")
+    return step

@@ -56,6 +56,7 @@ from typing import Any
 
 import ckptd
 from ckptd.errors import ConfigError
+from ckptd.plugins.fallback import restore_pointed_step
 from ckptd.plugins.huggingface.random_states import RandomStates
 from ckptd.plugins.huggingface.requirements import require
 
@@ -247,13 +248,26 @@ class CkptdCallback(TrainerCallback):
         log.info("optimizer and scheduler of step %d restored from ckptd", self._resumed_step)
         self._resumed_step = None  # a later train() of the same Trainer starts from its own state
 
-    def resume(self, trainer: Any) -> str | None:
-        """Restore the newest intact step for ``trainer`` and write its resume directory; see :func:`ckptd_resume`."""
+    def resume(self, trainer: Any, checkpoint: str | os.PathLike[str] | int | None = None) -> str | None:
+        """Restore the newest intact step (or the one ``checkpoint`` names) for ``trainer`` and write its resume
+        directory; see :func:`ckptd_resume`."""
         self.trainer = trainer
         self._args = trainer.args
         self._objects["model"] = trainer.model
-        values: dict[str, Any] = {"model": trainer.model, "trainer_state": None, "rng": self._random_states}
-        step = self.manager.restore(values, keys=list(_RESUME_KEYS))
+        values: dict[str, Any] = {}
+
+        def fresh() -> dict[str, Any]:
+            values.clear()
+            values.update(model=trainer.model, trainer_state=None, rng=self._random_states)
+            return values
+
+        if checkpoint is None:
+            step = self.manager.restore(fresh(), keys=list(_RESUME_KEYS))
+        elif isinstance(checkpoint, int) and not isinstance(checkpoint, bool):
+            step = self.manager.restore(fresh(), step=checkpoint, keys=list(_RESUME_KEYS))
+        else:
+            step = restore_pointed_step(self.manager, fresh, checkpoint_step(checkpoint), checkpoint,
+                                        keys=list(_RESUME_KEYS))
         if step is None:
             return None
         self._resumed_step = step
@@ -325,12 +339,35 @@ def _callback_of(trainer: Any) -> CkptdCallback:
     return found[0]
 
 
-def ckptd_resume(trainer: Any) -> str | None:
+def ckptd_resume(trainer: Any, checkpoint: str | os.PathLike[str] | int | None = None) -> str | None:
     """Restore the newest step intact on the nearest ckptd tier for ``trainer``; returns the directory to pass
     as ``trainer.train(resume_from_checkpoint=...)``, or None when ckptd holds no step (a fresh run).
 
     Call it once, after building the Trainer (with a :class:`CkptdCallback` among its callbacks) and before
     ``train()``. Every chunk read is verified; a bad copy falls back to the next tier, then to an older step.
     The model is loaded now; the optimizer and scheduler when the training begins.
+
+    ``checkpoint`` picks the step instead: a step number (restored exactly, or NotFoundError), or a Trainer
+    checkpoint directory (``.../checkpoint-40``, the Trainer's or an earlier resume's), whose step is restored
+    when some tier holds it intact, else the newest older committed step, with the warning every ckptd
+    integration gives (:mod:`ckptd.plugins.fallback`).
     """
-    return _callback_of(trainer).resume(trainer)
+    return _callback_of(trainer).resume(trainer, checkpoint)
+
+
+def checkpoint_step(checkpoint: str | os.PathLike[str]) -> int:
+    """The step a Trainer checkpoint directory stands for: its ``trainer_state.json``'s ``global_step``, else
+    the ``N`` of its name ``checkpoint-N``."""
+    directory = Path(checkpoint)
+    try:
+        step = json.loads((directory / transformers.trainer.TRAINER_STATE_NAME).read_text(encoding="utf-8"))
+        step = step.get("global_step") if isinstance(step, dict) else None
+    except (OSError, ValueError):
+        step = None
+    if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+        return step
+    prefix, _, number = directory.name.rpartition("-")
+    if prefix.endswith("checkpoint") and number.isdigit():
+        return int(number)
+    raise ConfigError(f"{directory} names no step: it is no Trainer checkpoint directory", path=str(directory),
+                      hint="pass a directory named checkpoint-N (or holding trainer_state.json), or a step number")

@@ -15,7 +15,8 @@ when ``save_top_k`` drops one, ``teardown()`` at the end of a stage. This one ma
   one global step (``epoch=0-step=40.ckpt`` and ``last.ckpt``) share the step saved first.
 - **load**: the pointer names the step; it is read from the nearest tier with an intact copy (local,
   then S3), every chunk verified. A step that never committed (the process died while writing it) falls
-  back to the newest older committed step, with a warning. RNG states of torch, numpy and ``random`` are
+  back to the newest older committed step, with the warning every ckptd integration gives
+  (:mod:`ckptd.plugins.fallback`). RNG states of torch, numpy and ``random`` are
   restored with it (``capture_rng``), so a shuffled ``DataLoader`` continues as it would have.
 - **remove**: the pointer goes; the step is deleted from the tiers at the next commit once no path
   points to it: those of this process and the pointers an earlier run left in the same directories (see
@@ -50,7 +51,8 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 
 import ckptd
-from ckptd.errors import CkptdError, CommitError, ConfigError, NoIntactCheckpointError, NotFoundError
+from ckptd.errors import CkptdError, CommitError, ConfigError, NotFoundError
+from ckptd.plugins.fallback import restore_pointed_step
 from ckptd.plugins.lightning.pointer import Pointer, pointers_beside, read_pointer, remove_pointer, write_pointer
 from ckptd.plugins.lightning.retention import PointerRetention
 
@@ -296,20 +298,8 @@ class CkptdCheckpointIO(CheckpointIO):
     @staticmethod
     def _restore(manager: ckptd.CheckpointManager, state: dict[str, Any], step: int,
                  path: str | os.PathLike[str]) -> int:
-        try:
-            restored = manager.restore(state, step=step)
-        except (NotFoundError, NoIntactCheckpointError) as error:
-            older = [candidate for candidate in manager.committed_steps() if candidate < step]
-            if not older:
-                raise NotFoundError(f"the Lightning checkpoint points to ckptd step {step}, which no tier holds "
-                                    f"intact, and no older step is committed", step=step, path=os.fspath(path),
-                                    hint="resume from another checkpoint, or check the tiers with `ckptd ls`") \
-                    from error
-            log.warning("the Lightning checkpoint %s points to ckptd step %d, which no tier holds intact (%s): "
-                        "restoring step %d, the newest older one", os.fspath(path), step, error, older[-1])
+        def emptied() -> dict[str, Any]:
             state.clear()
-            restored = manager.restore(state, step=older[-1])
-        if restored is None:
-            raise NotFoundError("no ckptd checkpoint to restore", step=step, path=os.fspath(path))
-        return restored
+            return state
 
+        return restore_pointed_step(manager, emptied, step, path)

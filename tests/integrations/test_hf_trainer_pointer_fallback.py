@@ -1,0 +1,77 @@
+"""The Hugging Face Trainer: ``ckptd_resume(trainer, "…/checkpoint-6")`` when step 6 never committed resumes from
+the previous committed step with the warning every integration gives (:mod:`ckptd.plugins.fallback`), and the
+Trainer then trains on from that step, not from step 0.
+
+A tiny GPT-2 built from a config (no download) on CPU; the lost step is one whose commit marker never reached
+the disk (its manifest removed, as a kill between the data files and the commit leaves it)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptd.format.layout import MANIFEST_NAME, step_dir
+
+pytestmark = pytest.mark.integrations
+
+
+def _trainer(output_dir: Path, callback: Any, max_steps: int) -> Any:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    class Samples(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 24
+
+        def __getitem__(self, index: int) -> dict[str, Any]:
+            ids = torch.arange(16, dtype=torch.long).add_(index).remainder_(64)
+            return {"input_ids": ids, "labels": ids.clone()}
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
+    args = TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=4, learning_rate=1e-3,
+                             logging_steps=2, seed=7, report_to=[], use_cpu=True, dataloader_num_workers=0,
+                             disable_tqdm=True, save_strategy="steps", save_steps=2, max_steps=max_steps)
+    return Trainer(model=model, args=args, train_dataset=Samples(), callbacks=[callback])
+
+
+def test_a_checkpoint_of_a_lost_step_resumes_from_the_previous_committed_one(tmp_path: Path,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    import torch
+
+    from ckptd.plugins.huggingface import CkptdCallback, ckptd_resume
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        callback = CkptdCallback(tmp_path / "ckpt")
+        try:
+            _trainer(tmp_path / "out", callback, max_steps=6).train()
+            assert callback.manager.committed_steps() == [4, 6]
+        finally:
+            callback.close()
+        (tmp_path / "ckpt" / step_dir(6) / MANIFEST_NAME).unlink()  # step 6's commit never reached the disk
+
+        callback = CkptdCallback(tmp_path / "ckpt")
+        try:
+            trainer = _trainer(tmp_path / "out", callback, max_steps=6)
+            pointer = tmp_path / "out" / "checkpoint-6"
+            with caplog.at_level(logging.WARNING, logger="ckptd.plugins"):
+                resume = ckptd_resume(trainer, pointer)
+            (warning,) = [r.getMessage() for r in caplog.records if r.name == "ckptd.plugins"]
+            assert str(pointer) in warning and "points to ckptd step 6" in warning and "restoring step 4" in warning
+            assert resume is not None and Path(resume).name == "checkpoint-4"
+            assert json.loads((Path(resume) / "trainer_state.json").read_text())["global_step"] == 4
+            began = []
+            trainer.add_callback(type("Began", (__import__("transformers").TrainerCallback,), {
+                "on_step_begin": lambda self, args, state, control, **kw: began.append(state.global_step)}))
+            trainer.train(resume_from_checkpoint=resume)
+            assert began == [4, 5], "the Trainer went on from step 4, not from step 0"
+        finally:
+            callback.close()
+    finally:
+        torch.set_num_threads(threads)
