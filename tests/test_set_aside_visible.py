@@ -154,6 +154,9 @@ def test_a_step_set_aside_only_for_being_newer_says_so(tmp_path: Path) -> None:
     set_aside_step(root, 2, restored_step=1)
     (record,) = set_aside_steps(root)
     assert record.reason == "newer than the restored step 1" and not record.corrupt and record.problems == ()
+    # no bad bytes: listed by verify, but not a failure (every elastic recovery would otherwise fail it)
+    code, output = invoke("verify", str(root))
+    assert code == 0 and "SET-ASIDE (no bad bytes) step 2" in output, output
 
 
 def test_verify_on_a_directory_without_a_root_fails_saying_so(tmp_path: Path) -> None:

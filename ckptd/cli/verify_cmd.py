@@ -6,11 +6,12 @@ from the object tier itself (:mod:`ckptd.promotion.repair`), and the steps that 
 verified again: exit 0 when every step is intact afterwards.
 
 Steps a restore set aside in a local root (``.set-aside/``) are reported with what the restore found
-(file, chunk, tier, digests) and make ``verify`` fail until ``ckptd gc --remove-set-aside`` deletes them:
-evidence of corruption does not disappear with the fallback.
+(file, chunk, tier, digests); one in which the restore found bad bytes (or that has no record of why)
+makes ``verify`` fail until ``ckptd gc --remove-set-aside`` deletes it: evidence of corruption does not
+disappear with the fallback. A step set aside only because another rank lacked it is listed, not failed.
 
-Exit status: 0 every committed step intact and nothing set aside; 4 a bad file or chunk, or a set-aside
-step; 2 PATH is a file or a folder inside a root (the message names the root to pass); 8 PATH holds no
+Exit status: 0 every committed step intact and nothing corrupt set aside; 4 a bad file or chunk, or a
+set-aside step with bad bytes; 2 PATH is a file or a folder inside a root (the message names the root to pass); 8 PATH holds no
 ckptd checkpoint root, or ``--step`` names a step that is not there."""
 
 from __future__ import annotations
@@ -84,11 +85,12 @@ def verify(path: str, step: int | None, repair: bool, sources: tuple[str, ...], 
            region: str | None, as_json: bool) -> None:
     """Re-hash everything in PATH and report each bad file and chunk (exit 4 when any is bad).
 
-    Steps a restore set aside (.set-aside/ of a local root) are reported with file, chunk, tier and digests,
-    and fail the verify until `ckptd gc PATH --remove-set-aside` deletes them.
+    Steps a restore set aside (.set-aside/ of a local root) are reported with file, chunk, tier and digests;
+    those with bad bytes fail the verify until `ckptd gc PATH --remove-set-aside` deletes them.
 
     \b
-    Exit status: 0 every committed step intact, nothing set aside; 4 a bad file or chunk, or a set-aside step;
+    Exit status: 0 every committed step intact, nothing corrupt set aside; 4 a bad file or chunk, or a
+    set-aside step with bad bytes;
     2 PATH is a file or a folder inside a root; 8 PATH holds no checkpoint root, or --step is not there."""
     tier = open_root(path, endpoint_url, region)
     report: RepairReport | None = None
@@ -112,9 +114,13 @@ def verify(path: str, step: int | None, repair: bool, sources: tuple[str, ...], 
                 problems, checked = _verify(tier, steps, as_json)
     finally:
         tier.close()
+    # A step set aside only because another rank lacked it (an elastic recovery) held no bad bytes: it is
+    # listed, but only bad bytes, or a set-aside step nobody recorded a reason for, fail the check.
+    alarming = [record for record in set_aside if record.corrupt or not record.recorded]
     if as_json:
         answer = {"tier": tier.label, "steps_checked": checked, "problems": [asdict(p) for p in problems],
-                  "set_aside": [{**record.to_json(), "recorded": record.recorded} for record in set_aside]}
+                  "set_aside": [{**record.to_json(), "recorded": record.recorded, "needs_attention": record in alarming}
+                                for record in set_aside]}
         if report is not None:
             answer["repaired"] = list(report.repaired)
             answer["unrepairable"] = [{"path": path, "why": why} for path, why in report.unrepairable]
@@ -133,7 +139,8 @@ def verify(path: str, step: int | None, repair: bool, sources: tuple[str, ...], 
             click.echo(f"BAD step {problem.step} rank {rank}: {problem.error}")
         for record in set_aside:
             when = datetime.datetime.fromtimestamp(record.set_aside_at, datetime.timezone.utc)
-            click.echo(f"SET-ASIDE step {record.step} ({record.name}, {when:%Y-%m-%d %H:%M:%S} UTC): {record.reason}")
+            label = "SET-ASIDE" if record in alarming else "SET-ASIDE (no bad bytes)"
+            click.echo(f"{label} step {record.step} ({record.name}, {when:%Y-%m-%d %H:%M:%S} UTC): {record.reason}")
             for found in record.problems:
                 click.echo(f"  {found.describe()}")
         verdict = ("all intact" if not set_aside else "every one intact") if not problems else \
@@ -142,5 +149,5 @@ def verify(path: str, step: int | None, repair: bool, sources: tuple[str, ...], 
             verdict += (f"; {len(set_aside)} step(s) set aside by a restore: inspect them, then remove them with "
                         f"`ckptd gc {path} --remove-set-aside`")
         click.echo(f"{checked} committed step(s) checked on {tier.label}: {verdict}")
-    if problems or set_aside:
+    if problems or alarming:
         raise click.exceptions.Exit(IntegrityError.exit_code)

@@ -30,7 +30,7 @@ from typing import Any
 
 from ckptd.errors import CkptdError, IntegrityError, StorageError
 from ckptd.format.layout import step_dir
-from ckptd.tiers.local import fsync_directory
+from ckptd.tiers.local import AtomicFile, fsync_directory
 
 #: Directory in a local-tier root where committed steps that training went back past are kept.
 SET_ASIDE_DIRECTORY = ".set-aside"
@@ -128,7 +128,9 @@ def set_aside_step(root: Path, step: int, *, reason: str | None = None, restored
     record = SetAsideRecord(step, name, now, reason, restored_step, tuple(problems))
     try:
         target_dir.mkdir(exist_ok=True)
-        _write_atomically(root / f"{name}{_RECORD_SUFFIX}", (json.dumps(record.to_json(), indent=1) + "\n").encode())
+        record_file = AtomicFile(root / f"{name}{_RECORD_SUFFIX}")
+        record_file.write((json.dumps(record.to_json(), indent=1) + "\n").encode())
+        record_file.commit()
         os.rename(root / step_dir(step), root / name)
         fsync_directory(root)
         fsync_directory(target_dir)
@@ -136,27 +138,6 @@ def set_aside_step(root: Path, step: int, *, reason: str | None = None, restored
         raise StorageError(f"cannot set step {step} aside: {exc.strerror or exc}", path=str(root / step_dir(step)),
                            step=step, tier="local", hint="check permissions of the checkpoint directory") from exc
     return name
-
-
-def _write_atomically(final: Path, body: bytes) -> None:
-    """Write ``body`` at ``final``: temporary name, fsync, rename, fsync of the directory."""
-    temporary = final.with_name(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(body)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(temporary, final)
-        fsync_directory(final.parent)
-    finally:
-        try:
-            temporary.unlink(missing_ok=True)
-        except OSError:  # a read-only directory: the original error says why
-            pass
 
 
 def set_aside_steps(root: Path) -> list[SetAsideRecord]:
