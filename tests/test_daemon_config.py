@@ -39,6 +39,10 @@ def _refused(result: subprocess.CompletedProcess[str], *words: str) -> str:
     return lines[0]
 
 
+#: A token strong enough for the daemon (ckptd.daemon.auth.check_token_strength).
+STRONG = "0123456789abcdef-strong-enough-token"
+
+
 @pytest.fixture
 def dirs(tmp_path: Path) -> dict[str, Path]:
     return {"state": tmp_path / "state", "root": tmp_path / "root", "config": tmp_path / "daemon.toml"}
@@ -46,7 +50,7 @@ def dirs(tmp_path: Path) -> dict[str, Path]:
 
 def test_valid_config_prints_one_line_and_creates_directories(dirs):
     config = write_config(dirs["config"], [{"name": "run1", "local": str(dirs["root"]), "remote": "s3://bucket-a/run1"}],
-                          state_dir=str(dirs["state"]), node_id="node-a", peer_token="s3cret-token",
+                          state_dir=str(dirs["state"]), node_id="node-a", peer_token="s3cret-token-of-node-a-0123456789abcdef",
                           buddy="peer://127.0.0.1:9999")
     result = _check(config)
     assert result.returncode == 0, result.stderr
@@ -84,7 +88,7 @@ def test_bad_remote_url(dirs, key, value, words):
 ])
 def test_bad_addresses(dirs, key, value, words):
     config = write_config(dirs["config"], [{"name": "run1", "local": str(dirs["root"])}],
-                          state_dir=str(dirs["state"]), peer_token="t", **{key: value})
+                          state_dir=str(dirs["state"]), peer_token=STRONG, **{key: value})
     _refused(_check(config), *words)
 
 
@@ -103,7 +107,7 @@ def test_non_loopback_listen_needs_a_token(dirs):
     config = write_config(dirs["config"], [{"name": "run1", "local": str(dirs["root"])}],
                           state_dir=str(dirs["state"]), listen="0.0.0.0:9470")
     _refused(_check(config), "listen in file", "'0.0.0.0:9470'", "no peer token")
-    assert _check(config, env={"CKPTD_PEER_TOKEN": "x"}).returncode == 0
+    assert _check(config, env={"CKPTD_PEER_TOKEN": STRONG}).returncode == 0
     assert _check(config, "--listen", "127.0.0.1:9470").returncode == 0
 
 
@@ -197,8 +201,8 @@ def test_precedence_in_load_config(dirs, tmp_path):
 
 def test_token_is_never_in_a_repr(dirs):
     config = load_config(None, {"state_dir": str(dirs["state"]), "local": str(dirs["root"]),
-                                "peer_token": "very-secret", "listen": "0.0.0.0:0"}, {})
-    assert config.peer_token == "very-secret"
+                                "peer_token": "very-secret-" + STRONG, "listen": "0.0.0.0:0"}, {})
+    assert config.peer_token == "very-secret-" + STRONG
     assert "very-secret" not in repr(config) + config.describe()
 
 

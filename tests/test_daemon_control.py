@@ -296,7 +296,7 @@ def _gone_already_or_raise(function: object, path: str, info: tuple) -> None:
 
 
 def test_a_wiped_local_root_restores_from_the_buddy_the_daemon_names(tmp_path, socket_dir, monkeypatch):
-    token = "t0ken-for-this-test"
+    token = "t0ken-for-this-test-0123456789abcdef"
     b_root, b_state = tmp_path / "b-root", tmp_path / "b-state"
     b_root.mkdir()
     b_config = write_config(tmp_path / "b.toml", [{"name": "other", "local": str(b_root)}], state_dir=str(b_state),

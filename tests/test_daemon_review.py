@@ -231,7 +231,7 @@ def test_a_trainer_after_a_daemon_was_sigkilled_promotes_in_process(tmp_path, s3
 
 
 def test_an_object_tier_that_is_down_does_not_hold_replication(tmp_path, running):
-    token = "t" * 32
+    token = "token-of-the-review-test-0123456789"
     node_b = tmp_path / "b"
     daemon_b = _start(running, _config(node_b, node_b / "root", None, None, node_id="node-b", peer_token=token))
     root = tmp_path / "root"

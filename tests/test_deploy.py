@@ -61,7 +61,7 @@ APPLIED_ON_THEIR_OWN = {"secret.example.yaml", "training-job.yaml"}
 #: ``ckptd daemon`` flags that describe a single root (TOML: keys of a [[roots]] table) or run the command.
 ROOT_FLAGS = {"--name", "--local", "--remote", "--s3-endpoint-url", "--remote-every-steps",
               "--replicate-every-steps", "--keep-local", "--keep-remote"}
-COMMAND_FLAGS = {"--config", "--check-config", "--help", "-h"}
+COMMAND_FLAGS = {"--config", "--check-config", "--print-token", "--token-node-id", "--help", "-h"}
 #: Host paths the deploy files use, and where the config checks move them.
 HOST_PATHS = ("/var/lib/ckptd", "/run/ckptd", "/mnt/nvme/ckpt", "/nvme/ckpt", "/etc/ckptd-peer", "/etc/ckptd")
 
@@ -253,10 +253,10 @@ def test_kustomization_lists_every_manifest_and_builds_valid_objects() -> None:
     assert built.returncode == 0, built.stderr
     documents = list(yaml.safe_load_all(built.stdout))
     assert {document["kind"] for document in documents} == {"Namespace", "ServiceAccount", "ConfigMap", "Service",
-                                                            "DaemonSet"}
+                                                            "DaemonSet", "NetworkPolicy", "PriorityClass"}
     for document in documents:
         kubernetes_validate.validate(document, K8S_VERSIONS[-1], strict=True)
-        if document["kind"] != "Namespace":
+        if document["kind"] not in ("Namespace", "PriorityClass"):  # cluster-scoped
             assert document["metadata"]["namespace"] == kustomization["namespace"]
 
 
@@ -695,7 +695,8 @@ def test_deployed_daemon_answers_its_probes_and_promotes_what_the_example_job_co
     (container,) = [container for container in daemon_pod["containers"] if container["name"] == "daemon"]
     # this test runs as one user, both pods as UID 10001 (checked above): let this user on the socket
     daemon_env = {"CKPTD_DAEMON_NODE_ID": "node-a", "CKPTD_DAEMON_LISTEN": "127.0.0.1:0",
-                  "CKPTD_DAEMON_CONTROL_ALLOWED_UIDS": str(os.geteuid())}
+                  "CKPTD_DAEMON_CONTROL_ALLOWED_UIDS": str(os.geteuid()),
+                  "CKPTD_DAEMON_LOCAL_DISK": "any"}  # here the moved host paths share one disk
     assert set(daemon_env) >= {name for name in _env(container) if name.startswith("CKPTD_")}
     state_dir = Path(_moved(config["state_dir"], tmp_path))
     script = tmp_path / "train.py"

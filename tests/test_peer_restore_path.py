@@ -73,13 +73,13 @@ def _node_a_lost(tmp_path: Path, s3_bucket: str, s3_options: dict[str, Any]) -> 
     """Node A's daemon promotes steps 1-3 that a trainer commits on A to S3 and replicates them to node B's
     daemon; then node A is lost (its daemon SIGKILLed, its root wiped). Yields while B's daemon runs; it is
     killed on leaving, if still running."""
-    token = "peer-token-of-this-test"
+    token = "peer-token-of-this-test-0123456789abcdef"
     remote = f"s3://{s3_bucket}/run1"
     b_state = tmp_path / "b-state"
     (tmp_path / "b-root").mkdir()
     b_config = write_config(tmp_path / "b.toml", [{"name": "other", "local": str(tmp_path / "b-root")}],
                             state_dir=str(b_state), listen="127.0.0.1:0", node_id="node-b", peer_token=token,
-                            scrub_interval_s=0)
+                            scrub_interval_s=0, keep_peer=3)  # B keeps all three steps it is sent
     a_root, a_state = tmp_path / "a-root", tmp_path / "a-state"
     a_root.mkdir()
     with DaemonProcess(b_config, b_state) as buddy:

@@ -49,6 +49,8 @@ _TOP_FLAGS = (
     ("keep_peer", "N", "Replicated steps kept per buddy root (default 2)."),
     ("cpu_policy", "nice|idle", "How copy threads yield the CPU: nice (default) or idle (SCHED_IDLE: only spare "
      "CPU, copies lag on a busy node)."),
+    ("local_disk", "any|separate", "separate: refuse to start when a root's local directory is on the disk of the "
+     "state dir or of / (an NVMe that did not mount); any (default): no check."),
 )
 _ROOT_FLAGS = (
     ("name", "NAME", "Name of the single root given by flags (default 'default')."),
@@ -75,8 +77,15 @@ def _flags(command: F) -> F:
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               envvar="CKPTD_DAEMON_CONFIG", help="TOML config file. [env: CKPTD_DAEMON_CONFIG]")
 @click.option("--check-config", is_flag=True, help="Validate the configuration, print one line and exit.")
+@click.option("--print-token", "print_token", type=click.Choice(["node", "read", "scrape"]), default=None,
+              help="Print the token of this scope derived from the configured peer token and exit: 'scrape' reads "
+                   "/metrics (Prometheus), 'read' also /status and peer reads (restoring trainers), 'node' writes "
+                   "only into replicas/<node id>/ (--token-node-id).")
+@click.option("--token-node-id", default=None, metavar="ID", help="The node a 'node' token is for (default: this "
+              "daemon's node_id).")
 @_flags
-def daemon(config_path: Path | None, check_config: bool, **flags: Any) -> None:
+def daemon(config_path: Path | None, check_config: bool, print_token: str | None, token_node_id: str | None,
+           **flags: Any) -> None:
     """Run the node daemon: promote, replicate, scrub and serve the committed steps of local roots."""
     from ckptd.daemon.config import load_config
 
@@ -85,8 +94,19 @@ def daemon(config_path: Path | None, check_config: bool, **flags: Any) -> None:
     if check_config:
         click.echo(config.describe())
         return
+    if print_token is not None:
+        from ckptd.daemon.auth import derive_token
+
+        if not config.peer_token:
+            raise ConfigError("no peer token is configured to derive a token from",
+                              hint="set peer_token_file (or CKPTD_PEER_TOKEN)")
+        click.echo(derive_token(config.peer_token, print_token, token_node_id or config.node_id))
+        return
     logging.basicConfig(level=config.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(threadName)s %(name)s: %(message)s")
+    from ckptd.daemon.redaction import install_redaction, known_secrets
+
+    install_redaction(known_secrets(config.peer_token, [root.storage_options for root in config.roots]))
     sys.exit(_run(config))
 
 

@@ -1,13 +1,15 @@
 """``ckptd status``: the status document of this node's daemon (steps per tier, lag, pending work, errors).
 
 The daemon is found by ``--socket`` (or ``CKPTD_DAEMON_SOCKET``), or by the ``.ckptd-daemon.json`` it writes
-into a root it watches (``--local ROOT``). Exit status: 0, 2 when neither names a daemon, 3 when no daemon
-answers, 1 when it answers with an error instead of its status (one line on stderr).
+into a root it watches (``--local ROOT``). Exit status: 0, 2 when neither names a daemon or the daemon refuses
+this user (its ``control_allowed_uids``), 3 when no daemon answers, 1 when it answers with an error instead of
+its status (one line on stderr).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import click
@@ -16,6 +18,9 @@ from ckptd.cli.options import json_option, print_json
 
 #: Exit status when no daemon answers.
 NO_DAEMON_EXIT = 3
+#: Exit status when the daemon refuses this user.
+REFUSED_EXIT = 2
+_REFUSAL_WAIT_S = 2.0
 
 
 @click.command("status")
@@ -47,6 +52,13 @@ def status(ctx: click.Context, socket_path: str | None, local_root: str | None, 
         document = link.status()
     finally:
         link.close()
+    refusal = str(link.refusal) if document is None and link.alive and link.refusal else None
+    if document is None and (refusal is None or "may not use" not in refusal):
+        refusal = _refusal(socket_path) if not link.alive else None
+    if document is None and refusal is not None and "may not use" in refusal:
+        click.echo(f"ckptd: error: the ckptd daemon on {socket_path} refuses this user: {refusal}; run this as a "
+                   f"user in the daemon's control_allowed_uids (or add UID {os.geteuid()} there)", err=True)
+        raise click.exceptions.Exit(REFUSED_EXIT)
     if document is None and link.alive:
         click.echo(f"ckptd: error: the ckptd daemon on {socket_path} answered without its status: {link.refusal}; "
                    "see its log", err=True)
@@ -58,6 +70,26 @@ def status(ctx: click.Context, socket_path: str | None, local_root: str | None, 
         print_json(document)
         return
     _print_document(document)
+
+
+def _refusal(socket_path: str) -> str | None:
+    """The daemon's refusal of this user, which it sends on connecting, before reading anything (None: none)."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.settimeout(_REFUSAL_WAIT_S)
+            connection.connect(socket_path)
+            line = connection.recv(4096).split(b"\n", 1)[0]
+    except OSError:
+        return None
+    try:
+        answer = json.loads(line)
+    except ValueError:
+        return None
+    if isinstance(answer, dict) and answer.get("ok") is False and "may not use" in str(answer.get("error", "")):
+        return str(answer["error"])
+    return None
 
 
 def _print_document(document: dict[str, Any]) -> None:

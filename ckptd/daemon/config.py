@@ -49,6 +49,7 @@ _WATCH_MODES = ("auto", "inotify", "poll")
 _SECRET_KEYS = frozenset({"peer_token"})
 _LOG_LEVELS = ("debug", "info", "warning", "error")
 _CPU_POLICIES = ("nice", "idle")
+_LOCAL_DISKS = ("any", "separate")
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,7 @@ OPTIONS: dict[str, _Option] = {
     "log_level": _Option("choice", "info", _LOG_LEVELS),
     "keep_peer": _Option("int", 2, minimum=1),
     "cpu_policy": _Option("choice", "nice", _CPU_POLICIES),
+    "local_disk": _Option("choice", "any", _LOCAL_DISKS),
 }
 #: Keys of a ``[[roots]]`` table (plus the ``storage_options`` table).
 ROOT_OPTIONS: dict[str, _Option] = {
@@ -162,6 +164,9 @@ class DaemonConfig:
     #: How the copy and upkeep threads yield the CPU: "nice" (``background_nice`` + 5) or "idle" (also
     #: ``SCHED_IDLE``: they run only on CPU nothing else wants; a busy node's copies then lag).
     cpu_policy: str = "nice"
+    #: "separate": refuse to start when a root's local directory is on the file system of the state dir or of
+    #: ``/`` (the node's root disk: an NVMe that did not mount); "any": no check.
+    local_disk: str = "any"
     source: Path | None = None
 
     @property
@@ -412,6 +417,8 @@ def _build(values: dict[str, Any], roots: list[dict[str, Any]], where: dict[str,
     if replica_dir is not None:
         replica_dir = _usable_directory(replica_dir, where["replica_dir"])
     built_roots = tuple(_root(root) for root in roots)
+    if source is not None:
+        _check_inline_credentials(built_roots, roots, source)
     if not built_roots:
         raise ConfigError("no root to watch", hint="add a [[roots]] table with name and local, or pass --local")
     seen: dict[str, str] = {}
@@ -425,10 +432,14 @@ def _build(values: dict[str, Any], roots: list[dict[str, Any]], where: dict[str,
         if resolved in locals_seen:
             raise ConfigError(f"roots {locals_seen[resolved]!r} and {root.name!r} watch the same directory {resolved}")
         locals_seen[resolved] = root.name
+    if values.get("local_disk") == "separate":
+        for root in built_roots:
+            _check_separate_disk(root, state_dir, where.get("local_disk", "local_disk"))
     uids = values.get("control_allowed_uids") or frozenset({os.geteuid()})
     options = {key: values[key] for key in ("watch", "poll_interval_s", "scrub_interval_s", "scrub_bytes_per_s",
                                             "drain_timeout_s", "retry_backoff_s", "peer_max_concurrency",
-                                            "peer_max_put_bytes", "log_level", "keep_peer", "cpu_policy")
+                                            "peer_max_put_bytes", "log_level", "keep_peer", "cpu_policy",
+                                            "local_disk")
                if key in values}
     return DaemonConfig(node_id=node_id, state_dir=state_dir, roots=built_roots, listen=listen,
                         socket=socket_path, control_allowed_uids=uids, peer_token=token,
@@ -455,6 +466,47 @@ def _root(raw: dict[str, Any]) -> RootConfig:
     return RootConfig(name=name, local=local, remote=remote, remote_every_steps=raw.get("remote_every_steps"),
                       replicate_every_steps=raw.get("replicate_every_steps"), keep_local=raw.get("keep_local"),
                       keep_remote=raw.get("keep_remote"), storage_options=dict(raw.get("storage_options", {})))
+
+
+def _check_separate_disk(root: RootConfig, state_dir: Path, where: str) -> None:
+    """ConfigError when ``root.local`` is on the file system of ``state_dir`` or of ``/``."""
+    device = root.local.stat().st_dev
+    for other, what in ((state_dir, f"the state dir {state_dir}"), (Path("/"), "the root file system /")):
+        if other.stat().st_dev == device:
+            raise ConfigError(f"local of root {root.name!r} ({root.local}) is on the same disk as {what}, and {where} "
+                              "asks for a disk of its own: is the NVMe it belongs on not mounted?",
+                              hint="mount the local tier's disk there, or set local_disk = \"any\" to allow it")
+
+
+#: ``storage_options`` keys (at any depth) whose values are credentials.
+_CREDENTIAL_KEYS = frozenset({"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key",
+                              "aws_session_token", "session_token"})
+
+
+def _credential_keys(options: Mapping[str, Any], prefix: str = "") -> list[str]:
+    found = []
+    for name, value in options.items():
+        if isinstance(value, Mapping):
+            found += _credential_keys(value, f"{prefix}{name}.")
+        elif str(name).lower() in _CREDENTIAL_KEYS and value:
+            found.append(f"{prefix}{name}")
+    return found
+
+
+def _check_inline_credentials(roots: tuple[RootConfig, ...], raw: list[dict[str, Any]], source: Path) -> None:
+    """Credentials written into the config file's ``storage_options`` are refused unless only the daemon's
+    user can read the file (mode 600): other users of the node would read them."""
+    try:
+        mode = source.stat().st_mode & 0o777
+    except OSError:
+        return
+    for root, table in zip(roots, raw):
+        keys = _credential_keys(root.storage_options)
+        if keys and mode & 0o077:
+            raise ConfigError(f"storage_options of root {root.name!r} ({table['_where']}) hold credentials "
+                              f"({', '.join(keys)}) in a file other users can read (mode {mode:03o})",
+                              hint="take them out: the AWS environment variables, a shared credentials file or "
+                                   f"an instance/service-account role are read as usual; or chmod 600 {source}")
 
 
 def _usable_directory(path: Path, where: str) -> Path:
@@ -537,8 +589,12 @@ def _check_advertise(host: str, where: str) -> None:
 
 
 def _token(values: dict[str, Any], where: dict[str, str]) -> str | None:
+    from ckptd.daemon.auth import check_token_strength
+
     if values.get("peer_token"):
-        return str(values["peer_token"])
+        token = str(values["peer_token"])
+        check_token_strength(token, where.get("peer_token", "peer_token"))
+        return token
     path = values.get("peer_token_file")
     if path is None:
         return None
@@ -550,4 +606,5 @@ def _token(values: dict[str, Any], where: dict[str, str]) -> str | None:
                           hint="check the path and its permissions") from None
     if not token:
         raise ConfigError(f"{where['peer_token_file']}: the peer token file {path} is empty")
+    check_token_strength(token, f"{where['peer_token_file']} ({path})")
     return token

@@ -10,6 +10,11 @@ daemon's other threads stay plain threads. Routes:
 - whatever ``peer_routes`` adds (the peer chunk API under ``/v1/peer/``, which has its own token check and
   limits).
 
+Who may ask what is :mod:`ckptd.daemon.auth`'s rule: ``/healthz`` and ``/readyz`` are open; ``/metrics`` needs
+a token with the scrape right unless the server listens on loopback only; ``/status`` (and any other route)
+needs a token with the status right or a loopback connection from an allowed UID. A refusal is 401 (no
+usable token) or 403 (a token without the right) and one log line naming the client address and the path.
+
 ``daemon.status()`` and ``daemon.is_ready()`` may do I/O: they run on the loop's executor, so a slow status
 never holds ``/healthz``, and each gets :data:`ANSWER_TIMEOUT_S`: one that takes longer is a 503 with the
 reason (a hung tier must not leave probes and scrapers waiting for ever). Request bodies are bounded
@@ -20,8 +25,10 @@ reason (a hung tier must not leave probes and scrapers waiting for ever). Reques
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -29,6 +36,7 @@ from typing import Any, Protocol
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
+from ckptd.daemon.auth import Access, Authenticator
 from ckptd.daemon.metrics import DaemonMetrics
 from ckptd.errors import CkptdError, ConfigError
 
@@ -42,6 +50,8 @@ ANSWER_TIMEOUT_S = 10.0
 _START_TIMEOUT_S = 10.0
 _STOP_TIMEOUT_S = 10.0
 _NOT_READY = "the daemon is not ready (starting or stopping); see /status"
+#: Routes anyone may ask.
+OPEN_ROUTES = frozenset({"/healthz", "/readyz"})
 
 
 class ServedDaemon(Protocol):
@@ -63,9 +73,12 @@ class HttpServer:
     """Serves ``daemon``'s HTTP API on ``host:port`` (port 0: the kernel picks one, :meth:`start` returns it)."""
 
     def __init__(self, daemon: ServedDaemon, host: str, port: int, *,
-                 peer_routes: Callable[[web.Application], None] | None = None) -> None:
+                 peer_routes: Callable[[web.Application], None] | None = None,
+                 auth: Authenticator | None = None) -> None:
         self.daemon, self.host, self.port = daemon, host, port
         self.peer_routes = peer_routes
+        #: Default: no token is accepted, loopback clients of this UID read /status.
+        self.auth = auth or Authenticator(None, frozenset({os.geteuid()}), loopback_only=_is_loopback_host(host))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
@@ -142,7 +155,7 @@ class HttpServer:
     # --- the application ------------------------------------------------------------------------
     def application(self) -> web.Application:
         """The aiohttp application with every route (also used directly by tests of the routes)."""
-        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_refuse_bodies])
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._guard, _refuse_bodies])
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/readyz", self._readyz)
         app.router.add_get("/status", self._status)
@@ -150,6 +163,38 @@ class HttpServer:
         if self.peer_routes is not None:
             self.peer_routes(app)
         return app
+
+    @web.middleware
+    async def _guard(self, request: web.Request,
+                     handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """The access rule of the module docstring (the peer routes check their own tokens)."""
+        path = request.path
+        if path in OPEN_ROUTES or path.startswith(PEER_PREFIX):
+            return await handler(request)
+        right = "scrape" if path == "/metrics" else "status"
+        if right == "scrape" and self.auth.loopback_only:
+            return await handler(request)
+        header = request.headers.get("Authorization")
+        access: Access | None = self.auth.identify(header) if header else None
+        if access is None:
+            transport = request.transport
+            peer = transport.get_extra_info("peername") if transport is not None else None
+            server = transport.get_extra_info("sockname") if transport is not None else None
+            access = await asyncio.get_running_loop().run_in_executor(
+                None, self.auth.local_access, tuple(peer[:2]) if peer else None, tuple(server[:2]) if server else None)
+        if access is not None and access.may(right):
+            return await handler(request)
+        client = request.remote or "?"
+        if access is None:
+            why = ("a token was given but is not valid" if header else "no token was given and the client is not a "
+                   "local process of an allowed UID")
+            log.warning("refused %s %s from %s: %s", request.method, path, client, why)
+            self.daemon.metrics.error("http-auth")
+            return _json({"error": f"{path} needs Authorization: Bearer <token> ({why}); see "
+                                   "`ckptd daemon --print-token`"}, 401)
+        log.warning("refused %s %s from %s: a %s token may not read it", request.method, path, client, access.scope)
+        self.daemon.metrics.error("http-auth")
+        return _json({"error": f"a {access.scope} token may not read {path}"}, 403)
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -183,6 +228,15 @@ class HttpServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         body, content_type = self.daemon.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+def _is_loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 async def _in_executor(question: Callable[[], Any]) -> Any:

@@ -50,6 +50,8 @@ class DaemonMetrics:
         self._retries = Counter("ckptd_retries", "Operations retried after a failure", ["tier", "operation"],
                                 registry=r)
         self._journal_depth = Gauge("ckptd_journal_depth", "Journaled tasks not done yet", ["kind"], registry=r)
+        self._set_aside = Gauge("ckptd_steps_set_aside", "Steps a restore set aside in the root's .set-aside/ "
+                                "(corrupt or not restorable; `ckptd ls` says why)", ["root"], registry=r)
         self._save_stall = Histogram("ckptd_trainer_save_stall_seconds",
                                      "Time the training thread spent inside save(), as trainers report it",
                                      ["root"], buckets=_STALL_BUCKETS, registry=r)
@@ -60,11 +62,28 @@ class DaemonMetrics:
                                     registry=r)
         self._tier_degraded = Gauge("ckptd_tier_degraded", "1 while a probe write to the tier fails (read-only, "
                                     "full, I/O errors), else 0", ["root", "tier"], registry=r)
+        self._pinned_steps = Gauge("ckptd_pinned_steps", "Steps the daemon pins until they are copied", ["root"],
+                                   registry=r)
+        self._pinned_bytes = Gauge("ckptd_pinned_bytes", "Bytes only the daemon's pins hold (their steps are gone "
+                                   "from the root)", ["root"], registry=r)
+        self._pin_cap_skipped = Counter("ckptd_pin_cap_skipped_steps", "Steps released by the pin cap before they "
+                                        "reached a tier (they are never promoted)", ["root"], registry=r)
+        self._last_promotion = Gauge("ckptd_last_promotion_timestamp_seconds",
+                                     "When the last promotion of the root to the object tier succeeded", ["root"],
+                                     registry=r)
+        self._in_flight = Gauge("ckptd_copy_in_flight_bytes", "Bytes sent so far by the promotion or replication "
+                                "running now (0 when none runs)", ["root", "tier"], registry=r)
+        self._upkeep_last_pass = Gauge("ckptd_upkeep_last_pass_timestamp_seconds",
+                                       "When the last maintenance pass (retention, probes, listings, aborts) ended",
+                                       registry=r)
+        self._scrub_running = Gauge("ckptd_scrub_running", "1 while a scrub pass runs (on its own worker)",
+                                    registry=r)
         self._errors = Counter("ckptd_errors", "Errors by the part of the daemon they happened in", ["where"],
                                registry=r)
 
     def promoted(self, root: str, bytes_: int, seconds: float) -> None:
         """One step of ``root`` promoted: ``bytes_`` uploaded in ``seconds``."""
+        self._last_promotion.labels(root).set_to_current_time()
         self._promoted_bytes.labels(root).inc(max(bytes_, 0))
         self._promoted_steps.labels(root).inc()
         self._promotion_seconds.labels(root).observe(max(seconds, 0.0))
@@ -120,6 +139,31 @@ class DaemonMetrics:
     def tier_degraded(self, root: str, tier: str, degraded: bool) -> None:
         """The last probe of ``root``'s ``tier`` failed (``degraded``) or worked."""
         self._tier_degraded.labels(root=root, tier=tier).set(1 if degraded else 0)
+
+    def steps_set_aside(self, root: str, count: int) -> None:
+        """How many steps a restore set aside in the root's ``.set-aside/`` (they wait for an operator)."""
+        self._set_aside.labels(root).set(count)
+
+    def pinned(self, root: str, steps: int, bytes_: int) -> None:
+        """The daemon pins ``steps`` steps of ``root``; ``bytes_`` are held by pins only."""
+        self._pinned_steps.labels(root).set(steps)
+        self._pinned_bytes.labels(root).set(max(bytes_, 0))
+
+    def pin_cap_skipped(self, root: str) -> None:
+        """The pin cap released one step of ``root`` before it reached its tiers."""
+        self._pin_cap_skipped.labels(root).inc()
+
+    def in_flight(self, root: str, tier: str, bytes_: int) -> None:
+        """The copy of ``root`` to ``tier`` running now has sent ``bytes_`` (0: none runs)."""
+        self._in_flight.labels(root, tier).set(max(bytes_, 0))
+
+    def upkeep_pass(self, when: float) -> None:
+        """A maintenance pass (retention, probes, listings, aborts, gauges) ended at ``when`` (Unix time)."""
+        self._upkeep_last_pass.set(when)
+
+    def scrub_running(self, running: bool) -> None:
+        """A scrub pass began (``running``) or ended."""
+        self._scrub_running.set(1 if running else 0)
 
     def error(self, where: str) -> None:
         """An error in ``where`` (``promote``, ``replicate``, ``scrub``, ``control``, ``http``, ...)."""

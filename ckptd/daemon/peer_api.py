@@ -12,7 +12,9 @@ grammar is :mod:`ckptd.tiers.peer_paths`. Methods:
 - ``DELETE .../<file>`` and ``DELETE .../step-<N>`` on replica namespaces.
 
 Every request needs ``Authorization: Bearer <token>``, compared in constant time (401 otherwise, and
-always when no token is configured). Bounds (:class:`PeerLimits`): requests in progress (503 beyond),
+always when no token is configured): the daemon's peer token, or a token derived from it
+(:mod:`ckptd.daemon.auth`): a node token writes and deletes only in ``replicas/<its node id>/``, a read token
+only reads; a token without the right gets 403. Bounds (:class:`PeerLimits`): requests in progress (503 beyond),
 bytes of one PUT (413), bytes of one response (413: ask for a range), length of the request path (414);
 the number of requests per connection is bounded by aiohttp's keep-alive handling. Errors are JSON
 ``{"error": "..."}``: what was refused and why, never a header, a token or a path of this machine.
@@ -22,7 +24,6 @@ Nothing is logged per request.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import re
@@ -35,6 +36,7 @@ from aiohttp import web
 
 from ckptd.errors import (AlreadyCommittedError, CkptdError, ConfigError, DiskFullError, NotFoundError,
                           UnsafePathError)
+from ckptd.daemon.auth import Access, Authenticator
 from ckptd.daemon.peer_store import Namespace, PeerNamespaces
 from ckptd.tiers.peer_paths import PEER_PREFIX, PeerPath, parse_request_path
 
@@ -44,6 +46,8 @@ log = logging.getLogger("ckptd.daemon.peer")
 ByteCounter = Callable[[str, int], None]
 _RANGE = re.compile(r"^bytes=(\d{1,19})-(\d{0,19})$")
 _IO_BLOCK = 1024 * 1024
+#: Response header: how many chunks of the range failed their check here and were sent as zeros.
+WITHHELD_HEADER = "X-Ckptd-Withheld-Chunks"
 T = TypeVar("T")
 
 
@@ -91,19 +95,11 @@ def _message(error: CkptdError, asked: PeerPath | None) -> str:
 
 
 class _PeerEndpoints:
-    def __init__(self, namespaces: PeerNamespaces, token: str | None, limits: PeerLimits,
+    def __init__(self, namespaces: PeerNamespaces, auth: Authenticator, limits: PeerLimits,
                  on_served: ByteCounter | None, on_received: ByteCounter | None) -> None:
-        self.namespaces, self.limits = namespaces, limits
-        self._expected = f"Bearer {token}".encode() if token else None
+        self.namespaces, self.limits, self.auth = namespaces, limits, auth
         self._on_served, self._on_received = on_served, on_received
         self._active = 0
-
-    def _authorized(self, request: web.Request) -> bool:
-        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-        if self._expected is None:
-            hmac.compare_digest(given, b"Bearer -")  # same work whether or not a token is configured
-            return False
-        return hmac.compare_digest(given, self._expected)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if self._active >= self.limits.max_concurrent:
@@ -115,7 +111,8 @@ class _PeerEndpoints:
             self._active -= 1
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        if not self._authorized(request):
+        access = self.auth.identify(request.headers.get("Authorization"))
+        if access is None:
             return _refusal(401, "peer requests need Authorization: Bearer <the daemon's peer_token>",
                             **{"WWW-Authenticate": "Bearer"})
         raw_path = request.raw_path.partition("?")[0]
@@ -124,6 +121,9 @@ class _PeerEndpoints:
         asked = None
         try:
             asked = parse_request_path(raw_path)
+            refused = _scope_refusal(access, request.method, asked)
+            if refused is not None:
+                return refused
             namespace = self.namespaces.namespace(asked.namespace)
             return await self._dispatch(request, asked, namespace)
         except CkptdError as error:
@@ -155,8 +155,8 @@ class _PeerEndpoints:
         return _refusal(405, f"{method} is not allowed here", Allow="GET, HEAD, PUT, DELETE")
 
     async def _read(self, request: web.Request, asked: PeerPath, namespace: Namespace) -> web.StreamResponse:
-        fd, size = await _in_thread(self.namespaces.open_for_read, namespace, asked,
-                                    content=request.method == "GET")
+        served = await _in_thread(self.namespaces.open_served, namespace, asked, content=request.method == "GET")
+        size = served.size
         try:
             span = _requested_range(request.headers.get("Range"), size)
             if span == "malformed":
@@ -167,7 +167,15 @@ class _PeerEndpoints:
             start, end = span if span is not None else (0, size)
             if end - start > self.limits.max_range_bytes and request.method == "GET":
                 return _refusal(413, f"a response holds at most {self.limits.max_range_bytes} bytes; read ranges")
+            body: bytes | None = None
+            withheld = 0
+            if request.method == "GET" and served.content is not None:
+                body = served.content[start:end]
+            elif request.method == "GET" and served.kind == "data":
+                body, withheld = await _in_thread(self.namespaces.verified_range, namespace, served, start, end)
             response = web.StreamResponse(status=206 if span is not None else 200)
+            if withheld:
+                response.headers[WITHHELD_HEADER] = str(withheld)
             response.headers["Accept-Ranges"] = "bytes"
             if span is not None:
                 response.headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
@@ -178,12 +186,15 @@ class _PeerEndpoints:
                 return response
             await response.prepare(request)
             try:
-                await _send_file(request, response, fd, start, end - start)
+                if body is not None:
+                    await response.write(body)
+                else:
+                    await _send_file(request, response, served.fd, start, end - start)
                 await response.write_eof()
             except ConnectionError:  # the peer went away mid-answer; its connection is gone with it
                 return response
         finally:
-            os.close(fd)
+            os.close(served.fd)
         if self._on_served is not None:
             self._on_served(namespace.name, end - start)
         return response
@@ -222,6 +233,21 @@ class _PeerEndpoints:
         if self._on_received is not None:
             self._on_received(namespace.name, length)
         return web.Response(status=201)
+
+
+def _scope_refusal(access: Access, method: str, asked: PeerPath) -> web.Response | None:
+    """403 when the token's scope does not cover ``method`` on ``asked`` (logged: a node writing into another
+    node's replicas is a misconfiguration or an attack)."""
+    if method in ("GET", "HEAD"):
+        if access.may("peer-read"):
+            return None
+    elif access.may("peer-write") and access.may_write(asked.namespace):
+        return None
+    where = "/".join(asked.namespace)
+    who = f"a {access.scope} token" + (f" of node {access.node_id}" if access.node_id else "")
+    log.warning("refused peer %s in %s: %s may not", method, where, who)
+    return _refusal(403, f"{who} may not {method} in {where}" + (
+        "; a node writes only into replicas/<its own node id>/" if access.scope == "node" else ""))
 
 
 async def _in_thread(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -268,10 +294,12 @@ async def _send_file(request: web.Request, response: web.StreamResponse, fd: int
 
 def add_peer_routes(app: web.Application, namespaces: PeerNamespaces, *, token: str | None,
                     limits: PeerLimits, on_served: ByteCounter | None = None,
-                    on_received: ByteCounter | None = None) -> None:
+                    on_received: ByteCounter | None = None, auth: Authenticator | None = None) -> None:
     """Add the peer endpoints (see the module docstring) to ``app``. ``on_served`` / ``on_received`` are
-    called on the server's loop with (namespace name, bytes) after each file sent or stored (metrics)."""
-    endpoints = _PeerEndpoints(namespaces, token, limits, on_served, on_received)
+    called on the server's loop with (namespace name, bytes) after each file sent or stored (metrics).
+    ``auth`` (default: one accepting ``token`` and the tokens derived from it) checks every request."""
+    auth = auth or Authenticator(token, frozenset(), loopback_only=False)
+    endpoints = _PeerEndpoints(namespaces, auth, limits, on_served, on_received)
     app.router.add_route("*", PEER_PREFIX + "{tail:.*}", endpoints.handle)
 
 

@@ -16,6 +16,21 @@ On every namespace the **bytes** of a file are served only when the file is in a
 of a file of an uncommitted step, or of anything outside a step directory (``chunks/``), is refused as
 not found, whoever asks.
 
+**Only what the manifest names** (:meth:`PeerNamespaces.open_served`): when a committed step's manifest is a
+ckptd manifest, only the manifest, the rank indexes it names, the data files those indexes name and the list
+of ranks a node directory holds (``ranks-here.json``, served only when it is such a list) are served; any
+other file (a hard link of a file from elsewhere, a stray file) is refused as not found and logged. Each is
+checked against the records while it is served: the manifest against its own digest, an index against the
+size and digest the manifest records, a data file against the size its index records and every chunk of the
+range served against its digest (the chunks the range cuts are read whole for the check). A manifest, an
+index or a data file of the wrong size that fails is refused (500); a chunk of a data file that fails, and
+bytes no chunk covers, are sent as zeros (header ``X-Ckptd-Withheld-Chunks``), so that the reader's own
+digest check reads that chunk from another tier, as for a chunk that rotted on its way. Every failure is
+logged and counted (``on_verify_failure``). Hard links are legitimate there (pins, steps sharing unchanged
+data files), and safe: a linked file is served only when its content matches digests that whoever made the
+link had to compute from bytes it could read. A step whose manifest is no ckptd manifest (a peer tier used
+as a plain blob store) serves its regular files with one link only.
+
 Safety, on top of the grammar (which already refuses ``..``, separators, NUL and absolute paths after
 exactly one percent-decoding): every directory and file on the way must be what it claims, not a
 symlink (``lstat``), the real path of every file must stay inside the real path of its namespace root,
@@ -27,20 +42,58 @@ Thread safety: every method may run on any thread at once (the HTTP server runs 
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import stat
-from dataclasses import dataclass
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
 
-from ckptd.errors import (AlreadyCommittedError, ConfigError, NotFoundError, StorageError, UnsafePathError)
-from ckptd.format.layout import MANIFEST_NAME, TEMP_MARKER, parse_step_dir, step_dir
+from ckptd.errors import (AlreadyCommittedError, CkptdError, ConfigError, IntegrityError, NotFoundError,
+                          StorageError, UnsafePathError)
+from ckptd.format.hashing import chunk_digest
+from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, TEMP_MARKER, parse_step_dir, step_dir
+from ckptd.format.records import FORMAT_NAME, ChunkRecord, Manifest, RankIndex
+from ckptd.format.verify import decode_verified
 from ckptd.tiers.confined import confined_path
 from ckptd.tiers.local import AtomicFile, LocalTier
 from ckptd.tiers.peer_paths import PeerPath
 
 _HASH_BLOCK = 4 * 1024 * 1024
+#: Steps whose parsed records are kept per daemon (a restore reads one step's files many times).
+_CACHED_STEPS = 8
+#: Largest ranks-here file served (a list of rank numbers).
+_RANKS_FILE_MAX_BYTES = 64 * 1024
+log = logging.getLogger("ckptd.daemon.peer")
+
+
+@dataclass(frozen=True)
+class ServedFile:
+    """A file a peer may read: its open descriptor (the caller closes it), size and how it is checked.
+
+    ``kind``: ``manifest`` / ``index`` (``content`` holds its checked bytes, sent as they are), ``data``
+    (``chunks``: the chunks stored in it, checked as ranges are served) or ``blob`` (a step with no ckptd
+    manifest: sent as it is)."""
+
+    fd: int
+    size: int
+    kind: str
+    relative: str
+    step: int | None = None
+    content: bytes | None = None
+    chunks: tuple[ChunkRecord, ...] = field(default=(), repr=False)
+
+
+@dataclass(frozen=True)
+class _Named:
+    """What a committed step's records name: file name -> (kind, expected size, expected digest, chunks)."""
+
+    files: dict[str, tuple[str, int | None, str | None, tuple[ChunkRecord, ...]]]
 
 
 @dataclass(frozen=True)
@@ -58,7 +111,12 @@ class PeerNamespaces:
     docstring). ``roots``: root name -> local root directory; ``replica_dir``: where buddies' replicas go
     (None: this daemon accepts none)."""
 
-    def __init__(self, roots: dict[str, Path], replica_dir: Path | None) -> None:
+    def __init__(self, roots: dict[str, Path], replica_dir: Path | None, *,
+                 on_verify_failure: Callable[[str], None] | None = None) -> None:
+        #: Called with the namespace name when a served file fails its check (the daemon's metric).
+        self.on_verify_failure = on_verify_failure
+        self._named: OrderedDict[tuple[str, int, int, int], _Named | None] = OrderedDict()
+        self._named_lock = threading.Lock()
         self._roots = {name: Path(os.path.realpath(path)) for name, path in roots.items()}
         self._replicas = Path(os.path.realpath(replica_dir)) if replica_dir is not None else None
         for name, root in self._roots.items():
@@ -137,8 +195,11 @@ class PeerNamespaces:
         directory = self._step_directory(namespace, step)
         if directory is None:
             return []
+        named = self._records(namespace, step) if self._committed(namespace, step) else None
         names = []
         for name in os.listdir(directory):
+            if named is not None and name not in named.files:
+                continue
             try:
                 regular = stat.S_ISREG(os.lstat(directory / name).st_mode)
             except OSError:
@@ -161,8 +222,145 @@ class PeerNamespaces:
     def open_for_read(self, namespace: Namespace, asked: PeerPath, *, content: bool = True) -> tuple[int, int]:
         """An open descriptor of a file a peer may read and its size (the caller closes it). ``content``:
         its bytes are to be sent (only files of committed steps); False: only its size is (a HEAD)."""
+        served = self.open_served(namespace, asked, content=content)
+        return served.fd, served.size
+
+    def open_served(self, namespace: Namespace, asked: PeerPath, *, content: bool = True) -> ServedFile:
+        """The file a peer asked for, opened and checked (see the module docstring); NotFoundError for a file
+        the step's records do not name, IntegrityError for a copy that fails its check (both logged)."""
         self._check_readable(namespace, asked, content=content)
-        return self._open(namespace, asked)
+        assert asked.relative is not None
+        if asked.step is None or not self._committed(namespace, asked.step):
+            fd, size = self._open(namespace, asked)  # a HEAD of a file of an uncommitted replica step
+            return ServedFile(fd, size, "blob", asked.relative, asked.step)
+        step = asked.step
+        name = asked.relative.rpartition("/")[2]
+        named = self._records(namespace, step)
+        if named is None:  # no ckptd manifest: a blob store's step; never a file with a second name
+            fd, size = self._open(namespace, asked)
+            if os.fstat(fd).st_nlink != 1:
+                os.close(fd)
+                log.warning("refused %s in peer namespace %s: a hard link in a step without a ckptd manifest",
+                            asked.relative, namespace.name)
+                raise NotFoundError("file not found: a hard link is not served", path=asked.relative)
+            return ServedFile(fd, size, "blob", asked.relative, step)
+        if name not in named.files:
+            log.warning("refused %s in peer namespace %s: the step's manifest does not name it", asked.relative,
+                        namespace.name)
+            raise NotFoundError("file not found: only the files a committed manifest names are served",
+                                step=step, path=asked.relative)
+        kind, size_expected, digest, chunks = named.files[name]
+        fd, size = self._open(namespace, asked)
+        try:
+            if size_expected is not None and size != size_expected:
+                raise self._failed(namespace, asked, f"has {size} bytes, its records say {size_expected}")
+            if kind == "data":
+                return ServedFile(fd, size, kind, asked.relative, step, chunks=chunks)
+            data = _read_all(fd, size)
+            if kind == "index" and chunk_digest(data) != digest:
+                raise self._failed(namespace, asked, "does not match the digest its manifest records")
+            if kind == "manifest":
+                try:
+                    Manifest.from_json_bytes(data, path=asked.relative, step=step)
+                except CkptdError as error:
+                    raise self._failed(namespace, asked, f"fails its check ({error.message})") from None
+            if kind == "ranks" and not _is_ranks_list(data):
+                raise self._failed(namespace, asked, "is not the list of ranks a node directory holds")
+            return ServedFile(fd, size, kind, asked.relative, step, content=data)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def verified_range(self, namespace: Namespace, served: ServedFile, start: int, end: int) -> tuple[bytes, int]:
+        """Bytes ``start``..``end`` of a data file and how many chunks were withheld: every chunk the range
+        touches is read whole and checked against its digest; a chunk that fails (logged, counted) and bytes no
+        chunk covers come back as zeros, so that no byte leaves that the records do not vouch for, and the
+        reader's own check sends it to another tier for that chunk only."""
+        touched = [chunk for chunk in served.chunks if chunk.offset < end and chunk.offset + chunk.length > start]
+        low = min([start] + [chunk.offset for chunk in touched])
+        high = max([end] + [chunk.offset + chunk.length for chunk in touched])
+        data = memoryview(_read_all(served.fd, high - low, low))
+        out = bytearray(end - start)
+        withheld = 0
+        for chunk in touched:
+            stored = data[chunk.offset - low:chunk.offset - low + chunk.length]
+            try:
+                decode_verified(chunk, stored, path=served.relative, step=served.step or 0,
+                                tier=f"peer namespace {namespace.name}")
+            except IntegrityError as error:
+                withheld += 1
+                asked = PeerPath(tuple(namespace.name.split("/")), "file", step=served.step, relative=served.relative)
+                self._failed(namespace, asked, f"holds a chunk at offset {chunk.offset} that fails its check "
+                             f"({error.message}); it is sent as zeros")
+                continue
+            first, last = max(chunk.offset, start), min(chunk.offset + chunk.length, end)
+            out[first - start:last - start] = data[first - low:last - low]
+        return bytes(out), withheld
+
+    def _failed(self, namespace: Namespace, asked: PeerPath, why: str) -> IntegrityError:
+        log.warning("refused %s in peer namespace %s: the file %s", asked.relative, namespace.name, why)
+        if self.on_verify_failure is not None:
+            self.on_verify_failure(namespace.name)
+        return IntegrityError(f"this node's copy {why}; read another tier", path=asked.relative, step=asked.step,
+                              tier=f"peer namespace {namespace.name}")
+
+    def _records(self, namespace: Namespace, step: int) -> _Named | None:
+        """What the step's manifest and indexes name (None: its manifest is no ckptd manifest), cached by the
+        manifest file's identity."""
+        directory = self._step_directory(namespace, step)
+        if directory is None:
+            raise NotFoundError("step is not committed", step=step, path=namespace.name)
+        relative = f"{step_dir(step)}/{MANIFEST_NAME}"
+        fd, size = self._open(namespace, PeerPath(("",), "file", step=step, relative=relative))
+        try:
+            info = os.fstat(fd)
+            key = (str(directory), step, info.st_ino, info.st_mtime_ns)
+            with self._named_lock:
+                if key in self._named:
+                    self._named.move_to_end(key)
+                    return self._named[key]
+            raw = _read_all(fd, size)
+        finally:
+            os.close(fd)
+        named = self._parse(namespace, step, raw)
+        with self._named_lock:
+            self._named[key] = named
+            while len(self._named) > _CACHED_STEPS:
+                self._named.popitem(last=False)
+        return named
+
+    def _parse(self, namespace: Namespace, step: int, raw: bytes) -> _Named | None:
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            body = None
+        if not isinstance(body, dict) or body.get("format") != FORMAT_NAME:
+            return None
+        asked = PeerPath(tuple(namespace.name.split("/")), "file", step=step,
+                         relative=f"{step_dir(step)}/{MANIFEST_NAME}")
+        try:
+            manifest = Manifest.from_json_bytes(raw, path=asked.relative or "", step=step)
+        except CkptdError as error:
+            raise self._failed(namespace, asked, f"is a manifest that fails its check ({error.message})") from None
+        files: dict[str, tuple[str, int | None, str | None, tuple[ChunkRecord, ...]]] = {
+            MANIFEST_NAME: ("manifest", None, None, ()), RANKS_HERE_NAME: ("ranks", None, None, ())}
+        for entry in manifest.ranks:
+            files[entry.index_file] = ("index", entry.index_size, entry.index_digest, ())
+            relative = f"{step_dir(step)}/{entry.index_file}"
+            try:
+                fd, size = self._open(namespace, PeerPath(("",), "file", step=step, relative=relative))
+            except NotFoundError:
+                continue  # a rank another node holds
+            try:
+                data = _read_all(fd, size)
+            finally:
+                os.close(fd)
+            if size != entry.index_size or chunk_digest(data) != entry.index_digest:
+                continue  # served as named and refused then, with the reason; its data files stay unnamed
+            index = RankIndex.from_json_bytes(data, path=relative, step=step)
+            for number, data_file in enumerate(index.data_files):
+                files[data_file.name] = ("data", data_file.size, None, tuple(index.packed_chunks(number)))
+        return _Named(files)
 
     def _open(self, namespace: Namespace, asked: PeerPath) -> tuple[int, int]:
         assert asked.relative is not None
@@ -265,9 +463,34 @@ class PeerNamespaces:
             tier.remove_step_dir(step)
 
 
+def _is_ranks_list(data: bytes) -> bool:
+    """Whether ``data`` is a small ``{"ranks": [int, ...]}`` (what a node directory's ranks file holds)."""
+    if len(data) > _RANKS_FILE_MAX_BYTES:
+        return False
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    ranks = body.get("ranks") if isinstance(body, dict) else None
+    return isinstance(ranks, list) and all(isinstance(rank, int) and not isinstance(rank, bool) for rank in ranks) \
+        and all(isinstance(value, (int, float, list, type(None))) for value in body.values())
+
+
+def _read_all(fd: int, size: int, offset: int = 0) -> bytes:
+    """``size`` bytes of an open file from ``offset``; IntegrityError-free: a short file gives fewer bytes."""
+    pieces, done = [], 0
+    while done < size:
+        piece = os.pread(fd, min(_HASH_BLOCK * 4, size - done), offset + done)
+        if not piece:
+            break
+        pieces.append(piece)
+        done += len(piece)
+    return b"".join(pieces)
+
+
 def _within(path: Path, directory: Path) -> bool:
     """Whether ``path`` is ``directory`` or lies under it (both real paths)."""
     return path == directory or directory in path.parents
 
 
-__all__ = ["Namespace", "PeerNamespaces"]
+__all__ = ["Namespace", "PeerNamespaces", "ServedFile"]

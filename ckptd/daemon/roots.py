@@ -41,6 +41,11 @@ class RootRuntime:
     trainer_report: dict[str, Any] | None = None
     #: The local tier's health as last probed (:func:`ckptd.daemon.tier_health.probe_local`), None before.
     health: TierHealth | None = None
+    #: tier kind ("object", "peer") -> whether its last listing answered, the error if not, and since when.
+    reachability: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: tier kind -> (newest committed step, its manifest's creation time) as last listed (the lag during an
+    #: outage is counted from it).
+    newest_listed: dict[str, tuple[int, float | None]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:

@@ -1,8 +1,11 @@
 """The node daemon: watches local roots, journals promotion and replication of each committed step, runs it.
 
 Threads (all named): the :class:`~ckptd.daemon.watcher.CommitWatcher`'s, one worker per kind of task
-(``ckptd-daemon-promote``, ``ckptd-daemon-replicate``), ``ckptd-daemon-maintain`` (scrub, retention and the
-tier listings of the status document), plus the HTTP server's and the control socket's.
+(``ckptd-daemon-promote``, ``ckptd-daemon-replicate``), ``ckptd-daemon-maintain`` (retention, the tier
+probes and listings of the status document, the abandoned-upload abort, the pin cap and the gauges, every
+pass), ``ckptd-daemon-scrub`` (a :class:`~ckptd.background.BackgroundWorker` running the bandwidth-limited
+scrub passes the maintenance thread asks for, so that a pass of hours never holds up the rest of the
+upkeep), plus the HTTP server's and the control socket's.
 
 Life of a step (see ``docs``: the Sidecar daemon section of the design):
 
@@ -37,6 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from ckptd.background import BackgroundWorker
 from ckptd.config import settings
 from ckptd.daemon.buddy import BuddyDiscovery, Resolver
 from ckptd.daemon.config import DaemonConfig, RootConfig
@@ -52,6 +56,7 @@ from ckptd.stepio.rank_writer import lower_thread_priority
 from ckptd.stepio.step_reader import load_step_manifest
 from ckptd.tiers.atomicity import ranks_held
 from ckptd.tiers.base import StorageTier
+from ckptd.manager.set_aside import set_aside_steps
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.registry import open_tier
 
@@ -126,6 +131,10 @@ class Daemon:
         #: Most pinned steps (and bytes only pins hold) per root: the ``pin_max_*`` settings.
         self.pin_cap = PinCap.from_settings()
         self._ready = False
+        self._scrub_worker: BackgroundWorker[None] | None = None
+        #: What the upkeep did (the status document's ``upkeep``): passes of the maintenance thread, scrubs.
+        self._upkeep: dict[str, Any] = {"passes": 0, "last_pass": None, "last_pass_s": None, "scrub_running": False,
+                                        "scrub_passes": 0, "scrub_started": None, "scrub_finished": None}
         #: The buddy replicated to: the configured peer:// one, or a dns:// ring's pick (``resolver``: tests).
         self.buddy = BuddyDiscovery.for_config(config, resolver=resolver, on_change=self._buddy_changed)
 
@@ -154,6 +163,9 @@ class Daemon:
         self.watcher.start()
         for kind in ("promote", "replicate"):
             self._spawn(f"ckptd-daemon-{kind}", self._work, kind)
+        self._scrub_worker = BackgroundWorker("ckptd-daemon-scrub", self._scrub_pass,
+                                              describe=lambda _: "a scrub pass",
+                                              on_start=lambda: _lower_priority(config.cpu_policy))
         self._spawn("ckptd-daemon-maintain", self._maintain)
         self._ready = True
         # Last: trainers and tests take daemon.json (and each root's file) to mean "watching and ready".
@@ -186,7 +198,7 @@ class Daemon:
         runtime.peer_url = self.config.peer_url(root, self.buddy.current)
         if runtime.peer_url is not None:
             try:
-                runtime.peer = open_tier(runtime.peer_url, storage_options={"token": self.config.peer_token})
+                runtime.peer = open_tier(runtime.peer_url, storage_options=self._peer_options())
             except CkptdError as error:  # replication stays journaled and retried; promotion goes on
                 self._record_error("replicate", root.name, None, f"cannot open the peer tier: {error}")
         return runtime
@@ -220,7 +232,8 @@ class Daemon:
         except ImportError as error:  # aiohttp missing
             log.warning("no HTTP API: %s (pip install 'ckptd[daemon]')", error)
         else:
-            self.http = HttpServer(self, config.listen_host, config.listen_port, peer_routes=self._peer_routes())
+            self.http = HttpServer(self, config.listen_host, config.listen_port, peer_routes=self._peer_routes(),
+                                   auth=self.authenticator())
             self.http_port = self.http.start()
         try:
             from ckptd.daemon.control_socket import ControlSocket
@@ -238,13 +251,34 @@ class Daemon:
             return None
         config = self.config
         namespaces = PeerNamespaces({name: runtime.local.root for name, runtime in self._roots.items()},
-                                    config.replica_path)
+                                    config.replica_path,
+                                    on_verify_failure=lambda namespace: self.metrics.verify_failure(
+                                        "local" if namespace.startswith("roots/") else "replica"))
         limits = PeerLimits(max_concurrent=config.peer_max_concurrency, max_put_bytes=config.peer_max_put_bytes)
 
         def served(namespace: str, count: int) -> None:
             self.metrics.peer_served(count)
 
-        return lambda app: add_peer_routes(app, namespaces, token=config.peer_token, limits=limits, on_served=served)
+        auth = self.authenticator()
+        return lambda app: add_peer_routes(app, namespaces, token=config.peer_token, limits=limits, on_served=served,
+                                           auth=auth)
+
+    def authenticator(self) -> Any:
+        """Who may ask the HTTP server what (:mod:`ckptd.daemon.auth`)."""
+        from ckptd.daemon.auth import Authenticator
+        from ckptd.daemon.config import _is_loopback
+
+        config = self.config
+        return Authenticator(config.peer_token, config.control_allowed_uids,
+                             loopback_only=_is_loopback(config.listen_host))
+
+    def _peer_options(self) -> dict[str, Any]:
+        """The replicating side's peer-tier options: this node's token (:func:`~ckptd.daemon.auth.derive_token`),
+        which the buddy lets write only into ``replicas/<node_id>/``."""
+        from ckptd.daemon.auth import derive_token
+
+        token = self.config.peer_token
+        return {"token": derive_token(token, "node", self.config.node_id) if token else None}
 
     def run_forever(self) -> None:
         """Block until :meth:`stop` has finished."""
@@ -265,6 +299,11 @@ class Daemon:
         deadline = time.monotonic() + drain
         for thread in self._workers:
             thread.join(max(0.0, deadline - time.monotonic()))
+        if self._scrub_worker is not None:  # a pass stops between chunks once stopping is set
+            try:
+                self._scrub_worker.close(max(0.0, deadline - time.monotonic()), what="the scrub pass")
+            except CkptdError as error:
+                log.warning("%s; it ends with the process", error)
         with self._state_lock:
             left = list(self._running.values())
         if left:
@@ -393,6 +432,7 @@ class Daemon:
             runtime.seen.add(step)
         if missing:
             self._apply_pin_cap(runtime)
+            self._publish_depth()
 
     def _apply_pin_cap(self, runtime: RootRuntime) -> None:
         """While a tier is behind and local retention deletes steps, pins pile up: past :attr:`pin_cap` the
@@ -416,6 +456,7 @@ class Daemon:
             if self.journal.open_tasks(runtime.config.name, step):
                 continue  # claimed meanwhile: it runs from its pin
             log.warning("step %d of root %s: %d task(s) skipped, %s", step, runtime.config.name, skipped, reason)
+            self.metrics.pin_cap_skipped(runtime.config.name)
             self._announce_release(runtime, step)
             self._unpin(runtime, step)
 
@@ -477,6 +518,7 @@ class Daemon:
             finally:
                 with self._state_lock:
                     self._running.pop(kind, None)
+                self._publish_depth()
 
     def _connect_remotes(self) -> None:
         """Make the object tiers' clients at start (no request is sent): botocore loads its S3 model for each
@@ -555,17 +597,37 @@ class Daemon:
         def phase(name: str) -> None:
             self.on_event("promote-phase", {"root": runtime.config.name, "step": step, "phase": name})
 
-        report = Promoter(source, runtime.remote, on_phase=phase).promote(step, ranks=ranks)  # type: ignore[arg-type]
+        progress = self._progress(runtime.config.name, "object")
+        try:
+            report = Promoter(source, runtime.remote, on_phase=phase).promote(  # type: ignore[arg-type]
+                step, ranks=ranks, progress=progress)
+        finally:
+            self.metrics.in_flight(runtime.config.name, "object", 0)
         self.metrics.promoted(runtime.config.name, report.bytes_uploaded, report.seconds)
         return asdict(report)
+
+    def _progress(self, root: str, tier: str) -> Callable[[int], None]:
+        """A progress hook that keeps ``ckptd_copy_in_flight_bytes{root,tier}`` at the bytes sent so far."""
+        lock, sent = threading.Lock(), [0]
+        self.metrics.in_flight(root, tier, 0)
+
+        def count(bytes_: int) -> None:
+            with lock:
+                sent[0] += bytes_
+                self.metrics.in_flight(root, tier, sent[0])
+
+        return count
 
     def _replicate(self, runtime: RootRuntime, source: StorageTier, step: int) -> dict[str, Any]:
         from ckptd.promotion.replicate import replicate_step
 
         if runtime.peer is None:
             assert runtime.peer_url is not None
-            runtime.peer = open_tier(runtime.peer_url, storage_options={"token": self.config.peer_token})
-        report = replicate_step(source, runtime.peer, step)
+            runtime.peer = open_tier(runtime.peer_url, storage_options=self._peer_options())
+        try:
+            report = replicate_step(source, runtime.peer, step, progress=self._progress(runtime.config.name, "peer"))
+        finally:
+            self.metrics.in_flight(runtime.config.name, "peer", 0)
         self.metrics.replicated(runtime.config.name, report.bytes_sent, report.seconds)
         return asdict(report)
 
@@ -575,6 +637,8 @@ class Daemon:
         text = str(error) if isinstance(error, CkptdError) else f"{type(error).__name__}: {error}"
         tier = "object" if task.kind == "promote" else "peer"
         self.metrics.error(task.kind)
+        if isinstance(error, IntegrityError):  # a digest failed: of the copy read from, or of what the tier holds
+            self.metrics.verify_failure(source.kind if source is not None and error.tier == source.label else tier)
         if _never_succeeds(error, source, task.attempts):
             text = f"failed for good (a restart tries once more): {text}"
             self.journal.give_up(task.id, text)
@@ -617,6 +681,7 @@ class Daemon:
                 self.metrics.error("maintenance")
 
     def _maintain_once(self) -> None:
+        began = time.monotonic()
         self.check_local_tiers()
         for runtime in list(self._roots.values()):
             for kind in ("object", "peer"):
@@ -624,14 +689,43 @@ class Daemon:
             self.upkeep.apply_retention(runtime, self._protected(runtime))
             self.upkeep.abort_abandoned_uploads(runtime)
             self._apply_pin_cap(runtime)
+            self._publish_pins(runtime)
         self.upkeep.apply_replica_retention()
         self._publish_depth()
-        interval = self.config.scrub_interval_s
-        if interval > 0 and self.journal is not None:
-            last = self.journal.get_state("last_scrub", 0.0)  # kept across restarts
-            if time.time() - last >= interval:
-                self.journal.set_state("last_scrub", time.time())
-                self.upkeep.scrub(list(self._roots.values()), self._stopping.is_set)
+        self._start_scrub_when_due()
+        with self._state_lock:
+            self._upkeep.update(passes=self._upkeep["passes"] + 1, last_pass=time.time(),
+                                last_pass_s=time.monotonic() - began)
+        self.metrics.upkeep_pass(time.time())
+
+    def _start_scrub_when_due(self) -> None:
+        """Hand a scrub pass to the scrub worker when ``scrub_interval_s`` has passed since the last one began
+        and none runs (a pass that takes longer than the interval is followed by the next at once)."""
+        worker, interval = self._scrub_worker, self.config.scrub_interval_s
+        if worker is None:
+            return
+        for record in worker.take_failures():
+            log.warning("a scrub pass failed: %s", record.describe())
+            self.metrics.error("scrub")
+            self._record_error("scrub", "*", None, record.describe())
+        if interval <= 0 or self.journal is None or worker.pending or self._stopping.is_set():
+            return
+        last = self.journal.get_state("last_scrub", 0.0)  # kept across restarts
+        if time.time() - last >= interval:
+            self.journal.set_state("last_scrub", time.time())
+            worker.submit(None)
+
+    def _scrub_pass(self, _: None) -> None:
+        with self._state_lock:
+            self._upkeep.update(scrub_running=True, scrub_started=time.time())
+        self.metrics.scrub_running(True)
+        try:
+            self.upkeep.scrub(list(self._roots.values()), self._stopping.is_set)
+        finally:
+            with self._state_lock:
+                self._upkeep.update(scrub_running=False, scrub_finished=time.time(),
+                                    scrub_passes=self._upkeep["scrub_passes"] + 1)
+            self.metrics.scrub_running(False)
 
     def check_local_tiers(self) -> dict[str, TierHealth]:
         """Probe every root's local tier (see :mod:`ckptd.daemon.tier_health`); the verdicts go into the
@@ -645,28 +739,68 @@ class Daemon:
                 log.info("the local tier of root %s is healthy again", name)
             runtime.health = verdicts[name] = health
             self.metrics.tier_degraded(name, "local", health.degraded)
+            try:
+                self.metrics.steps_set_aside(name, len(set_aside_steps(runtime.local.root)))
+            except CkptdError as error:
+                log.debug("listing the set-aside steps of root %s failed: %s", name, error)
         return verdicts
 
     def _tier(self, runtime: RootRuntime, kind: str) -> StorageTier | None:
         return runtime.remote if kind == "object" else runtime.peer
 
     def _refresh_listing(self, runtime: RootRuntime, kind: str) -> None:
+        """List the tier for the status document and the lag gauges. A tier that does not answer keeps a lag
+        series that grows (counted from the newest step it last listed), is marked unreachable in the status
+        document (``tiers.<kind>.reachable``) and degraded in ``ckptd_tier_degraded{tier=<kind>}``."""
         tier = self._tier(runtime, kind)
         if tier is None:
             return
+        name = runtime.config.name
         try:
-            lag = promotion_lag(runtime.local, tier)
             steps = tier.committed_steps()
+            lag = promotion_lag(runtime.local, tier)
+            newest = (steps[-1], _created(tier, steps[-1])) if steps else None
         except CkptdError as error:
             log.debug("listing %s for the status failed: %s", tier.label, error)
+            self._unreachable(runtime, kind, str(error))
             return
+        if runtime.reachability.get(kind, {}).get("reachable") is False:
+            log.info("the %s tier of root %s answers again", kind, name)
+        runtime.reachability[kind] = {"reachable": True, "error": None, "since": None}
+        self.metrics.tier_degraded(name, kind, False)
+        if newest is not None:
+            runtime.newest_listed[kind] = newest
         runtime.listings[kind] = (steps, lag)
-        self.metrics.lag(runtime.config.name, kind, lag.steps_behind, lag.seconds_behind)
+        self.metrics.lag(name, kind, lag.steps_behind, lag.seconds_behind)
+
+    def _unreachable(self, runtime: RootRuntime, kind: str, error: str) -> None:
+        name = runtime.config.name
+        earlier = runtime.reachability.get(kind, {})
+        if earlier.get("reachable") is not False:
+            log.warning("the %s tier of root %s does not answer: %s", kind, name, error)
+        since = earlier.get("since") if earlier.get("reachable") is False else time.time()
+        runtime.reachability[kind] = {"reachable": False, "error": error, "since": since}
+        self.metrics.tier_degraded(name, kind, True)
+        try:
+            local_steps = sorted(set(runtime.local.committed_steps()) | set(runtime.pins.pinned()))
+        except CkptdError:
+            return
+        if not local_steps:
+            return
+        local_newest = local_steps[-1]
+        remote_newest, remote_created = runtime.newest_listed.get(kind, (None, None))
+        source = runtime.local if runtime.local.is_committed(local_newest) else runtime.pins.tier
+        lag = lag_between(local_newest, remote_newest, local_created=_created(source, local_newest),
+                          remote_created=remote_created)
+        self.metrics.lag(name, kind, lag.steps_behind, lag.seconds_behind)
 
     def _note_copied(self, runtime: RootRuntime, kind: str, step: int, source: StorageTier) -> None:
         """Add a step just committed on a tier to its listing and lag without asking the tier (the maintenance
         pass lists it again); the copy's manifest is the local one, so its creation time is known here."""
-        listed, _ = runtime.listings.get(kind, ([], None))
+        if kind not in runtime.listings:  # never listed (just started): list it now rather than show a part
+            self._refresh_listing(runtime, kind)
+            return
+        listed, _ = runtime.listings[kind]
         steps = sorted(set(listed) | {step})
         try:
             local_steps = runtime.local.committed_steps()
@@ -679,11 +813,28 @@ class Daemon:
         runtime.listings[kind] = (steps, lag)
         self.metrics.lag(runtime.config.name, kind, lag.steps_behind, lag.seconds_behind)
 
+    def _publish_pins(self, runtime: RootRuntime) -> None:
+        try:
+            pinned = runtime.pins.pinned()
+            local = set(runtime.local.committed_steps())
+            held = sum(runtime.pins.held_bytes(step) for step in pinned if step not in local)
+        except (CkptdError, OSError) as error:
+            log.debug("counting the pins of root %s failed: %s", runtime.config.name, error)
+            return
+        self.metrics.pinned(runtime.config.name, len(pinned), held)
+
     def _publish_depth(self) -> None:
+        """``ckptd_journal_depth`` of every kind (0 when none is open): after each pass, task and commit."""
         if self.journal is None:
             return
-        for kind, states in self.journal.depth().items():
-            self.metrics.journal_depth(kind, states["pending"] + states["running"] + states["failed"])
+        try:
+            depth = self.journal.depth()
+        except Exception as error:  # noqa: BLE001 - the next call publishes it
+            log.debug("reading the journal depth failed: %s", error)
+            return
+        for kind in ("promote", "replicate"):
+            states = depth.get(kind, {})
+            self.metrics.journal_depth(kind, sum(states.get(state, 0) for state in ("pending", "running", "failed")))
 
     def _protected(self, runtime: RootRuntime) -> set[int]:
         assert self.journal is not None
@@ -739,9 +890,12 @@ class Daemon:
                 if url is None:
                     continue
                 steps, lag = runtime.listings.get(kind, (None, None))
+                reach = runtime.reachability.get(kind, {})
                 tiers[kind] = {"url": url, "steps": steps,
                                "lag_steps": None if lag is None else lag.steps_behind,
-                               "lag_seconds": None if lag is None else lag.seconds_behind}
+                               "lag_seconds": None if lag is None else lag.seconds_behind,
+                               "reachable": reach.get("reachable"), "unreachable_since": reach.get("since"),
+                               "error": reach.get("error")}
             roots[name] = {"local": str(runtime.local.root), "tiers": tiers, "pinned": runtime.pins.pinned(),
                            "trainer_report": runtime.trainer_report}
         replicas = {f"{tier.root.parent.name}/{tier.root.name}": tier.committed_steps()
@@ -753,7 +907,9 @@ class Daemon:
             recent = list(self._errors[-10:])
             running = [{"kind": task.kind, "root": task.root, "step": task.step} for task in self._running.values()]
         started = self._started_at or time.time()
-        return {"node_id": self.config.node_id, "pid": os.getpid(), "ready": self.is_ready(),
+        with self._state_lock:
+            upkeep = dict(self._upkeep)
+        return {"upkeep": upkeep, "node_id": self.config.node_id, "pid": os.getpid(), "ready": self.is_ready(),
                 "uptime_s": time.time() - started, "started": started, "roots": roots, "replicas": replicas,
                 "pending": depth, "running": running, "errors": errors, "recent_errors": recent,
                 "buddy": self.buddy.describe(),

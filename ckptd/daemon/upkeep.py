@@ -134,6 +134,7 @@ class Upkeep:
             self.metrics.scrubbed(tier.kind, report.bytes)
             for _ in report.bad:
                 self.metrics.scrub_failure(tier.kind)
+                self.metrics.verify_failure(tier.kind)
             for _ in report.repaired:
                 self.metrics.repaired(tier.kind)
             for _ in report.unrepaired:

@@ -38,7 +38,7 @@ import torch
 from ckptd.format.values import manager_skeleton, parse_values
 from ckptd.state.live_reader import TensorReader, live_reader
 from ckptd.errors import CkptdError, NoIntactCheckpointError, NotFoundError, PickleRefusedError, \
-    ResumeMismatchError, StorageError, TierUnreachableError
+    ResumeMismatchError, StorageError, TierMisconfiguredError, TierUnreachableError
 from ckptd.format.records import DTYPE_NAMES, Manifest, RankIndex
 from ckptd.stepio.step_reader import ChunkSource, FallbackEvent, StepReader, load_step_manifest, load_rank_index, \
     settle_all
@@ -83,6 +83,9 @@ class RestoreResult:
     tiers: list[str] = field(default_factory=list)
     chunks_by_tier: dict[str, int] = field(default_factory=dict)
     keys: tuple[str, ...] | None = None
+    #: Why each step tried and not restored failed, by step: per failing rank, ``rank``, ``error`` and what the
+    #: error names (``tier``, ``file``, and for bad bytes ``chunk``, ``expected``, ``actual``).
+    failed: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
 
 
 class TierListings:
@@ -98,6 +101,8 @@ class TierListings:
         self._steps: dict[int, frozenset[int]] = {}
         #: Why each tier that failed was left out, by its label.
         self.failed: dict[str, str] = {}
+        #: The hint of each failed tier that answered but refused the request (a wrong token or credentials).
+        self.misconfigured: dict[str, str] = {}
         #: The manifests and rank indexes read during the restore (the read-ahead before it too), once each.
         self.metadata = _Metadata(self)
 
@@ -118,6 +123,8 @@ class TierListings:
         if tier.label in self.failed:
             return
         self.failed[tier.label] = str(error)
+        if isinstance(error, TierMisconfiguredError):
+            self.misconfigured[tier.label] = error.hint or "fix the tier's configuration"
         log.warning("tier %s cannot be used for this restore, restoring from the tiers that answer: %s",
                     tier.label, error)
 
@@ -236,18 +243,21 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
             candidates.append(candidate)
         else:
             result.skipped.append(f"step {candidate} on rank {rank}: {why}")
+            result.failed.setdefault(candidate, []).append({"rank": rank, "error": why})
             log.warning("step %d cannot be restored on rank %d, trying an older one: %s", candidate, rank, why)
     # The first round also tells every rank which tiers some rank could not list, so that all ranks
     # decide alike whether "nothing to restore" means a fresh run.
     exchanged = coordinator.exchange("restore-candidates", {"steps": candidates, "failed": listings.failed,
+                                                            "misconfigured": listings.misconfigured,
                                                             "missing": missing, "tiers": [t.label for t in tiers]})
     lists = [answer["steps"] for answer in exchanged]
     failed_tiers = {label: why for answer in exchanged for label, why in answer["failed"].items()}
+    misconfigured = {label: hint for answer in exchanged for label, hint in answer["misconfigured"].items()}
     lacking = [answer["missing"] for answer in exchanged if answer["missing"]]
     if lacking:
         raise NotFoundError("the step asked for is not committed on every rank: " + " | ".join(lacking), step=step,
                             tier=", ".join(t.label for t in tiers),
-                            hint=_failed_hint(failed_tiers) or "`ckptd ls` lists committed steps on each node")
+                            hint=_failed_hint(failed_tiers, misconfigured) or "`ckptd ls` lists the committed steps")
     while True:
         common = set(lists[0]).intersection(*map(set, lists[1:]))
         if not common:
@@ -287,6 +297,8 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
                 tier=first["tier"], hint=first["hint"])
         for failed_rank, why in sorted(failures.items()):
             result.skipped.append(f"step {agreed} on rank {failed_rank}: {why['error']}")
+            result.failed.setdefault(agreed, []).append({"rank": failed_rank, "error": why["error"],
+                                                         **why.get("where", {"tier": why["tier"]})})
             log.warning("step %d cannot be restored on rank %d, trying an older one: %s", agreed, failed_rank,
                         why["error"])
         candidates = [c for c in candidates if c != agreed]
@@ -294,12 +306,13 @@ def restore_state(tiers: list[StorageTier], state: MutableMapping[str, Any], *, 
     if result.skipped or any(lists):
         message, hint = _no_common_step(exchanged, result.skipped)
         raise NoIntactCheckpointError(message, tier=", ".join(t.label for t in tiers),
-                                      hint=_failed_hint(failed_tiers) or hint)
+                                      hint=_failed_hint(failed_tiers, misconfigured) or hint)
     if failed_tiers:
-        raise TierUnreachableError("no tier that answered holds a committed step, and "
+        error_type = TierMisconfiguredError if misconfigured else TierUnreachableError
+        raise error_type("no tier that answered holds a committed step, and "
                                    f"{', '.join(sorted(failed_tiers))} could not be listed: it may hold the "
                                    "job's checkpoints, so this is not treated as a fresh run",
-                                   tier=", ".join(sorted(failed_tiers)), hint=_failed_hint(failed_tiers))
+                                   tier=", ".join(sorted(failed_tiers)), hint=_failed_hint(failed_tiers, misconfigured))
     return result
 
 
@@ -342,10 +355,16 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(spans)
 
 
-def _failed_hint(failed: dict[str, str]) -> str | None:
+def _failed_hint(failed: dict[str, str], misconfigured: dict[str, str]) -> str | None:
+    """What to do about the tiers that failed: fix the configuration of one that refused every request
+    (retrying never helps), restore again once an unreachable one answers."""
     if not failed:
         return None
     reasons = " | ".join(f"{label}: {why}" for label, why in sorted(failed.items()))
+    if misconfigured:
+        fixes = "; ".join(f"{label}: {hint}" for label, hint in sorted(misconfigured.items()))
+        return f"fix the configuration of the tier that refused the restore ({fixes}), then restore again; " \
+               f"it failed with: {reasons}"
     return f"restore again once the tier answers; it failed with: {reasons}"
 
 
@@ -360,9 +379,11 @@ def _try_load(metadata: _Metadata, step: int, state: MutableMapping[str, Any],
         _load(_selected(skeleton, state, keys, step=step, tier=result.tier), read, settle, state,
               allow_pickle=allow_pickle, restore_rng=restore_rng)
     except CkptdError as error:
+        where = {"tier": error.tier or result.tier, "file": error.path, "chunk": getattr(error, "chunk", None),
+                 "expected": getattr(error, "expected", None), "actual": getattr(error, "actual", None)}
         return {"error": str(error), "mismatch": isinstance(error, ResumeMismatchError),
                 "pickle": isinstance(error, PickleRefusedError), "message": error.message, "hint": error.hint,
-                "tier": error.tier or result.tier}
+                "tier": error.tier or result.tier, "where": where}
     result.chunks_by_tier = supplied()
     result.tiers = list(result.chunks_by_tier) or ([result.tier] if result.resharded and result.tier else [])
     return None

@@ -13,6 +13,9 @@ unknown). Multipart uploads no live writer owns are aborted: their owner record 
 this host or stopped being refreshed (:mod:`ckptd.tiers.upload_owners`); an upload of a live promoter
 on another host is left alone however old, and one without a record is aborted after ``gc_abandoned_s``.
 
+A step whose promoter is alive (its step owner lease, :func:`~ckptd.promotion.lease.live_step_owners`) is
+in flight, never abandoned, however old its objects: its directory and the chunks its indexes name stay.
+
 Clocks. No age here is this process's wall clock against another machine's: every age is the tier's
 clock (:meth:`~ckptd.tiers.StorageTier.clock`: the object store's ``Date``) minus a time the tier itself
 stamped (``LastModified`` of a step's objects and of owner records, an upload's ``Initiated``), so a
@@ -37,7 +40,7 @@ from ckptd.stepio.packs import read_by_digest
 from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 from ckptd.policy import RetentionPolicy
 from ckptd.promotion.dedup import note_store_size
-from ckptd.promotion.lease import gc_lease
+from ckptd.promotion.lease import gc_lease, live_step_owners
 from ckptd.promotion.promoter import stored_chunks
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.chunk_health import bad_chunk_paths, clear_bad_chunk
@@ -81,7 +84,7 @@ def _uncommitted(tier: StorageTier, committed: list[int], abandoned_after_s: flo
         if step in committed:
             continue
         protected = tier.capabilities.node_local and (newest is None or step > newest)
-        if not protected and _step_age_s(tier, step, now) >= abandoned_after_s:
+        if not protected and _step_age_s(tier, step, now) >= abandoned_after_s and not live_step_owners(tier, step):
             abandoned.append(step)
         else:
             in_flight.append(step)
@@ -128,6 +131,10 @@ def _collect(tier: StorageTier, retention: RetentionPolicy | None, dry_run: bool
     abandoned, in_flight = _uncommitted(tier, committed, threshold)
     if not dry_run:
         for step in doomed + abandoned:
+            if step in abandoned and live_step_owners(tier, step):  # a promoter began meanwhile
+                abandoned.remove(step)
+                in_flight.append(step)
+                continue
             tier.delete_step(step)
             log.info("deleted step %d from %s", step, tier.label)
     report = GcReport(tier=tier.label, dry_run=dry_run, kept_steps=tuple(kept), deleted_steps=tuple(doomed),

@@ -22,6 +22,16 @@ process with a token of no collection running here is ignored by this process's 
 by its next collection at once. Other processes cannot tell, so the release is retried in the background
 (backing off to ``_RETRY_MAX_S``) until the lease is gone, replaced by another collection's, or expired;
 promoters elsewhere wait only until the store heals, not for the lease's whole ``gc_lease_s``.
+
+**The step owner lease** (:func:`step_owner_lease`) is the other direction: a promoter holds it on the step
+it promotes, from before its first object of the step is written until the step is committed or the
+promotion gave up. It is an owner record (:class:`~ckptd.tiers.upload_owners.UploadOwner`, the multipart
+uploads' format) at ``step-owners/<step dir>/<host>-<pid>-<nonce>.json``, rewritten every third of
+``s3_upload_owner_lease_s`` by a :class:`~ckptd.background.BackgroundWorker`, deleted at the end. A collector
+never takes a step with a live owner for abandoned (:func:`live_step_owners`, judged on the store's clock
+like the uploads' records: fresh, and on this host its process alive), however old its objects, so it
+neither deletes its directory nor sweeps the chunks its rank indexes name. Because the record is written
+before anything of the step, a collector that lists the step's directory finds its record too.
 """
 
 from __future__ import annotations
@@ -36,13 +46,18 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from ckptd.background import BackgroundWorker
 from ckptd.config import settings
-from ckptd.errors import CkptdError, DeadlineError, LockedError, NotFoundError
+from ckptd.errors import CkptdError, DeadlineError, LockedError, NotFoundError, StillRunningError
+from ckptd.format.layout import step_dir
 from ckptd.tiers.base import StorageTier
-from ckptd.tiers.upload_owners import process_exists, process_start, this_host
+from ckptd.tiers.upload_owners import UploadOwner, process_exists, process_start, this_host
 
 #: Object holding the lease, at the tier root (outside every step directory).
 LEASE_PATH = "gc.lease"
+#: Directory (at the tier root) of the owner records of steps being promoted.
+STEP_OWNERS_PREFIX = "step-owners"
+_OWNER_STOP_S = 10.0
 _POLL_S = 0.2
 _LOG_S = 10.0
 _RETRY_FIRST_S = 1.0
@@ -211,3 +226,69 @@ def _release_once(tier: StorageTier, token: str) -> bool:
         return False
     log.info("removed the GC lease %s on %s that an earlier attempt could not", LEASE_PATH, tier.label)
     return True
+
+
+# --- the step owner lease ------------------------------------------------------------------------------
+def _step_owners_directory(step: int) -> str:
+    return f"{STEP_OWNERS_PREFIX}/{step_dir(step)}"
+
+
+@contextlib.contextmanager
+def step_owner_lease(tier: StorageTier, step: int) -> Iterator[None]:
+    """Hold the owner lease of ``step`` on ``tier`` while the block runs (see the module docstring); a tier
+    without content-addressed chunks (no collector sweeps it) needs none. Failing to write the record
+    raises the tier's error before anything of the step is written."""
+    if not tier.capabilities.chunks_by_digest:
+        yield
+        return
+    host = "".join(char if char.isalnum() or char in "-_." else "_" for char in this_host())[:64]
+    path = f"{_step_owners_directory(step)}/{host}-{os.getpid()}-{uuid.uuid4().hex[:12]}.json"
+    owner = UploadOwner.mine(step_dir(step))
+    tier.write_bytes(path, owner.to_json_bytes())
+    stop = threading.Event()
+
+    def refresh(_: None) -> None:
+        while not stop.wait(owner.lease_s / 3):
+            try:
+                tier.write_bytes(path, owner.refreshed_now().to_json_bytes())
+            except CkptdError as error:  # the next refresh tries again; the record stays valid meanwhile
+                log.warning("could not refresh the owner record of step %d on %s: %s", step, tier.label, error)
+
+    refresher: BackgroundWorker[None] = BackgroundWorker(
+        "ckptd-step-owner", refresh, describe=lambda _: f"refreshing the owner lease of step {step}")
+    refresher.submit(None)
+    try:
+        yield
+    finally:
+        stop.set()
+        try:
+            refresher.close(_OWNER_STOP_S, what="the owner lease's refresher")
+        except StillRunningError as error:
+            log.warning("%s", error)
+        try:
+            tier.delete_files([path])
+        except CkptdError as error:  # it expires after s3_upload_owner_lease_s
+            log.warning("could not remove the owner record of step %d on %s (it expires by itself): %s", step,
+                        tier.label, error)
+
+
+def live_step_owners(tier: StorageTier, step: int) -> list[UploadOwner]:
+    """The live owners of ``step`` on ``tier`` (promoters holding :func:`step_owner_lease`)."""
+    if not tier.capabilities.chunks_by_digest:
+        return []
+    try:
+        listed = tier.list_objects(_step_owners_directory(step))
+    except NotFoundError:
+        return []
+    if not listed:
+        return []
+    now = tier.clock()  # the store's: the records' times are its own
+    owners = []
+    for obj in listed:
+        try:
+            record = UploadOwner.from_json_bytes(tier.read_bytes(obj.path))
+        except NotFoundError:
+            continue  # its promotion ended meanwhile
+        if record is not None and record.is_alive(age_s=max(0.0, now - obj.modified)):
+            owners.append(record)
+    return owners

@@ -72,6 +72,7 @@ def write_config(path: Path, roots: list[Mapping[str, Any]] | None = None, **opt
         lines.append("[[roots]]")
         lines.extend(f"{key} = {_toml_value(value)}" for key, value in root.items())
     path.write_text("\n".join(lines) + "\n")
+    path.chmod(0o600)  # storage_options may hold the test server's credentials (the daemon refuses them otherwise)
     return path
 
 

@@ -16,7 +16,8 @@ and read timeouts from the ``peer_connect_timeout_s`` and ``peer_read_timeout_s`
 that cannot reach the daemon (refused, reset, timed out, a stale keep-alive connection) is tried again a
 few times with a short back-off, and then raises :class:`~ckptd.errors.TierUnreachableError` naming the
 URL, so that a restore skips the tier and reads the next one. Answers map to the error tree: 401 ->
-:class:`~ckptd.errors.TierMisconfiguredError` (set ``CKPTD_PEER_TOKEN``), 404 ->
+:class:`~ckptd.errors.TierMisconfiguredError` (a wrong or missing token: set ``CKPTD_PEER_TOKEN``; exit status
+2), 403 -> TierMisconfiguredError too (a token whose scope does not cover the request), 404 ->
 :class:`~ckptd.errors.NotFoundError`, 409 -> :class:`~ckptd.errors.AlreadyCommittedError`, 507 ->
 :class:`~ckptd.errors.DiskFullError`.
 
@@ -282,6 +283,8 @@ class PeerTier(StorageTier):
         status = response.status
         text = f"the peer daemon refused {what} (HTTP {status}{': ' + message if message else ''})"
         if status == 401:
+            text = (f"the peer daemon does not accept this peer token for {what} (HTTP 401"
+                    f"{': ' + message if message else ''}); a wrong token never starts to work by retrying")
             return TierMisconfiguredError(text, path=path, tier=self.label, hint=_TOKEN_HINT)
         if status == 404:
             return NotFoundError(text, path=path, tier=self.label)
@@ -289,8 +292,10 @@ class PeerTier(StorageTier):
             return AlreadyCommittedError(text, path=path, tier=self.label,
                                          hint="a committed step is immutable; save a new step")
         if status == 403:
-            return StorageError(text, path=path, tier=self.label,
-                                hint="roots/ namespaces are read only; replicate into replicas/<node id>/<root>")
+            return TierMisconfiguredError(
+                text, path=path, tier=self.label,
+                hint="roots/ namespaces are read only, a node token writes only into replicas/<its node id>/ and a "
+                     "read token only reads: use the token `ckptd daemon --print-token SCOPE` prints for this use")
         if status == 507:
             return DiskFullError(text, path=path, tier=self.label, hint="free space on the buddy node")
         if status == 503:
