@@ -9,7 +9,7 @@ TEST_WORKERS ?= 2
 #: The torch the venv has, as a requirement: installing other packages never swaps it (no CUDA build).
 TORCH_PIN = "torch==$$($(PY) -c 'import torch; print(torch.__version__)')"
 
-.PHONY: setup setup-integrations demo test test-integrations test-slow test-all bench clean
+.PHONY: setup setup-integrations promtool demo test test-integrations test-slow test-all bench clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]' $(TORCH_PIN)
 	touch $(STAMP)
 
+# promtool (Debian's `prometheus` package) for the alert rules' tests (tests/test_deploy_monitoring.py): installed
+# when missing and this is root on a machine with apt-get; elsewhere those tests skip, saying why.
+promtool:
+	@command -v promtool >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		{ apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+		prometheus >/dev/null; } ; } || echo "promtool not installed: the alert rules' promtool tests will skip"
+
 $(INTEGRATIONS_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -e '.[dev,integrations]' $(TORCH_PIN)
 	touch $(INTEGRATIONS_STAMP)
@@ -34,7 +41,7 @@ demo: setup
 
 # The default suite, then the framework tests (marker integrations) once their extras are installed;
 # with PYTORCH_TESTS=<dir> also PyTorch's own DCP tests against ckptd's plugins (test-pytorch-dcp).
-test: setup
+test: setup promtool
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 	$(MAKE) test-integrations
 	@if [ -n "$(PYTORCH_TESTS)" ]; then $(MAKE) test-pytorch-dcp; fi
@@ -82,3 +89,28 @@ matrix: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+# A 3-node ckptd cluster on this machine (tests/cluster/: each node a network namespace on a bridge, addresses
+# in 198.18.0.0/15, its own disk, daemon and `ckptd launch` supervisor, moto's S3 in a namespace of its own):
+# a node lost and replaced mid-run, then compared byte for byte with an uninterrupted run. Needs root.
+.PHONY: cluster-demo
+cluster-demo: setup
+	$(PY) tests/cluster/demo.py
+
+# The object tier's conformance tests and the promotion/restore scenarios against LocalStack's own S3 provider
+# (localstack-core in host mode, in a Python 3.13 venv of its own) instead of moto; not in the default run.
+# Pins: localstack-core 2026.3 imports cbor2's decoder from where cbor2 5 has it, and its TLS certificate
+# code needs pyOpenSSL's X509.add_extensions (gone in 24.3; that one needs cryptography < 44); twisted's TLS
+# needs service-identity.
+# TESTS: other pytest arguments (default: tests/s3compat/run.py's list). See docs/s3-compat.md.
+PYTHON313 ?= python3.13
+S3COMPAT_VENV ?= .venv-s3compat
+.PHONY: test-s3-compat
+test-s3-compat: setup $(S3COMPAT_VENV)/.installed
+	$(PY) tests/s3compat/run.py --localstack-python $(S3COMPAT_VENV)/bin/python -- $(TESTS)
+
+$(S3COMPAT_VENV)/.installed:
+	$(PYTHON313) -m venv $(S3COMPAT_VENV)
+	$(S3COMPAT_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(S3COMPAT_VENV)/bin/python -m pip install --quiet 'localstack-core[runtime]' 'cbor2<6' 'pyopenssl<24.3' 'cryptography<44' service-identity
+	touch $@
