@@ -125,9 +125,18 @@ class AlreadyCommittedError(CommitError):
     """A file that must be written only once (a commit marker) already exists; nothing was replaced."""
 
 
+class CheckpointExistsError(AlreadyCommittedError):
+    """A save asked not to overwrite (DCP's ``overwrite=False``) found the step or directory already committed."""
+
+
 class UndecidedCommitError(CommitError):
     """A rank saw no commit decision in time: the step may still have been committed by the deciding rank,
     so this rank's files of it are kept."""
+
+
+class WriterProcessError(CommitError):
+    """The writer process of a save died (killed, out of memory) or the trainer ended before it committed;
+    the step in progress is not committed, earlier committed steps are untouched."""
 
 
 class StorageError(CkptdError):
@@ -160,6 +169,10 @@ class NotFoundError(CkptdError):
     """A requested step, file or shard does not exist on any tier that was searched."""
 
     exit_code = 8
+
+
+class PartialStepError(NotFoundError):
+    """A step saved without collectives is not committed: some ranks' parts are missing."""
 
 
 class NoIntactCheckpointError(NotFoundError):

@@ -104,7 +104,7 @@ def test_root_plus_step_and_step_directory_ids_keep_committed_steps(tmp_path: Pa
     assert torch.equal(loaded["w"], torch.ones(3))
     dcp.load(loaded, storage_reader=CkptdStorageReader(tmp_path))  # newest: the root's next step, 8
     assert torch.equal(loaded["w"], torch.full((3,), 2.0))
-    assert CkptdStorageWriter.validate_checkpoint_id("/ckpt/epoch_3")
+    assert CkptdStorageWriter.validate_checkpoint_id(str(tmp_path / "runs" / "epoch_3"))
     assert not CkptdStorageWriter.validate_checkpoint_id("")
 
 

@@ -1,7 +1,8 @@
 """``ckptd inspect``: a step's manifest, the job's layout (mesh, each rank's coordinates, ZeRO stage, the
 pieces several ranks hold and who wrote each), the plain values it saved (step counters, a loader's
-position, a config, learning rates) and every tensor: name, dtype, shape, bytes, chunks, digest. Reads only
-the manifest and the rank indexes, never a tensor's bytes."""
+position, a config, learning rates), the bytes each rank wrote (and the busiest rank's against the mean) and
+every tensor: name, dtype, shape, bytes, chunks, digest. Reads only the manifest and the rank indexes, never
+a tensor's bytes."""
 
 from __future__ import annotations
 
@@ -60,6 +61,32 @@ def layout_summary(manifest: Manifest) -> dict[str, Any] | None:
             "replicated": [{"name": p.name, "writer": p.writer, "holders": list(p.holders)}
                            for p in layout.replicated],
             "placements": dict(layout.placements)}
+
+
+def bytes_per_rank(manifest: Manifest, indexes: list[RankIndex]) -> dict[str, Any]:
+    """What each rank wrote, as ``inspect --json`` shows it: ``data_bytes`` (its data files, from the
+    manifest, every rank) and ``tensor_bytes`` (its tensors before encoding, from its index; None for a rank
+    whose index this directory does not hold), and the busiest rank's data bytes over the mean."""
+    tensor_bytes = {index.rank: sum(record.nbytes for record in index.tensors.values()) for index in indexes}
+    rows = [{"rank": entry.rank, "data_bytes": entry.data_size, "tensor_bytes": tensor_bytes.get(entry.rank)}
+            for entry in sorted(manifest.ranks, key=lambda entry: entry.rank)]
+    total = sum(row["data_bytes"] for row in rows)
+    mean = total / len(rows) if rows else 0.0
+    busiest = max(rows, key=lambda row: (row["data_bytes"], -row["rank"])) if rows else None
+    return {"ranks": rows, "total_data_bytes": total, "mean_data_bytes": mean,
+            "busiest_rank": None if busiest is None else busiest["rank"],
+            "busiest_over_mean": busiest["data_bytes"] / mean if busiest is not None and mean else None}
+
+
+def _echo_bytes(summary: dict[str, Any]) -> None:
+    ratio = summary["busiest_over_mean"]
+    click.echo(f"bytes per rank: {summary['total_data_bytes']} in all, mean {summary['mean_data_bytes']:.0f}"
+               + ("" if ratio is None else f", busiest rank {summary['busiest_rank']} writes {ratio:.3f}x the mean"))
+    click.echo(f"{'RANK':>4}  {'DATA BYTES':>12} {'TENSOR BYTES':>12} {'VS MEAN':>8}")
+    for row in summary["ranks"]:
+        tensors = "-" if row["tensor_bytes"] is None else str(row["tensor_bytes"])
+        share = f"{row['data_bytes'] / summary['mean_data_bytes']:.3f}" if summary["mean_data_bytes"] else "-"
+        click.echo(f"{row['rank']:>4}  {row['data_bytes']:>12} {tensors:>12} {share:>8}")
 
 
 def _echo_layout(summary: dict[str, Any]) -> None:
@@ -126,14 +153,15 @@ def inspect(path: str, step: int | None, rank: int | None, endpoint_url: str | N
     if as_json:
         print_json({"step": manifest.step, "world_size": manifest.world_size, "codec": manifest.codec,
                     "format_version": manifest.format_version, "ckptd_version": manifest.ckptd_version,
-                    "created": manifest.created, "layout": layout_summary(manifest), "values": values,
-                    "tensors": rows})
+                    "created": manifest.created, "layout": layout_summary(manifest),
+                    "bytes_per_rank": bytes_per_rank(manifest, indexes), "values": values, "tensors": rows})
         return
     click.echo(f"step {manifest.step}: {manifest.world_size} rank(s), codec {manifest.codec}, "
                f"format {manifest.format_version}, written by ckptd {manifest.ckptd_version}")
     summary = layout_summary(manifest)
     if summary is not None:
         _echo_layout(summary)
+    _echo_bytes(bytes_per_rank(manifest, indexes))
     if values:
         width = max(len("PATH"), *(len(value["path"]) for value in values))
         click.echo(f"{'RANK':>4}  {'PATH':<{width}}  VALUE")

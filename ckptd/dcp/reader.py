@@ -19,6 +19,12 @@ to ``dcp.load`` may name a step directory (``<root>/step-<12 digits>``) or any d
 :class:`~ckptd.dcp.writer.CkptdStorageWriter` saved to (its newest committed step). Values saved as JSON
 come back as the same values, ``io.BytesIO`` values as ``io.BytesIO`` with the same bytes; values saved
 with pickle are refused unless ``allow_pickle=True``.
+
+A step saved with ``dcp.save(..., use_collectives=False)`` is committed when every rank has written its
+part (:mod:`ckptd.dcp.parts`); a load that names a step some ranks have not finished raises
+:class:`~ckptd.errors.PartialStepError` naming them. :meth:`CkptdStorageReader.validate_checkpoint_id`
+accepts local paths, ``file://`` URLs and URLs of the schemes a tier is registered for
+(:func:`~ckptd.tiers.registry.registered_schemes`).
 """
 
 from __future__ import annotations
@@ -40,13 +46,16 @@ from torch.futures import Future
 from ckptd.dcp import quantized as quantization
 from ckptd.format.values import parse_values
 from ckptd.dcp.metadata import PieceKey, StoredPiece, derive_metadata
-from ckptd.dcp.writer import CkptdStorageWriter, split_checkpoint_id
+from ckptd.dcp.parts import partial_step_error
+from ckptd.dcp.writer import split_checkpoint_id
 from ckptd.errors import CkptdError, ConfigError, NotFoundError, PickleRefusedError, ResumeMismatchError
 from ckptd.format.layout import step_dir
 from ckptd.format.records import Manifest
 from ckptd.stepio.step_reader import ChunkSource, StepReader, load_step_manifest, load_rank_index, settle_all
 from ckptd.state.tree import rebuild
 from ckptd.tiers import open_tier
+from ckptd.tiers.local import local_root
+from ckptd.tiers.registry import registered_schemes, scheme_of
 from ckptd.tiers.base import StorageTier
 
 
@@ -153,7 +162,13 @@ class CkptdStorageReader(StorageReader):
 
     def _open(self, step: int) -> Metadata:
         self.step = step
-        self.manifest, self._readers = open_step(self._tiers, step)  # type: ignore[arg-type]
+        try:
+            self.manifest, self._readers = open_step(self._tiers, step)  # type: ignore[arg-type]
+        except NotFoundError as error:
+            partial = partial_step_error(self._tiers, step)  # type: ignore[arg-type]
+            if partial is not None:
+                raise partial from error
+            raise
         metadata, self._pieces = derive_metadata([r.index for r in self._readers], self.manifest.extra,
                                                  checkpoint_id=self.checkpoint_id,
                                                  manifest_version=self.manifest.format_version)
@@ -214,7 +229,18 @@ class CkptdStorageReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return CkptdStorageWriter.validate_checkpoint_id(checkpoint_id)
+        """Whether this reader can serve ``checkpoint_id``: a local path or ``file://`` URL, or a URL of a
+        scheme some tier is registered for (in-process or by a plugin's entry point). Other URLs are
+        declined, so that DCP's storage auto-detection picks another reader for them."""
+        try:
+            root, _ = split_checkpoint_id(checkpoint_id)
+            scheme = scheme_of(root)
+            if scheme == "file":
+                local_root(root)
+                return True
+            return scheme in registered_schemes()
+        except (CkptdError, TypeError, ValueError):
+            return False
 
     # --- internals ----------------------------------------------------------------------------
     def _read_tensor(self, piece: StoredPiece, items: list[ReadItem], planner: LoadPlanner,

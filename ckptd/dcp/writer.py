@@ -25,6 +25,18 @@ Which step a save writes (the checkpoint id, see :func:`split_checkpoint_id`):
   never rewrites the committed step; :class:`~ckptd.dcp.reader.CkptdStorageReader` given that
   directory reads its newest committed step.
 
+``overwrite`` follows DCP's ``FileSystemWriter``: with ``overwrite=False`` a save raises
+:class:`~ckptd.errors.CheckpointExistsError` ("Checkpoint already exists") when the step it names is
+committed, or, for a root, when the root holds any committed step. With ``overwrite=True`` (DCP's
+default) a save to a root writes its next step (a load of the root then reads it); a committed step is
+never rewritten, so naming one raises :class:`~ckptd.errors.AlreadyCommittedError` either way.
+
+``dcp.save(..., use_collectives=False)``: each rank writes its files and a part record, and the rank that
+finds every rank's part commits the step (:mod:`ckptd.dcp.parts`). The ranks cannot agree on a root's
+next step without collectives, so such a save must name its step (``step=N`` or a step directory as
+checkpoint id); a load that names a step whose parts are not all written raises
+:class:`~ckptd.errors.PartialStepError` naming the ranks missing.
+
 One writer serves any number of saves, with or without a checkpoint id (DCP calls :meth:`reset` only
 with one; :meth:`set_up_storage_writer` then begins the save), and ``async_save`` calls may overlap:
 each stage waits until the previous save has written its staged copy, and the commit takes the step,
@@ -61,7 +73,9 @@ from ckptd.config import settings
 from ckptd.format.values import SavedValues, ShardPlacement
 from ckptd.dcp import quantized as quantization
 from ckptd.dcp.metadata import MANIFEST_KEY, StoredPiece, planner_data_to_json
-from ckptd.errors import CommitError, ConfigError, PickleRefusedError, StorageError
+from ckptd.dcp.parts import RankPart, read_parts, write_part
+from ckptd.errors import (AlreadyCommittedError, CheckpointExistsError, CommitError, ConfigError,
+                          PickleRefusedError, StorageError)
 from ckptd.format import codecs
 from ckptd.format.layout import parse_step_dir, step_dir
 from ckptd.stepio.rank_writer import RankWriter
@@ -70,7 +84,8 @@ from ckptd.format.values import VALUE_KEYS_SINCE
 from ckptd.state.staging import Stager, stage_tree
 from ckptd.state.tree import flatten
 from ckptd.tiers.atomicity import step_commit
-from ckptd.tiers.local import LocalTier
+from ckptd.tiers.local import LocalTier, local_root
+from ckptd.tiers.registry import scheme_of
 
 #: fqn prefix of the one extra WriteResult per rank that carries its manifest entry to the coordinator.
 _RANK_ENTRY_FQN = "__ckptd_rank_entry__"
@@ -116,8 +131,11 @@ class CkptdStorageWriter(StorageWriter):
     the next step of a root: see the module docstring)."""
 
     def __init__(self, root: str | os.PathLike[str] | None = None, step: int | None = None, *,
-                 codec: str | None = None, allow_pickle: bool = False, stager: Stager | None = None) -> None:
+                 codec: str | None = None, allow_pickle: bool = False, stager: Stager | None = None,
+                 overwrite: bool = True) -> None:
         super().__init__()
+        #: DCP's ``FileSystemWriter`` option: False refuses a save to a committed step or a root holding one.
+        self.overwrite = overwrite
         self.codec = codecs.chosen_codec(codec)
         self.allow_pickle = allow_pickle
         self.root = None if root is None else os.fspath(root)
@@ -198,11 +216,33 @@ class CkptdStorageWriter(StorageWriter):
             if not self._began:  # a save without checkpoint id: DCP did not call reset for it
                 self.reset()
             self._began = False
+            if not self.use_collectives and self.world_size > 1 and self.step is None:
+                raise ConfigError("dcp.save(..., use_collectives=False) needs the step to write: without "
+                                  "collectives the ranks cannot agree on a root's next step", path=self.root,
+                                  hint="pass CkptdStorageWriter(root, step=N) or checkpoint_id="
+                                  "'<root>/step-<12-digit step>'")
+            self._check_overwrite()
             if self.step is not None:
                 step_commit(self._local).check_writable(self.step)
         except BaseException:
             self._buffers_free.set()  # this save ends here: the staged copy is not read
             raise
+
+    def _check_overwrite(self) -> None:
+        """With ``overwrite=False``: CheckpointExistsError when the step (or, for a root, any step) is committed."""
+        if self.overwrite:
+            return
+        if self.step is not None:
+            committed = [self.step] if self._local.is_committed(self.step) else []
+            where = f"step {self.step} of {self.root} is committed"
+        else:
+            committed = self._local.committed_steps()
+            where = f"{self.root} holds committed step(s) {committed[-3:]}"
+        if committed:
+            raise CheckpointExistsError(f"Checkpoint already exists and overwrite=False: {where}",
+                                        step=committed[-1], path=self.root,
+                                        hint="pass overwrite=True (DCP's default: a save to a root writes its "
+                                        "next step and keeps the older ones), or save to another directory")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -232,7 +272,11 @@ class CkptdStorageWriter(StorageWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Coordinator only, after every rank wrote: write the commit manifest (last)."""
+        """Coordinator only, after every rank wrote: write the commit manifest (last). Without collectives,
+        every rank: write this rank's part; the rank that finds every part commits (:mod:`ckptd.dcp.parts`)."""
+        if not self.use_collectives and self.world_size > 1:
+            self._finish_part(metadata, results)
+            return
         shares = sorted((r.storage_data for rank_results in results for r in rank_results
                          if isinstance(r.storage_data, _RankShare)), key=lambda s: s.entry.rank)
         if len({s.target for s in shares}) != 1:
@@ -268,14 +312,71 @@ class CkptdStorageWriter(StorageWriter):
         metadata.storage_data = pieces
         metadata.storage_meta = StorageMeta(checkpoint_id=path, save_id=target.save_id)
 
+    def _finish_part(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        shares = [r.storage_data for rank_results in results for r in rank_results
+                  if isinstance(r.storage_data, _RankShare)]
+        if len(shares) != 1 or shares[0].entry.rank != self.rank:
+            raise CommitError(f"rank {self.rank} got {len(shares)} index entries to commit as its part of a save "
+                              "without collectives; nothing was committed", step=self.step,
+                              path=self.checkpoint_id, hint="save with dcp.save or dcp.async_save")
+        share = shares[0]
+        root, step = share.root, share.target.step
+        tier = LocalTier(root)
+        pieces = {r.index: r.storage_data for rank_results in results for r in rank_results
+                  if isinstance(r.storage_data, StoredPiece)}
+        newer_values = any(piece.kind in ("bytesio", "quantized") for piece in pieces.values())
+        write_part(tier, step, RankPart(entry=share.entry, world_size=self.world_size, codec=self.codec,
+                                        save_id=share.target.save_id,
+                                        planner_data=planner_data_to_json(metadata.planner_data),
+                                        version=metadata.version, newer_values=newer_values))
+        parts = read_parts(tier, step)
+        path = f"{root.rstrip('/')}/{step_dir(step)}"
+        if set(parts) >= set(range(self.world_size)):
+            self._commit_parts(tier, step, parts, path)
+        metadata.storage_data = pieces
+        metadata.storage_meta = StorageMeta(checkpoint_id=path, save_id=share.target.save_id)
+
+    def _commit_parts(self, tier: LocalTier, step: int, parts: dict[int, RankPart], path: str) -> None:
+        """Write the manifest of a step saved without collectives from every rank's part."""
+        odd = {rank: (part.world_size, part.codec) for rank, part in parts.items()
+               if (part.world_size, part.codec) != (self.world_size, self.codec)}
+        if odd or set(parts) != set(range(self.world_size)):
+            raise CommitError(f"the parts of step {step} disagree with rank {self.rank}'s save ({self.world_size} "
+                              f"ranks, codec {self.codec}): ranks {sorted(parts)}, (world size, codec) {odd}; "
+                              "nothing was committed", step=step, path=path,
+                              hint="every rank must save with the same world size and codec; delete the step "
+                              "directory's part records of an older attempt and save again")
+        planner_data: dict[str, Any] = {}
+        for part in parts.values():
+            if isinstance(part.planner_data, dict):
+                planner_data.update(part.planner_data)
+        first = parts[0]
+        extra = {MANIFEST_KEY: {"planner_data": planner_data or None, "version": first.version,
+                                "save_id": first.save_id}}
+        newer_values = any(part.newer_values for part in parts.values())
+        manifest = Manifest(step=step, world_size=self.world_size,
+                            ranks=tuple(parts[rank].entry for rank in range(self.world_size)), codec=self.codec,
+                            extra=extra,
+                            format_version=max(FORMAT_VERSION, VALUE_KEYS_SINCE) if newer_values else FORMAT_VERSION)
+        try:
+            step_commit(tier).commit(step, manifest.to_json_bytes(), world_size=self.world_size)
+        except AlreadyCommittedError:
+            if not tier.is_committed(step):
+                raise
+            # Another rank found every part at the same time and committed first.
+
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Any directory or URL (a step directory, or a root whose next step a save writes)."""
-        try:
-            split_checkpoint_id(checkpoint_id)
-        except (ConfigError, TypeError):
+        """Whether this writer can save to ``checkpoint_id``: a local path or ``file://`` URL (a step
+        directory, or a root whose next step a save writes) under a writable directory. Other URLs are
+        declined, so that DCP's storage auto-detection picks another writer for them."""
+        local = _local_directory(checkpoint_id)
+        if local is None:
             return False
-        return True
+        for directory in (local, *local.parents):
+            if directory.exists():
+                return directory.is_dir() and os.access(directory, os.W_OK)
+        return False
 
     def storage_meta(self) -> StorageMeta | None:
         """This save's checkpoint id (its step directory, once chosen) and save id."""
@@ -430,6 +531,18 @@ class CkptdStorageWriter(StorageWriter):
         pickled.add(fqn)
         return WriteResult(index=item.index, size_in_bytes=len(data),
                            storage_data=StoredPiece(self.rank, fqn, "pickled"))
+
+
+def _local_directory(checkpoint_id: str | os.PathLike[str]) -> Any:
+    """The local directory a checkpoint id names (its root for a step directory), None when it is not a
+    local path or ``file://`` URL."""
+    try:
+        root, _ = split_checkpoint_id(checkpoint_id)
+        if scheme_of(root) != "file":
+            return None
+        return local_root(root)
+    except (ConfigError, TypeError, ValueError):
+        return None
 
 
 def _hold_quantized(node: Any) -> Any:

@@ -127,7 +127,8 @@ class LayoutRecorder:
                  if code is not None}
         return Holdings(mesh=mesh, coordinates=coordinates, source=source,
                         zero_stage=None if self.layout is None else self.layout.zero_stage,
-                        plan=plan_writers(tensors, holders, rank=self.rank), dtensor_placements=codes,
+                        plan=plan_writers(tensors, holders, rank=self.rank,
+                                          job_wide=self.write_replicas == "once"), dtensor_placements=codes,
                         signatures={name: _signature(tensors[name]) for name in holders})
 
 

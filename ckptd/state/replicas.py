@@ -6,20 +6,38 @@ rank along those mesh dimensions holds the same local shard) or a plain tensor u
 ``dp`` rank holds the same weights). :func:`holders_of` finds the holders of every tensor of a flattened
 state; :func:`plan_writers` picks one writer per replicated piece.
 
-The plan needs no communication: the holders of one piece all hold the same pieces of their group (same
-names, same sizes), so each computes the same assignment from them alone. Within a group the pieces go,
-largest first, to the holder with the fewest bytes assigned so far (ties: an order rotated by a digest of
-the group, so that ties do not always land on the group's lowest rank). The busiest holder then writes at
-most the group's mean plus its largest piece: within 1.25x the mean when no piece exceeds a quarter of the
-mean (pieces are whole tensors, never split). A rank writes the sum over its groups, each balanced alone,
-and the pieces only it holds. Holders that differ in names, dtypes or shapes are refused at commit
-(:meth:`~ckptd.manager.holdings.Holdings.manifest`).
+The plan is balanced job-wide and needs no communication: every rank computes the same assignment from
+what it can describe of the whole job (:func:`job_scopes`):
+
+- a DTensor is held by every rank of its device mesh, and its global shape, dtype and placements say the
+  size of every rank's local shard and which ranks hold each shard identically: a rank describes every
+  piece of it on the whole mesh, its unique shards (written by their one holder) included;
+- a plain tensor under a :class:`~ckptd.format.mesh_layout.Layout`'s replicated dimensions is described
+  by its holders only (the holders of one piece hold the same pieces of their group, same names and sizes);
+  plain tensors held by one rank are known to that rank only and take no part.
+
+Pieces are pooled in *scopes*: the ranks of a DTensor's mesh, or a plain piece's group of holders; every
+rank of a scope describes all of its pieces alike. Scopes are planned largest first; within one, the
+replicated pieces go, largest first, to the holder with the fewest bytes so far (ties: an order rotated by
+a digest of the holders, so that ties do not always land on the lowest rank), counting the bytes each rank
+writes for the scopes planned before that contain this one (which every rank of it knows) and the scope's
+unique shards. A pass then moves pieces off the busiest rank while that lowers the busiest rank's bytes.
+On the DP x TP layouts of issue 32 the busiest rank writes at most 1.15x the mean (or what the largest
+piece allows). The assignment depends only on the described pieces, so it is cached per state shape.
+
+``job_wide=False`` balances each group of holders alone (each rank then writes at most its groups' means
+plus their largest pieces): ``write_replicas="once-per-directory"`` uses it, since a rank there does not
+know how the other directories are grouped. Holders that differ in names, dtypes or shapes are refused
+at commit (:meth:`~ckptd.manager.holdings.Holdings.manifest`).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import math
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,22 +122,225 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
+@dataclass(frozen=True, order=True)
+class Piece:
+    """One piece of the job's state as every rank of its scope describes it: its tensor's name, the ranks
+    holding it identically (one rank: a unique shard) and its bytes."""
+
+    name: str
+    holders: tuple[int, ...]
+    nbytes: int
+
+
+#: Ranks that all describe the same pieces (a DTensor's mesh, or a plain piece's holders) -> those pieces.
+Scopes = dict[tuple[int, ...], tuple[Piece, ...]]
+
+
+def _local_shape(global_shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...],
+                 placements: Sequence[Any]) -> tuple[int, ...]:
+    """The local shard's shape at ``coordinate`` of a mesh, as DTensor computes it."""
+    try:
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    except ImportError:  # private in torch 2.x: the same rule (torch.chunk's sizes per Shard, in mesh order)
+        from torch.distributed.tensor import Shard
+
+        shape = list(global_shape)
+        for axis, placement in enumerate(placements):
+            if isinstance(placement, Shard):
+                size, parts = shape[placement.dim], mesh_shape[axis]
+                chunk = -(-size // parts) if size else 0
+                shape[placement.dim] = max(0, min(chunk, size - chunk * coordinate[axis]))
+        return tuple(shape)
+    shape, _ = _compute_local_shape_and_global_offset(global_shape, mesh_shape, list(coordinate), placements,
+                                                      skip_offset=True)
+    return tuple(int(s) for s in shape)
+
+
+def describe_dtensor(name: str, global_shape: Sequence[int], element_size: int, placements: Sequence[Any],
+                     mesh_ranks: Sequence[Any]) -> tuple[Piece, ...]:
+    """Every piece of a DTensor on its whole mesh: one per local shard, with the ranks that hold it
+    identically (all ranks along its ``Replicate`` dimensions) and its bytes. ``mesh_ranks``: the mesh as
+    nested lists of global ranks (``device_mesh.mesh.tolist()``)."""
+    return tuple(Piece(name, holders, nbytes)
+                 for holders, nbytes in _shards(tuple(int(s) for s in global_shape), element_size,
+                                                tuple(placements), mesh_ranks))
+
+
+@functools.lru_cache(maxsize=256)
+def _mesh_shards(global_shape: tuple[int, ...], element_size: int, placements: tuple[Any, ...],
+                 mesh: Any) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """:func:`_shards` of a DTensor on ``mesh`` (a DeviceMesh), computed once per shape, placements and mesh
+    (the layers of a model share a few shapes)."""
+    return _shards(global_shape, element_size, placements, mesh.mesh.tolist())
+
+
+def _shards(global_shape: tuple[int, ...], element_size: int, placements: tuple[Any, ...],
+            mesh_ranks: Any) -> tuple[tuple[tuple[int, ...], int], ...]:
+    """(holders, bytes) of every local shard of a DTensor; see :func:`describe_dtensor`."""
+    from torch.distributed.tensor import Replicate
+
+    mesh_shape: list[int] = []
+    level: Any = mesh_ranks
+    while isinstance(level, (list, tuple)):
+        mesh_shape.append(len(level))
+        level = level[0] if level else None
+    replicated = [axis for axis, p in enumerate(placements) if isinstance(p, Replicate)]
+    others = [axis for axis in range(len(mesh_shape)) if axis not in replicated]
+    shape = global_shape
+    pieces = []
+    for projection in itertools.product(*(range(mesh_shape[axis]) for axis in others)):
+        coordinate = [0] * len(mesh_shape)
+        for axis, value in zip(others, projection):
+            coordinate[axis] = value
+        holders = []
+        for spread in itertools.product(*(range(mesh_shape[axis]) for axis in replicated)):
+            for axis, value in zip(replicated, spread):
+                coordinate[axis] = value
+            cell: Any = mesh_ranks
+            for value in coordinate:
+                cell = cell[value]
+            holders.append(int(cell))
+        local = _local_shape(shape, tuple(mesh_shape), tuple(coordinate), placements)
+        pieces.append((tuple(sorted(holders)), math.prod(local) * element_size))
+    return tuple(pieces)
+
+
+#: What a plan depends on, per tensor: (name, holders or None, local bytes, global shape, element size,
+#: placements, device mesh); the last four are None for a plain tensor.
+_Entry = tuple[str, "tuple[int, ...] | None", int, Any, int, Any, Any]
+
+
+def _entries(tensors: Mapping[str, torch.Tensor], holders: Mapping[str, tuple[int, ...]],
+             job_wide: bool) -> tuple[_Entry, ...]:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        DTensor = None  # type: ignore[assignment,misc]
+    entries = []
+    for name in sorted(tensors):
+        tensor, group = tensors[name], holders.get(name)
+        if job_wide and DTensor is not None and isinstance(tensor, DTensor) \
+                and tensor.device_mesh.get_coordinate() is not None:
+            entries.append((name, group, _nbytes(tensor), tuple(int(s) for s in tensor.shape),
+                            tensor.dtype.itemsize, tuple(tensor.placements), tensor.device_mesh))
+        elif group is not None:
+            entries.append((name, group, _nbytes(tensor), None, 0, None, None))
+    return tuple(entries)
+
+
+def _scopes(entries: tuple[_Entry, ...]) -> Scopes:
+    scopes: dict[tuple[int, ...], set[Piece]] = defaultdict(set)
+    for name, group, nbytes, shape, element_size, placements, mesh in entries:
+        if mesh is not None:
+            shards = _mesh_shards(shape, element_size, placements, mesh)
+            if group is None or any(holders == group for holders, _ in shards):
+                scope = tuple(sorted({r for holders, _ in shards for r in holders}))
+                scopes[scope].update(Piece(name, holders, nbytes) for holders, nbytes in shards)
+                continue
+        if group is not None:
+            scopes[group].add(Piece(name, group, nbytes))
+    return {scope: tuple(sorted(pieces, key=_piece_order)) for scope, pieces in scopes.items()}
+
+
+def _piece_order(piece: Piece) -> tuple[str, tuple[int, ...], int]:
+    return piece.name, piece.holders, piece.nbytes
+
+
+def job_scopes(tensors: Mapping[str, torch.Tensor], holders: Mapping[str, tuple[int, ...]], *,
+               job_wide: bool = True) -> Scopes:
+    """What this rank can describe of the job's pieces, by scope (see the module docstring). With
+    ``job_wide=False``, or for a DTensor whose described holders differ from ``holders``, a replicated
+    piece is described alone, in the scope of its holders."""
+    return _scopes(_entries(tensors, holders, job_wide))
+
+
+@functools.lru_cache(maxsize=8)
+def _plan(entries: tuple[_Entry, ...]) -> dict[tuple[str, tuple[int, ...]], int]:
+    """(name, holders) -> writer, for a state described by ``entries`` (cached: a state keeps its shape)."""
+    return {(piece.name, piece.holders): writer for piece, writer in assign_writers(_scopes(entries)).items()}
+
+
+def _turns(holders: tuple[int, ...]) -> dict[int, int]:
+    """Each holder's place in the tie order of a piece: the holders rotated by a digest of them."""
+    turn = xxhash.xxh3_64_intdigest(",".join(map(str, holders)).encode()) % len(holders)
+    return {member: (i - turn) % len(holders) for i, member in enumerate(holders)}
+
+
+def assign_writers(scopes: Mapping[tuple[int, ...], Sequence[Piece]]) -> dict[Piece, int]:
+    """The writer of every replicated piece of ``scopes``; a pure function of them, so every rank that
+    describes the same scopes gets the same answer."""
+    writers: dict[Piece, int] = {}
+    planned: list[tuple[frozenset[int], dict[int, int]]] = []
+    for scope, pieces in sorted(scopes.items(), key=lambda item: (-len(item[0]), item[0])):
+        members = frozenset(scope)
+        load: dict[int, int] = defaultdict(int)
+        for earlier, loads in planned:
+            if earlier >= members:
+                for member, size in loads.items():
+                    load[member] += size
+        own: dict[int, int] = defaultdict(int)
+        for piece in pieces:
+            if len(piece.holders) == 1:
+                own[piece.holders[0]] += piece.nbytes
+                load[piece.holders[0]] += piece.nbytes
+        replicated = sorted((p for p in pieces if len(p.holders) > 1), key=lambda p: (-p.nbytes, p.name, p.holders))
+        for piece in replicated:
+            turns = _turns(piece.holders)
+            chosen = min(piece.holders, key=lambda member: (load[member], turns[member]))
+            writers[piece] = chosen
+            load[chosen] += piece.nbytes
+            own[chosen] += piece.nbytes
+        _unload_busiest(replicated, writers, load, own, members)
+        planned.append((members, dict(own)))
+    return writers
+
+
+def _unload_busiest(pieces: list[Piece], writers: dict[Piece, int], load: dict[int, int],
+                    own: dict[int, int], members: frozenset[int]) -> None:
+    """Move a piece off the busiest rank (to its least busy other holder) while that leaves both below what
+    the busiest rank had; deterministic, at most ``8 x ranks`` moves (each looks at the busiest rank's
+    pieces only)."""
+    by_writer: dict[int, list[Piece]] = defaultdict(list)
+    for piece in pieces:
+        by_writer[writers[piece]].append(piece)
+    ranks = sorted(members)
+    for _ in range(8 * len(ranks)):
+        busiest = max(ranks, key=lambda member: (load[member], -member))
+        best: tuple[int, int, Piece, int] | None = None
+        for piece in by_writer[busiest]:
+            target = min((m for m in piece.holders if m != busiest), key=lambda m: (load[m], m))
+            after = load[target] + piece.nbytes
+            if after < load[busiest]:
+                key = (max(after, load[busiest] - piece.nbytes), -piece.nbytes, piece, target)
+                if best is None or key[:2] < best[:2]:
+                    best = key
+        if best is None:
+            return
+        _, _, piece, target = best
+        writers[piece] = target
+        by_writer[busiest].remove(piece)
+        by_writer[target].append(piece)
+        for member, change in ((busiest, -piece.nbytes), (target, piece.nbytes)):
+            load[member] += change
+            own[member] += change
+
+
 def plan_writers(tensors: Mapping[str, torch.Tensor], holders: Mapping[str, tuple[int, ...]], *,
-                 rank: int) -> WritePlan:
-    """One writer per replicated piece, balanced by bytes within each group of holders."""
-    groups: dict[tuple[int, ...], list[tuple[int, str]]] = defaultdict(list)
-    for name, group in holders.items():
-        groups[group].append((_nbytes(tensors[name]), name))
-    writers: dict[str, int] = {}
-    for group, pieces in groups.items():
-        turn = xxhash.xxh3_64_intdigest(",".join(map(str, group)).encode()) % len(group)
-        order = {member: (i - turn) % len(group) for i, member in enumerate(group)}
-        load = dict.fromkeys(group, 0)
-        for size, name in sorted(pieces, key=lambda piece: (-piece[0], piece[1])):
-            chosen = min(group, key=lambda member: (load[member], order[member]))
-            writers[name] = chosen
-            load[chosen] += size
+                 rank: int, job_wide: bool = True) -> WritePlan:
+    """One writer per replicated piece, balanced by bytes job-wide (``job_wide=False``: within each group
+    of holders); see the module docstring."""
+    by_name = _plan(_entries(tensors, holders, job_wide))
+    writers = {name: by_name[(name, group)] for name, group in holders.items()}
     return WritePlan(rank=rank, holders=dict(holders), writers=writers)
+
+
+def rank_bytes(scopes: Scopes, writers: Mapping[Piece, int]) -> dict[int, int]:
+    """The bytes each rank writes of ``scopes`` under ``writers`` (a unique piece by its one holder)."""
+    written: dict[int, int] = defaultdict(int)
+    for pieces in scopes.values():
+        for piece in pieces:
+            written[writers.get(piece, piece.holders[0])] += piece.nbytes
+    return dict(written)
 
 
 def mesh_of_state(tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, int], tuple[int, ...]] | None:

@@ -8,7 +8,8 @@ A pytest plugin: ``pytest -p ckptd.testing.dcp_swap <directory of PyTorch's DCP 
 :class:`~ckptd.dcp.CkptdStorageWriter`/:class:`~ckptd.dcp.CkptdStorageReader` taking
 ``FileSystemWriter``'s arguments. ``path`` is a ckptd root: each save writes its next step and a load
 reads its newest committed step, so a test that saves twice to one directory and loads it gets the
-last save, as with ``FileSystemWriter(overwrite=True)``. ``FileSystemWriter``'s options that concern its
+last save, as with ``FileSystemWriter(overwrite=True)``; ``overwrite=False`` refuses a save to a directory
+holding a committed step ("Checkpoint already exists"), as ``FileSystemWriter`` does. ``FileSystemWriter``'s options that concern its
 own files (``single_file_per_rank``, ``thread_count``, ``per_thread_copy_ahead``, ``sync_files``: ckptd
 always fsyncs; ``_extensions``: a ``ZStandard`` extension selects ckptd's ``zstd`` codec, others are
 ignored; ``serialization_format``) are accepted and do not change what is stored.
@@ -45,9 +46,8 @@ class SwappedWriter(CkptdStorageWriter):
                  cache_staged_state_dict: bool = False, overwrite: bool = True,
                  _extensions: Any = None, serialization_format: Any = None, **_: Any) -> None:
         zstd = any(type(extension).__name__ == "ZStandard" for extension in _extensions or ())
-        super().__init__(path, codec="zstd" if zstd else None)
+        super().__init__(path, codec="zstd" if zstd else None, overwrite=overwrite)
         self.path = os.fspath(path)
-        self.overwrite = overwrite
 
     def finish(self, metadata: Any, results: Any) -> None:
         super().finish(metadata, results)
