@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import ckptd
 from ckptd.dcp import CkptdStorageReader, CkptdStorageWriter
-from ckptd.errors import AlreadyCommittedError, CkptdError, PickleRefusedError, WorkerError
+from ckptd.errors import AlreadyCommittedError, PickleRefusedError, WorkerError
 from ckptd.format.layout import step_dir
 from ckptd.testing import run_multirank
 
