@@ -120,13 +120,17 @@ class Authenticator:
 
     def local_access(self, peer: tuple[str, int] | None, server: tuple[str, int] | None) -> Access | None:
         """``local`` access for a loopback connection from a process whose UID is allowed, else None."""
-        if peer is None or server is None or not _is_loopback(peer[0]):
+        if peer is None or server is None or not is_loopback(peer[0]):
             return None
         uid = tcp_peer_uid(peer, server)
         return Access("local") if uid is not None and uid in self.allowed_uids else None
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an address, IPv4-mapped and scoped IPv6 included) is this machine's
+    loopback: ``localhost``, 127.0.0.0/8 or ::1."""
+    if host == "localhost":
+        return True
     try:
         address = ipaddress.ip_address(host.split("%")[0])
     except ValueError:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckptd.daemon.auth import is_loopback
 from ckptd.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -390,7 +391,7 @@ def _build(values: dict[str, Any], roots: list[dict[str, Any]], where: dict[str,
     listen = values.get("listen", OPTIONS["listen"].default)
     host, _ = _split_host_port(listen, where.get("listen", "listen"), "host:port, e.g. 127.0.0.1:9470")
     token = _token(values, where)
-    if token is None and not _is_loopback(host):
+    if token is None and not is_loopback(host):
         raise ConfigError(f"{where.get('listen', 'listen')}: {listen!r} accepts connections from other machines, "
                           "and no peer token is set", hint="set peer_token_file (or CKPTD_PEER_TOKEN), or listen "
                           "on 127.0.0.1")
@@ -540,15 +541,6 @@ def _split_host_port(text: str, where: str, expected: str) -> tuple[str, int]:
     if port > 65535:
         raise ConfigError(f"{where}: port {port} is out of range (0-65535)")
     return host, port
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _check_remote(url: str, where: str) -> None:

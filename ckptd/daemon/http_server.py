@@ -25,7 +25,6 @@ reason (a hung tier must not leave probes and scrapers waiting for ever). Reques
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import os
@@ -36,7 +35,7 @@ from typing import Any, Protocol
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-from ckptd.daemon.auth import Access, Authenticator
+from ckptd.daemon.auth import Access, Authenticator, is_loopback
 from ckptd.daemon.metrics import DaemonMetrics
 from ckptd.errors import CkptdError, ConfigError
 
@@ -78,7 +77,7 @@ class HttpServer:
         self.daemon, self.host, self.port = daemon, host, port
         self.peer_routes = peer_routes
         #: Default: no token is accepted, loopback clients of this UID read /status.
-        self.auth = auth or Authenticator(None, frozenset({os.geteuid()}), loopback_only=_is_loopback_host(host))
+        self.auth = auth or Authenticator(None, frozenset({os.geteuid()}), loopback_only=is_loopback(host))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
@@ -228,15 +227,6 @@ class HttpServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         body, content_type = self.daemon.metrics.render()
         return web.Response(body=body, headers={"Content-Type": content_type})
-
-
-def _is_loopback_host(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 async def _in_executor(question: Callable[[], Any]) -> Any:

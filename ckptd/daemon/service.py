@@ -265,12 +265,11 @@ class Daemon:
 
     def authenticator(self) -> Any:
         """Who may ask the HTTP server what (:mod:`ckptd.daemon.auth`)."""
-        from ckptd.daemon.auth import Authenticator
-        from ckptd.daemon.config import _is_loopback
+        from ckptd.daemon.auth import Authenticator, is_loopback
 
         config = self.config
         return Authenticator(config.peer_token, config.control_allowed_uids,
-                             loopback_only=_is_loopback(config.listen_host))
+                             loopback_only=is_loopback(config.listen_host))
 
     def _peer_options(self) -> dict[str, Any]:
         """The replicating side's peer-tier options: this node's token (:func:`~ckptd.daemon.auth.derive_token`),
