@@ -17,9 +17,26 @@ import pytest
 from ckptd.embedded_s3 import EmbeddedS3
 
 
+class _RunningS3(EmbeddedS3):
+    """An S3 server started outside the tests (``make test-s3-compat``: LocalStack), at ``CKPTD_TEST_S3_ENDPOINT``."""
+
+    def start(self) -> EmbeddedS3:
+        return self
+
+    def stop(self) -> None:
+        pass
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[EmbeddedS3]:
-    """moto's S3 server in a child process on a free loopback port."""
+    """moto's S3 server in a child process on a free loopback port, or the one ``CKPTD_TEST_S3_ENDPOINT`` names."""
+    external = os.environ.get("CKPTD_TEST_S3_ENDPOINT")
+    if external:
+        from urllib.parse import urlsplit
+
+        address = urlsplit(external)
+        yield _RunningS3(host=address.hostname or "127.0.0.1", port=address.port or 80)
+        return
     with EmbeddedS3() as server:
         yield server
 

@@ -43,7 +43,10 @@ _SUBCOMMANDS: tuple[tuple[str, ...], ...] = (
                              "that fails."),
     ("status_cmd", "status", "Show the status document of this node's ckptd daemon (exit 3 when no daemon answers)."),
     ("plan_cmd", "plan", "Show what checkpointing a planned job costs: bytes per rank and node, times, storage, "
-                         "intervals, lost time."),
+                         "intervals, lost time, and with a run length the failures, hours lost and bytes written over "
+                         "the run, async against sync."),
+    ("goodput_cmd", "goodput", "Simulate failures of a planned job: goodput, lost work and time to recover, ckptd "
+                               "against restart-all, and the interval that maximises goodput."),
     ("daemon_cmd", "daemon", "Run the node daemon: promote, replicate, scrub and serve the committed steps of "
                              "local roots."),
     ("plugins_cmd", "plugins", "List installed plugins per entry-point group, the extra each needs and whether "

@@ -139,21 +139,32 @@ def _bandwidth_options(command: Any) -> Any:
                    "--object-gb-per-s) exceeds this many GB/s (default 100). [env: "
                    "CKPTD_PLAN_OBJECT_STORE_LIMIT_GB_PER_S]")
 @json_option
-def plan(params: str | None, config_path: str | None, tied_embeddings: bool | None, expert_params: str | None,
-         preset: str, weight_bytes: float | None, grad_bytes: float | None, master_bytes: float | None,
-         moment_bytes: float | None, tp: int, pp: int, dp: int | None, ep: int, world_size: int | None,
-         zero_stage: int, gpus_per_node: int, replicas: str | None, directories: str, no_dedup: bool, measure: bool,
-         local_dir: str | None, measure_object: str | None, measure_mib: int, endpoint_url: str | None,
-         region: str | None, keep_local: int, keep_peer: int, keep_remote: int, mtbf_hours: float | None,
-         failures: float | None, days: float | None, gpus: int | None, restart_minutes: float, tokens: str | None,
-         tflops_per_gpu: float | None, run_days: float | None, object_store_limit: float | None, as_json: bool,
-         **gbps: float | None) -> None:
+def plan(as_json: bool, **options: Any) -> None:
     """Show what checkpointing a planned job costs: bytes per rank and node, times, storage, intervals, lost time,
     and with a run length the failures, hours lost and bytes written over the run, async against sync."""
+    from ckptd.planning import make_plan
+
+    result = make_plan(plan_inputs(**options))
+    if as_json:
+        print_json(result.as_json())
+        return
+    _print_plan(result.as_json())
+
+
+def plan_inputs(params: str | None, config_path: str | None, tied_embeddings: bool | None, expert_params: str | None,
+                preset: str, weight_bytes: float | None, grad_bytes: float | None, master_bytes: float | None,
+                moment_bytes: float | None, tp: int, pp: int, dp: int | None, ep: int, world_size: int | None,
+                zero_stage: int, gpus_per_node: int, replicas: str | None, directories: str, no_dedup: bool, measure: bool,
+                local_dir: str | None, measure_object: str | None, measure_mib: int, endpoint_url: str | None,
+                region: str | None, keep_local: int, keep_peer: int, keep_remote: int, mtbf_hours: float | None,
+                failures: float | None, days: float | None, gpus: int | None, restart_minutes: float, tokens: str | None,
+                tflops_per_gpu: float | None, run_days: float | None, object_store_limit: float | None,
+                **gbps: float | None) -> Any:
+    """The :class:`~ckptd.planning.PlanInputs` of ``plan``'s options (``ckptd goodput`` shares them)."""
     from dataclasses import replace
 
     from ckptd.errors import ConfigError
-    from ckptd.planning import Bandwidths, Layout, PlanInputs, Retention, make_plan
+    from ckptd.planning import Bandwidths, Layout, PlanInputs, Retention
     from ckptd.planning.plan import DEFAULT_GBPS
 
     if no_dedup:
@@ -182,11 +193,7 @@ def plan(params: str | None, config_path: str | None, tied_embeddings: bool | No
                         bandwidths=Bandwidths(**values, sources=sources),
                         retention=Retention(keep_local=keep_local, keep_peer=keep_peer, keep_remote=keep_remote),
                         run=run, object_store_limit_gbps=object_store_limit)
-    result = make_plan(inputs)
-    if as_json:
-        print_json(result.as_json())
-        return
-    _print_plan(result.as_json())
+    return inputs
 
 
 def _run_length(tokens: str | None, tflops_per_gpu: float | None, run_days: float | None, *, parameters: int,
