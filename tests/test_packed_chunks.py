@@ -24,6 +24,7 @@ from ckptd.errors import FormatVersionError, IntegrityError
 from ckptd.format.layout import MANIFEST_NAME, rank_data_name, rank_index_name, step_dir, step_file
 from ckptd.format.records import ChunkRecord
 from ckptd.promotion.promoter import promote_step
+from ckptd.promotion.lease import STEP_OWNERS_PREFIX
 from ckptd.promotion.pull import pull_step
 from ckptd.stepio.packs import PackReads, plan_ranges
 from ckptd.stepio.step_reader import ChunkSource, StepReader, load_rank_index, load_step_manifest, verify_step
@@ -70,7 +71,9 @@ def bucket_keys(server: Any, bucket: str, prefix: str) -> set[str]:
 
 
 def uploads(requests: list[tuple[str, str]]) -> list[str]:
-    return [key for method, key in requests if method in ("put_object", "create_multipart_upload")]
+    """The keys uploaded, without the promoter's step owner record (written first, deleted at the end)."""
+    return [key for method, key in requests if method in ("put_object", "create_multipart_upload")
+            and not key.startswith(f"{STEP_OWNERS_PREFIX}/")]
 
 
 def test_a_step_of_200_small_tensors_is_a_handful_of_objects_and_restores_from_the_object_tier_alone(

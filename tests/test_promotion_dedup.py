@@ -253,11 +253,17 @@ def test_lookups_start_once_the_store_is_larger_than_the_chunks_looked_for(tmp_p
         remote.close()
 
 
-def test_a_step_a_collector_took_for_abandoned_midway_is_not_committed(tmp_path, s3_server, s3_bucket, s3_options):
-    # a promotion that ran past gc_abandoned_s (a long outage, retries): a collector deletes the step's
-    # directory (its rank indexes) and then sweeps the chunks only that step named. The step is all new
-    # chunks, so nothing of it is kept from earlier uploads: its own indexes are what tells the loss
+def test_a_step_a_collector_took_for_abandoned_midway_is_not_committed(tmp_path, s3_server, s3_bucket, s3_options,
+                                                                     monkeypatch):
+    # a promotion that ran past gc_abandoned_s and past its owner lease (a promoter frozen longer than the
+    # lease, so the collector sees no live owner: injected, a real lease cannot be made to lapse on demand): a
+    # collector deletes the step's directory (its rank indexes) and then sweeps the chunks only that step named.
+    # The step is all new chunks, so nothing of it is kept from earlier uploads: its own indexes tell the loss
     import torch
+
+    import ckptd.promotion.gc as gc_module
+
+    monkeypatch.setattr(gc_module, "live_step_owners", lambda tier, step: [])
 
     from ckptd.errors import CommitError
     from ckptd.promotion import Promoter, collect_garbage
