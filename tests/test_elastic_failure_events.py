@@ -26,6 +26,8 @@ def _supervisor(world_size: int = 3) -> Supervisor:
     supervisor.store.set(keys.GENERATION, "0")
     for rank in range(world_size):
         supervisor.store.set(keys.beat(rank), keys.NO_BEAT)
+        supervisor.store.set(keys.alive(rank), keys.NOT_ALIVE_YET)
+    supervisor._aware = set(range(world_size))  # every rank runs ckptd.elastic.run: failed ranks restart alone
     return supervisor
 
 

@@ -8,8 +8,9 @@ the DataLoader takes one batch from each worker in turn, so the training loop se
 as with no workers. Use :class:`ckptd.data.ShardLoader` to get this wiring plus a resumable state;
 iterate the dataset alone only for custom loaders.
 
-Call order: construct anywhere (nothing is fetched or started); :meth:`ShardDataset.set_position`
-before iterating; iteration starts the cache, fetcher and prefetch threads in the iterating process
+Call order: construct anywhere (nothing is fetched or started, and without ``rank``/``world_size``
+the rank is not read yet); :meth:`ShardDataset.set_position` before iterating; the first iteration (or
+:meth:`ShardDataset.bind`) takes rank and world size from torch.distributed; iteration starts the cache, fetcher and prefetch threads in the iterating process
 and stops them when the iteration ends or is abandoned.
 """
 
@@ -75,13 +76,20 @@ def distributed_rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _in_process_group() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 class ShardDataset(IterableDataset):  # type: ignore[type-arg]
     """Verified, deterministically shuffled shards of a dataset manifest, sliced for one rank.
 
     ``manifest``: a :class:`DatasetManifest` or the path/URL of its JSON file. ``global_batch_size``:
     samples per global step over all ranks (a multiple of the world size). ``seed``: with the epoch, it
     fixes the order. ``block_shards``: shards whose samples are shuffled together. ``rank`` and
-    ``world_size`` default to torch.distributed's. ``root`` reads the shards from another root than
+    ``world_size`` default to torch.distributed's, taken when the first iteration starts (:meth:`bind`),
+so the dataset may be built before the process group exists. ``root`` reads the shards from another root than
     the manifest's. ``cache_dir``/``cache_bytes`` place and bound the local shard cache.
     ``verify=False`` skips digest checks (benchmarks only). ``on_corrupt``: ``"raise"`` or ``"skip"``.
     ``collate_fn`` builds a batch from the list of samples (default :func:`~ckptd.data.collate.
@@ -118,11 +126,12 @@ class ShardDataset(IterableDataset):  # type: ignore[type-arg]
         self.manifest = manifest.with_root(root) if root is not None else manifest
         if on_corrupt not in CORRUPT_POLICIES:
             raise ConfigError(f"on_corrupt must be one of {CORRUPT_POLICIES}, got {on_corrupt!r}")
-        if rank is None or world_size is None:
-            found_rank, found_world = distributed_rank_and_world()
-            rank = found_rank if rank is None else rank
-            world_size = found_world if world_size is None else world_size
-        self.schedule = RankSchedule(global_batch_size, world_size, rank)
+        self.global_batch_size = global_batch_size
+        #: The rank and world size given to the constructor (None: torch.distributed's, at :meth:`bind`).
+        self.fixed_rank, self.fixed_world_size = rank, world_size
+        #: Whether a process group existed when the dataset was bound (None: not bound yet).
+        self._bound_in_group: bool | None = None
+        self._schedule = self._current_schedule()
         self.reader = make_reader(self.manifest.format, dict(self.manifest.reader_options))
         if seed < 0 or block_shards < 1:
             raise ConfigError(f"seed must be >= 0 and block_shards >= 1, got {seed} and {block_shards}")
@@ -138,6 +147,58 @@ class ShardDataset(IterableDataset):  # type: ignore[type-arg]
         self.prefetch_shards = settings().data_prefetch_shards if prefetch_shards is None else prefetch_shards
         self.fetch_attempts = fetch_attempts
         self._epoch, self._start, self._skipped = 0, 0, frozenset[str]()
+
+    # --- binding to the process group --------------------------------------------------------------
+    def _current_schedule(self) -> RankSchedule:
+        rank, world_size = self.fixed_rank, self.fixed_world_size
+        if rank is None or world_size is None:
+            found_rank, found_world = distributed_rank_and_world()
+            rank = found_rank if rank is None else rank
+            world_size = found_world if world_size is None else world_size
+        return RankSchedule(self.global_batch_size, world_size, rank)
+
+    @property
+    def schedule(self) -> RankSchedule:
+        """The slice of every global batch this rank reads: the bound one, or before the first
+        :meth:`bind` the one torch.distributed's current process group gives (not kept)."""
+        if self._bound_in_group is None and (self.fixed_rank is None or self.fixed_world_size is None):
+            self._schedule = self._current_schedule()
+        return self._schedule
+
+    @property
+    def bound(self) -> bool:
+        """Whether the rank and world size are fixed: given to the constructor, or taken by :meth:`bind`."""
+        return self._bound_in_group is not None or (self.fixed_rank is not None and
+                                                    self.fixed_world_size is not None)
+
+    def bind(self) -> RankSchedule:
+        """Take this rank's place from torch.distributed now (called when an iteration starts, in the
+        process that iterates: :class:`~ckptd.data.ShardLoader` does it before it starts workers).
+
+        The first call fixes rank and world size (those not given to the constructor): the default process
+        group's, or (0, 1) without one, so a dataset built before ``init_process_group`` (an elastic
+        job's ``setup_fn``) reads the right slice once the group exists. Bound inside a process group, a
+        later call follows the current group (a new generation of ``ckptd launch``, formed again after a
+        failure); bound outside any group, it raises ConfigError when it is used inside a group of several
+        ranks, and bound inside one, when it is used with none (the slices would overlap or leave samples
+        out)."""
+        if self.fixed_rank is not None and self.fixed_world_size is not None:
+            return self._schedule
+        in_group = _in_process_group()
+        current = self._current_schedule()
+        bound = self._schedule
+        if self._bound_in_group is not None and in_group != self._bound_in_group and \
+                (current.rank, current.world_size) != (bound.rank, bound.world_size):
+            where = "inside a process group" if self._bound_in_group else "without a process group"
+            now = "inside one" if in_group else "without one"
+            raise ConfigError(
+                f"this ShardDataset took rank {bound.rank} of {bound.world_size} when it was first iterated "
+                f"({where}), but it is now iterated {now}, as rank {current.rank} of {current.world_size}: "
+                "the ranks' slices of each global batch would overlap or leave samples out",
+                hint="iterate it first after init_process_group (under ckptd.elastic.run: in train_fn), or "
+                     "pass rank= and world_size= to ShardDataset")
+        self._schedule, self._bound_in_group = current, in_group
+        return current
 
     def set_position(self, epoch: int, start: int, skipped: frozenset[str] = frozenset(), *,
                      sample_ids: bool = False) -> None:
@@ -173,17 +234,20 @@ class ShardDataset(IterableDataset):  # type: ignore[type-arg]
     def __iter__(self) -> Iterator[RankBatch]:
         worker = get_worker_info()
         worker_id, workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        # a DataLoader worker cannot see the training process's group: it reads the slice its copy of the
+        # dataset holds (bound by ShardLoader before it started the workers; a custom loader calls bind())
+        schedule = self.bind() if worker is None else self._schedule
         epoch, start = self._epoch, self._start
         order = self.epoch_order(epoch)
         reading = self._reading()
         try:
-            for step in range(worker_id, self.schedule.steps(order.total, start), workers):
-                first, stop = self.schedule.rank_slice(start, step)
+            for step in range(worker_id, schedule.steps(order.total, start), workers):
+                first, stop = schedule.rank_slice(start, step)
                 reading.advance(order, first)
                 pairs = order.samples(first, stop)
                 samples = reading.samples(pairs)
                 newly, reading.newly_skipped = tuple(reading.newly_skipped), []
-                yield RankBatch(epoch=epoch, end_position=start + (step + 1) * self.schedule.global_batch_size,
+                yield RankBatch(epoch=epoch, end_position=start + (step + 1) * schedule.global_batch_size,
                                 batch=self.collate_fn(samples), newly_skipped=newly,
                                 sample_ids=self._ids(pairs, reading.skipped) if self.sample_ids else None,
                                 finish=self.finish)

@@ -10,7 +10,9 @@ next batch fetched before the save, a prefetcher's queue) are therefore not lost
 does not fit the batches taken raises :class:`~ckptd.errors.LoaderPositionError`. The position is
 global, so a resume is exact with any world size or worker count.
 
-Call order: construct; optionally :meth:`load_state_dict` (or ``CheckpointManager.restore``); iterate.
+Call order: construct (before or after the process group exists: the dataset takes its rank and world
+size when an iteration starts, see :meth:`ShardDataset.bind`); optionally :meth:`load_state_dict` (or
+``CheckpointManager.restore``); iterate.
 Without ``steps``, one iteration runs from the current position to the end of the epoch, then the state
 moves to the start of the next epoch; with ``steps=N`` one iteration runs across epochs until the run
 has taken ``N * batches_per_step`` batches in all. Iterating from the main thread only.
@@ -189,6 +191,7 @@ class ShardLoader:
             yield from self._epoch_batches()
 
     def _epoch_batches(self) -> Iterator[Any]:
+        self.dataset.bind()  # here, not at construction: a loader built before the process group exists
         self.dataset.set_position(self._epoch, self._consumed, frozenset(self._skipped),
                                   sample_ids=self.with_sample_ids)
         batch_size = self.dataset.schedule.global_batch_size

@@ -54,6 +54,20 @@ def beat(rank: int) -> str:
     return f"elastic/beat/{rank}"
 
 
+def alive(rank: int) -> str:
+    """A rank's process is scheduled: ``"<pid>:<count>"``, rewritten every ``ALIVE_EVERY_S`` by a thread of the rank
+    (its generation watcher) whatever its training thread does. A rank whose training heartbeat stalled while
+    this one goes on waits (in a collective with a stalled peer, say); one whose both stalled is frozen
+    (stopped, or stuck where no thread of it runs): the supervisor blames the frozen one."""
+    return f"elastic/alive/{rank}"
+
+
+#: Seconds between two writes of a rank's :func:`alive` key.
+ALIVE_EVERY_S = 0.1
+#: The value of :func:`alive` before the rank's first write.
+NOT_ALIVE_YET = "0:0"
+
+
 def node_done(node_rank: int) -> str:
     """Set by a supervisor once all its ranks finished."""
     return f"elastic/node-done/{node_rank}"

@@ -6,7 +6,8 @@ on a 2-core machine) and the first optimizer build (about 2 s, the lazy import o
 By default the supervisor starts one :mod:`multiprocessing` fork server per node that imports
 :data:`PRELOAD` once, single-threaded and without touching CUDA, and forks every rank (and spare) from
 it: the rank then runs the job's script or module as ``__main__`` (:mod:`runpy`) with its environment,
-argv and unbuffered stdout/stderr, and finds those modules already imported. Unlike a warm spare it holds
+argv and unbuffered stdout/stderr, and finds those modules already imported; its random generators
+(torch's, numpy's, :mod:`random`) are seeded afresh, as in a new interpreter (:func:`fresh_random_state`). Unlike a warm spare it holds
 no model, optimizer or device memory while it waits: only the imported modules, shared with the ranks
 copy-on-write.
 
@@ -66,9 +67,26 @@ def _inherited_stdin() -> io.TextIOWrapper | Any:
     return io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
 
 
+def fresh_random_state() -> None:
+    """Seed the global random generators from fresh entropy, as a new interpreter does: torch's default CPU
+    generator, numpy's global state (when numpy is imported; otherwise its import seeds it) and :mod:`random`.
+    A forked rank would otherwise start with the fork server's state, the same on every rank and every
+    replacement. (CUDA's generators are not initialised in the fork server; they start as in a new process.)"""
+    import random
+
+    random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
 def _run_rank(command: Sequence[str], environment: dict[str, str]) -> None:  # pragma: no cover - a forked rank
     """In the forked rank: become ``python [-u] [-m] SCRIPT ARGS...`` with ``environment``."""
     die_with_parent()  # with the fork server, which dies with the supervisor
+    fresh_random_state()
     os.environ.clear()
     os.environ.update(environment)
     sys.stdout, sys.stderr = _unbuffered(1), _unbuffered(2)

@@ -11,9 +11,15 @@ Its loop, every ``poll_s``:
 - heartbeats: every rank writes ``elastic/beat/<rank>`` (:func:`ckptd.elastic.heartbeat`); a rank that beat
   (in the current generation, or in an older one it never left) and then stays silent for ``hang_timeout_s``
   (counted from its last beat or from the start of the current generation, whichever is later) before its
-  training function returns is hung. When several ranks are silent (the peers of a hung rank block in a collective with it)
-  the one furthest behind (fewest beats, then the longest silence) is the hung one; its own supervisor
+  training function returns is hung. When several ranks are silent (the peers of a hung rank block in a
+  collective with it) the one whose process stopped running is the hung one: a thread of every rank
+  rewrites ``elastic/alive/<rank>`` every 0.1 s, and a rank whose alive key stalled as well is frozen
+  (SIGSTOP, or stuck where no thread of it runs) while its waiting peers still run; when none is frozen,
+  the one furthest behind (fewest beats, then the longest silence). Its own supervisor
   SIGKILLs it, so that its peers see a connection reset at once, and it counts as failed;
+- until every rank of the job sent a ckptd heartbeat (a script that does not use :func:`ckptd.elastic.run`),
+  a failure restarts the whole group, as torchrun does, each attempt with a fresh rendezvous store and one
+  restart charged per failure (:mod:`ckptd.elastic.group_restart`); otherwise:
 - a failure raises the store's generation (``compare_set``, so two supervisors seeing one event raise it
   once) and starts the failed rank alone again in the new generation; the survivors rejoin it in-process
   (:func:`ckptd.elastic.run`). After ``max_restarts`` restarts of the job, or ``max_restarts_per_rank``
@@ -35,7 +41,7 @@ Its loop, every ``poll_s``:
   is such a replacement: it charges each of its ranks a restart, raises the generation and starts its
   ranks in it; the survivors keep their processes. A supervisor that sees a newer one of its node rank
   stops its ranks and exits.
-- SIGTERM or SIGINT to any supervisor stops the whole job gracefully: it sets ``elastic/stop``, every rank
+- SIGTERM or SIGINT (``stop_signals``: torchrun's ``--signals-to-handle``) to any supervisor stops the whole job gracefully: it sets ``elastic/stop``, every rank
   leaves at its next step (:func:`ckptd.elastic.run` exits with code 15), every supervisor waits
   ``_LEAVE_GRACE_S`` (20 s) for its ranks before SIGTERM, and 5 s more before SIGKILL, and every
   supervisor exits with JobStoppedError (exit 15). Committed steps are kept.
@@ -66,11 +72,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ckptd.config import settings
 from ckptd.errors import ConfigError, CrashLoopError, JobStoppedError, WorkerError
-from ckptd.elastic import keys
+from ckptd.elastic import group_restart, keys
 from ckptd.elastic.preloaded import PreloadedStarter, RankProcess, die_with_parent
 from ckptd.elastic.spares import SparePool
 from ckptd.elastic.waiting import wait_for
+from ckptd.elastic.worker import collective_timeout_s
 
 log = logging.getLogger("ckptd.elastic")
 
@@ -80,6 +88,8 @@ _LEAVE_GRACE_S = 20.0
 _TERM_GRACE_S = 5.0
 #: Seconds between two supervisor heartbeats (and two looks at the other nodes' heartbeats).
 _NODE_BEAT_S = 0.1
+#: Seconds a rank's alive key may stand still before its process counts as frozen (at most half the hang timeout).
+_FROZEN_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -114,6 +124,14 @@ class LaunchSpec:
     #: Seconds the ranks of a stopping job get to leave on their own (their final checkpoint, with
     #: ``checkpoint_on_stop``) before SIGTERM; without ``checkpoint_on_stop`` 20 s.
     stop_timeout_s: float = 120.0
+    #: Signals that stop the job gracefully (torchrun's ``--signals-to-handle``).
+    stop_signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)
+    #: Seconds between SIGTERM and SIGKILL when the supervisor ends its ranks (torchrun's ``--shutdown-timeout``).
+    term_grace_s: float = _TERM_GRACE_S
+    #: The workers' role (torchrun's ``--role``: ``ROLE_NAME``) and the job's id (``--rdzv-id``:
+    #: ``TORCHELASTIC_RUN_ID``).
+    role: str = "default"
+    run_id: str = "none"
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1 or self.nnodes < 1:
@@ -176,6 +194,19 @@ class Supervisor:
         self.generation = 0
         self.store: Any = None
         self._beats = {rank: _Beats() for rank in range(spec.world_size)}
+        #: Each rank's :func:`keys.alive` value and when it last changed (local clock).
+        self._alive: dict[int, tuple[bytes, float]] = {}
+        #: (rank, generation) of ranks said to be blocked in an ended generation (logged once each).
+        self._said_blocked: set[tuple[int, int]] = set()
+        #: Ranks seen sending a ckptd heartbeat (ckptd.elastic.run); until all have, a failure restarts the group.
+        self._aware: set[int] = set()
+        #: The stores of whole-group restarts (:mod:`ckptd.elastic.group_restart`), made once connected.
+        self._attempts: group_restart.AttemptStores | None = None
+        #: The attempt (generation) the ranks were last started in by a whole-group restart, its store's port,
+        #: and when it started (local clock).
+        self._group_attempt: int | None = None
+        self._master_port: int | None = None
+        self._attempt_started = time.monotonic()
         self._spares: SparePool | None = None  # made once the store is connected
         #: The newest step each rank reported completing, in any generation (-1: none).
         self._last_step = {rank: -1 for rank in range(spec.world_size)}
@@ -203,6 +234,7 @@ class Supervisor:
             self.store.set(keys.GENERATION, "0")
             for rank in range(spec.world_size):
                 self.store.set(keys.beat(rank), keys.NO_BEAT)
+                self.store.set(keys.alive(rank), keys.NOT_ALIVE_YET)
             for node in range(spec.nnodes):
                 self.store.set(keys.node_beat(node), "0:0")
             self.store.set(keys.OPEN, "1")
@@ -249,8 +281,10 @@ class Supervisor:
         return {
             "WORLD_SIZE": str(spec.world_size), "LOCAL_WORLD_SIZE": str(spec.nproc_per_node),
             "GROUP_RANK": str(spec.node_rank), "ROLE_WORLD_SIZE": str(spec.world_size),
-            "GROUP_WORLD_SIZE": str(spec.nnodes), "MASTER_ADDR": spec.rdzv_host, "MASTER_PORT": str(spec.rdzv_port),
+            "GROUP_WORLD_SIZE": str(spec.nnodes), "MASTER_ADDR": spec.rdzv_host,
+            "MASTER_PORT": str(spec.rdzv_port if self._master_port is None else self._master_port),
             "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+            "ROLE_NAME": spec.role, "TORCHELASTIC_RUN_ID": spec.run_id,
             keys.ENV_STORE: f"{spec.rdzv_host}:{spec.rdzv_port}", keys.ENV_HANG_TIMEOUT: str(spec.hang_timeout_s),
             keys.ENV_CHECKPOINT_ON_STOP: "1" if spec.checkpoint_on_stop else "0",
         }
@@ -259,7 +293,8 @@ class Supervisor:
         """The variables that make a process ``rank`` in the current generation (a spare gets them later)."""
         return {
             "RANK": str(rank.rank), "LOCAL_RANK": str(rank.local_rank), "ROLE_RANK": str(rank.rank),
-            "TORCHELASTIC_RESTART_COUNT": str(rank.restarts), keys.ENV_GENERATION: str(self.generation),
+            # after a whole-group restart every rank has the attempt's number, as under torchrun
+            "TORCHELASTIC_RESTART_COUNT": str(rank.restarts if self._group_attempt is None else self._group_attempt), keys.ENV_GENERATION: str(self.generation),
             keys.ENV_RESTART_COUNT: str(rank.restarts),
         }
 
@@ -329,7 +364,7 @@ class Supervisor:
         def caught(signum: int, frame: Any) -> None:
             self._signalled = signum
 
-        return {signum: signal.signal(signum, caught) for signum in (signal.SIGTERM, signal.SIGINT)}
+        return {signum: signal.signal(signum, caught) for signum in self.spec.stop_signals}
 
     def _check_signalled(self) -> None:
         """After SIGTERM or SIGINT: ask every supervisor to stop the job, then stop (JobStoppedError)."""
@@ -352,8 +387,12 @@ class Supervisor:
         # a replacement's spares are numbered apart from the lost supervisor's, whose keys stay in the store
         self._spares = SparePool(self.store, self.spec.node_rank, self.spec.spares, self._spawn,
                                  first_ident=1000 * (self.incarnation - 1))
+        self._attempts = group_restart.AttemptStores(self.store, self.spec.rdzv_host, self.spec.node_rank,
+                                                     self.spec.join_timeout_s)
+        self._say_recovery_mode()
         for rank in self.ranks:
             self._start(rank)
+        self._attempt_started = time.monotonic()
         try:
             self._spares.fill()
             while True:
@@ -392,6 +431,82 @@ class Supervisor:
         current = int(self.store.get(keys.GENERATION))
         if current != self.generation:
             self._enter_generation(current)
+            if self.store.check([group_restart.group_key(current)]):
+                self._restart_local_group(current)
+
+    def _say_recovery_mode(self) -> None:
+        """Once, at start: which recovery to expect, and why."""
+        by_rank, why = group_restart.expected_mode(self.spec.command)
+        if by_rank:
+            log.info("recovery: rank by rank (%s): a failed rank is restarted alone and its peers rejoin in their "
+                     "processes, once every rank sent its first ckptd heartbeat (until then a failure restarts "
+                     "the whole group)", why)
+        else:
+            log.info("recovery: the whole group, as torchrun (%s): a failure of any rank stops every rank and "
+                     "starts them all again, each attempt with a fresh rendezvous store (MASTER_PORT) and "
+                     "TORCHELASTIC_RESTART_COUNT; each failure costs one of --max-restarts %d; --crash-loop does "
+                     "not apply (the script reports no steps to ckptd)", why, self.spec.max_restarts)
+
+    def _recover_group(self, failed: list[tuple[_Rank, str]]) -> None:
+        """A rank of a job that is not (yet) ckptd-aware failed: the first supervisor to see this generation's
+        failure charges one restart and starts the next generation as a whole-group restart; every
+        supervisor then stops its ranks and starts them all again (:meth:`_restart_local_group`)."""
+        spec = self.spec
+        failed_in = int(self.store.get(keys.GENERATION))
+        if failed_in != self.generation:
+            return  # a newer generation is under way: the next round follows it (its ranks start again)
+        if int(self.store.add(group_restart.event_key(failed_in), 1)) != 1:
+            wait_for(lambda: int(self.store.get(keys.GENERATION)) > failed_in,
+                     what=f"the supervisor that found generation {failed_in}'s failure to start the next attempt",
+                     timeout_s=spec.join_timeout_s, poll_s=0.01, on_poll=self._check_signalled)
+            self._follow_generation()
+            return
+        rank, cause = failed[0]
+        spent = int(self.store.add(keys.RESTARTS, 1))
+        last = self._last_step[rank.rank]
+        where = (f"in generation {failed_in}, {time.monotonic() - self._attempt_started:.1f} s into the attempt, "
+                 + (f"its last step {last}" if last >= 0 else "a script that reports no steps to ckptd"))
+        also = "".join(f"; rank {other.rank} {other_cause}" for other, other_cause in failed[1:])
+        if spent > spec.max_restarts:
+            self._stop_job(rank, cause, WorkerError, f"rank {rank.rank} {cause} ({where}){also}, and the job's "
+                           f"--max-restarts {spec.max_restarts} are spent")
+        self.store.set(group_restart.group_key(failed_in + 1), "1")
+        current = int(self.store.compare_set(keys.GENERATION, str(failed_in), str(failed_in + 1)))
+        log.warning("rank %d (pid %s) %s (%s)%s; restarting the whole group (ranks 0-%d) in generation %d with a "
+                    "fresh rendezvous store, as torchrun does (restart %d of %d)", rank.rank,
+                    rank.process.pid if rank.process else None, cause, where, also, spec.world_size - 1, current,
+                    spent, spec.max_restarts)
+        self._enter_generation(current)
+        if self.store.check([group_restart.group_key(current)]):
+            self._restart_local_group(current)
+
+    def _restart_local_group(self, generation: int) -> None:
+        """Stop this node's ranks (SIGTERM, SIGKILL after ``term_grace_s``) and start them all in ``generation``
+        with its attempt's store."""
+        started = time.monotonic()
+        running = [rank for rank in self.ranks if rank.process is not None and rank.process.poll() is None]
+        for rank in running:
+            rank.process.send_signal(signal.SIGTERM)
+        for rank in running:
+            try:
+                rank.process.wait(timeout=max(0.0, started + self.spec.term_grace_s - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("rank %d (pid %d) did not end within %g s of SIGTERM: SIGKILL", rank.rank,
+                            rank.process.pid, self.spec.term_grace_s)
+                rank.process.kill()
+                rank.process.wait(timeout=self.spec.term_grace_s)
+        if self._attempts is None:  # made in _supervise, before any rank can fail
+            self._attempts = group_restart.AttemptStores(self.store, self.spec.rdzv_host, self.spec.node_rank,
+                                                         self.spec.join_timeout_s)
+        self._master_port = self._attempts.port(generation, on_poll=self._check_signalled)
+        self._group_attempt = generation
+        log.info("node %d: ranks %s stopped in %.2f s (%d still ran); starting them all in generation %d, "
+                 "rendezvous at %s:%d", self.spec.node_rank, [rank.rank for rank in self.ranks],
+                 time.monotonic() - started, len(running), generation, self.spec.rdzv_host, self._master_port)
+        for rank in self.ranks:
+            rank.restarts += 1
+            self._start(rank)
+        self._attempt_started = time.monotonic()
 
     def _enter_generation(self, generation: int) -> None:
         """Follow the job into ``generation``: the hang timeout counts from now for every rank."""
@@ -479,12 +594,16 @@ class Supervisor:
         return f"exited with code {code}"
 
     def _recover(self, failed: list[tuple[_Rank, str]]) -> None:
-        """Ranks failed (found in one round): raise the generation once and start them again in it."""
+        """Ranks failed (found in one round): raise the generation once and start them again in it (the whole
+        group, while not every rank of the job is known to run ckptd.elastic.run)."""
         if self._every_rank_done(self.generation):
             for rank, cause in failed:
                 log.warning("rank %d (pid %s) %s after every rank finished; the job is complete", rank.rank,
                             rank.process.pid if rank.process else None, cause)
                 rank.finished = True
+            return
+        if len(self._aware) < self.spec.world_size:
+            self._recover_group(failed)
             return
         failed_in = int(self.store.get(keys.GENERATION))
         self._read_beats()
@@ -564,9 +683,17 @@ class Supervisor:
 
     def _read_beats(self) -> None:
         now = time.monotonic()
-        values = self.store.multi_get([keys.beat(rank) for rank in range(self.spec.world_size)])
-        for rank, raw in enumerate(values):
+        world = self.spec.world_size
+        values = self.store.multi_get([keys.beat(rank) for rank in range(world)] +
+                                      [keys.alive(rank) for rank in range(world)])
+        for rank, raw in enumerate(values[world:]):
+            seen_alive = self._alive.get(rank)
+            if seen_alive is None or seen_alive[0] != raw:
+                self._alive[rank] = (raw, now)
+        for rank, raw in enumerate(values[:world]):
             seen, value = self._beats[rank], keys.parse_beat(raw)
+            if value[0] >= 0:
+                self._aware.add(rank)
             if value != seen.value:
                 seen.value, seen.changed = value, now
                 self._last_step[rank] = max(self._last_step[rank], value[3])
@@ -586,7 +713,18 @@ class Supervisor:
                 silent.append((progress, seen.changed, rank))
         if not silent:
             return
-        _, changed, hung = min(silent)
+        # a rank whose process stopped running (its alive key stalled too) is the hung one; its peers, blocked in
+        # a collective with it, still run. Only when none is frozen (a loop that never beats, say): the one
+        # furthest behind, then the longest silent
+        stall_s = min(_FROZEN_S, self.spec.hang_timeout_s / 2)
+        frozen = [entry for entry in silent if self._frozen(entry[2], now, stall_s)]
+        if not frozen:
+            # a running rank still in an ended generation is blocked in a collective with a peer that left it
+            # (gloo ends it at the process group's timeout, not when that peer leaves): it gets that long
+            silent = [entry for entry in silent if not self._blocked_in_ended_generation(entry[2], entry[1], now)]
+            if not silent:
+                return
+        _, changed, hung = min(frozen or silent)
         local = next((rank for rank in self.ranks if rank.rank == hung and not rank.finished), None)
         if local is None or local.process is None or local.hung_for is not None:
             return
@@ -594,6 +732,27 @@ class Supervisor:
         log.warning("rank %d (pid %d) sent no heartbeat for %.1f s (progress %d in generation %d): killing it",
                     hung, local.process.pid, local.hung_for, self._beats[hung].value[1], self.generation)
         local.process.kill()
+
+    def _blocked_in_ended_generation(self, rank: int, changed: float, now: float) -> bool:
+        """Whether ``rank`` runs (its alive key moves) but its heartbeat is of an older generation, for less than
+        the process group's timeout (plus the hang timeout) so far; says so once per generation."""
+        if self._beats[rank].value[0] >= self.generation:
+            return False
+        allowed = collective_timeout_s(settings().elastic_collective_timeout_s, self.spec.hang_timeout_s) + \
+            self.spec.hang_timeout_s
+        if now - changed > allowed:
+            return False
+        if (rank, self.generation) not in self._said_blocked:
+            self._said_blocked.add((rank, self.generation))
+            log.warning("rank %d runs but is still in generation %d (blocked in a collective of it, which gloo ends "
+                        "at the process group's timeout): it gets %.0f s to leave before it is killed", rank,
+                        self._beats[rank].value[0], allowed)
+        return True
+
+    def _frozen(self, rank: int, now: float, stall_s: float) -> bool:
+        """Whether ``rank``'s process wrote its alive key once and then not for ``stall_s`` seconds."""
+        seen = self._alive.get(rank)
+        return seen is not None and seen[0] != keys.NOT_ALIVE_YET.encode() and now - seen[1] > stall_s
 
     # --- end ------------------------------------------------------------------------------------
     def _finish(self) -> None:
@@ -611,7 +770,7 @@ class Supervisor:
         stopping = self.store is not None and self._store_says_stop()
         grace = self._leave_grace_s() if stopping else _LEAVE_GRACE_S
         for signal_next in ((None,) if stopping else ()) + (signal.SIGTERM, signal.SIGKILL):
-            deadline = time.monotonic() + (grace if signal_next is None else _TERM_GRACE_S)
+            deadline = time.monotonic() + (grace if signal_next is None else self.spec.term_grace_s)
             for rank in running:
                 if signal_next is not None and rank.process.poll() is None:
                     rank.process.send_signal(signal_next)
@@ -641,7 +800,7 @@ class Supervisor:
                       and node not in self._lost]
             wait_for(lambda: self.store.check([keys.node_stopped(node) for node in joined]),
                      what=f"nodes {joined} to stop their ranks",
-                     timeout_s=self._leave_grace_s() + 2 * _TERM_GRACE_S + 5.0, poll_s=0.05)
+                     timeout_s=self._leave_grace_s() + 2 * self.spec.term_grace_s + 5.0, poll_s=0.05)
         except Exception as error:  # noqa: BLE001 - the job is over either way
             log.warning("not every node said it stopped: %s", error)
 

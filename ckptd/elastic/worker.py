@@ -491,7 +491,9 @@ def heartbeat(step: int | None = None) -> None:
 
 
 class _GenerationWatcher:
-    """A thread that ends ``view`` once the store's generation moves past it or the job stops."""
+    """A thread that ends ``view`` once the store's generation moves past it or the job stops, and writes the
+    rank's :func:`~ckptd.elastic.keys.alive` key meanwhile (the supervisor's hang detection blames the rank
+    whose process stopped running, not a peer waiting for it)."""
 
     def __init__(self, env: WorkerEnvironment, view: GenerationStore, *, checkpoints_on_stop: bool = False) -> None:
         self.env, self.view = env, view
@@ -503,19 +505,27 @@ class _GenerationWatcher:
         self._thread.start()
 
     def _run(self) -> None:
+        pid, count, next_alive, ended = os.getpid(), 0, 0.0, False
         while not self._stop.wait(_WATCH_S):
             try:
+                if time.monotonic() >= next_alive:  # this process is scheduled (keys.alive)
+                    count += 1
+                    next_alive = time.monotonic() + keys.ALIVE_EVERY_S
+                    self._store.set(keys.alive(self.env.rank), f"{pid}:{count}")
+                if ended:  # the training thread may still be blocked in a collective of this generation
+                    continue
                 current = int(self._store.get(keys.GENERATION))
                 stopping = self._store.check([keys.STOP])
             except Exception as error:  # noqa: BLE001 - the store is gone: the job is over
-                self.view.end(f"the job store cannot be reached: {error}")
+                if not ended:
+                    self.view.end(f"the job store cannot be reached: {error}")
                 return
             if stopping and not self._checkpoint_first():
                 self.view.end("the job is stopping")
-                return
-            if current > self.view.generation:
+                ended = True
+            elif current > self.view.generation:
                 self.view.end(f"the supervisor started generation {current}")
-                return
+                ended = True
 
     def _checkpoint_first(self) -> bool:
         if not self.checkpoints_on_stop:
