@@ -117,6 +117,8 @@ class Policy:
       behind the one in flight, except those ``keep_remote`` keeps for good (see :meth:`may_supersede`).
     - ``on_busy``: when a save is requested while the previous one is still being written, ``"wait"``
       for it or ``"skip"`` the new one.
+    - ``durable_every_steps``: a saved step that is a multiple of it is durable: ``save()`` returns only once
+      it is committed locally (as ``save(..., durable=True)``). ``None`` (the default): no step.
     """
 
     every_steps: int = 1
@@ -124,10 +126,12 @@ class Policy:
     remote_every_steps: int | None = None
     keep_remote: Retention = None
     on_busy: str = "wait"
+    durable_every_steps: int | None = None
 
     def __post_init__(self) -> None:
         _check_count("Policy", "every_steps", self.every_steps, optional=False)
         _check_count("Policy", "remote_every_steps", self.remote_every_steps, optional=True)
+        _check_count("Policy", "durable_every_steps", self.durable_every_steps, optional=True)
         _check_retention("keep_local", self.keep_local)
         _check_retention("keep_remote", self.keep_remote)
         if self.remote_every_steps is not None and self.remote_every_steps % self.every_steps:
@@ -143,6 +147,10 @@ class Policy:
     def saves(self, step: int) -> bool:
         """Whether ``save(step, ...)`` saves this step (without ``force``)."""
         return step % self.every_steps == 0
+
+    def durable(self, step: int) -> bool:
+        """Whether a save of ``step`` returns only after its local commit (``durable_every_steps``)."""
+        return self.durable_every_steps is not None and step % self.durable_every_steps == 0
 
     def promotes(self, step: int) -> bool:
         """Whether a saved (committed) step is promoted to the object tier; every one when

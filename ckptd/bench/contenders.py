@@ -106,7 +106,7 @@ class CkptdContender:
                 ratio = loop.run_while(lambda: self.manager.busy).rate / baseline
             self.manager.wait()
         committed = self.manager.last_commit  # until the manifest is durable; retention runs after it
-        end = committed[1] if committed is not None and committed[0] == self.step else time.monotonic()
+        end = committed.committed_at if committed is not None and committed.step == self.step else time.monotonic()
         return SaveRun(stall=stall, durable=end - start, loop_ratio=ratio)
 
     def prepare_after_restore(self, state: dict[str, torch.Tensor]) -> None:

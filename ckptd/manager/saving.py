@@ -10,6 +10,18 @@ writer thread per Saver (``ckptd-writer-rank<r>``) then hashes, encodes and writ
 (:class:`~ckptd.stepio.rank_writer.RankWriter`), agrees on the commit with the other ranks through the
 c10d Store (never a collective), writes the manifest last and confirms it through the store.
 
+With ``CKPTD_WRITER_MODE=process`` the staging buffers live in shared memory and the training thread sends
+each save's plan to a writer process (:mod:`ckptd.stepio.writer_process`) as soon as it is staged; the
+process hashes, encodes and writes, and with one rank commits too, outside this interpreter, so a training
+loop that holds the GIL does not delay the commit. The writer thread then only waits for the process's
+answer, agrees with the other ranks (the store stays here: it cannot be handed to another process in
+general, and its waits release the GIL), has the process commit the agreed manifest, and runs the
+callbacks. A dead writer process fails the step with :class:`~ckptd.errors.WriterProcessError`; the next
+save starts another. See docs/saving.md.
+
+:attr:`Saver.last_commit` (a :class:`CommitRecord`) is the window of the newest local commit: seconds from
+``save()`` returning and steps elapsed. ``save(..., durable=True)`` returns only after the local commit.
+
 Back-pressure: the buffers hold one copy of the state. When a save is requested while the previous one
 is still being written, ``Policy.on_busy`` decides: ``"wait"`` blocks until the writer is done,
 ``"skip"`` skips the step (on every rank: the skipping rank reports it through the store).
@@ -31,6 +43,7 @@ released by :meth:`Saver.close`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, MutableMapping
@@ -48,7 +61,9 @@ from ckptd.manager.commit import SKIPPED, CommitCoordinator, SkippedStep, Undeci
 from ckptd.manager.directories import DirectorySharing
 from ckptd.manager.holdings import Holdings, LayoutRecorder
 from ckptd.policy import Policy
-from ckptd.state.staging import StagedState, Stager, prepare_state
+from ckptd.format.records import dtype_name
+from ckptd.state.staging import StagedState, Stager, live_segments, prepare_state, shared_location
+from ckptd.stepio.writer_process import WriterProcess
 from ckptd.state import rng
 from ckptd.state.tree import flatten
 from ckptd.tiers.atomicity import DirectoryCommit
@@ -66,6 +81,27 @@ class _WriteJob:
     failure: str | None = None
     #: Where this rank sits in the job's layout and which replicated pieces it writes (None: no layout).
     holdings: Holdings | None = None
+    #: ``time.monotonic()`` when the step was staged and handed over (``save()`` returns right after).
+    handed_at: float = 0.0
+    #: The writer process's request for this step, sent by the training thread: (its id, whether it commits
+    #: too); None: not sent (thread mode, or the writer thread sends it).
+    sent: tuple[int, bool] | None = None
+
+
+@dataclass(frozen=True)
+class CommitRecord:
+    """The window of one save: how long after ``save()`` returned, and how many steps later, the step was
+    committed on a tier (``"local"`` or the object tier's label)."""
+
+    step: int
+    #: Seconds from ``save()`` returning to the commit.
+    seconds: float
+    #: The newest step the training loop had reached at the commit, less ``step`` (0: committed before the
+    #: loop moved on).
+    steps_elapsed: int
+    #: ``time.monotonic()`` of the commit.
+    committed_at: float
+    tier: str = "local"
 
 
 @dataclass(frozen=True)
@@ -100,40 +136,66 @@ class Saver:
         self._commit = DirectoryCommit(local)
         self.codec, self.allow_pickle, self.capture_rng = codec, allow_pickle, capture_rng
         self.rank, self.world_size = coordinator.rank, coordinator.world_size
-        self.stager = stager or Stager()
+        #: Where the write runs: ``"process"`` (a writer process) or ``"thread"`` (``CKPTD_WRITER_MODE``).
+        self.mode = settings().writer_mode.strip().lower()
+        if self.mode not in ("process", "thread"):
+            raise ConfigError(f"CKPTD_WRITER_MODE={self.mode!r} is not one of process, thread",
+                              hint="set it to thread (the default) or process (see docs/saving.md)")
+        self.stager = stager or Stager(shared=self.mode == "process")
         self.on_commit: list[Callable[[int], None]] = []
         #: Steps this rank skipped because the previous save was still being written.
         self.skipped: list[int] = []
-        #: (step, time.monotonic()) of the newest local commit, set on the writer thread.
-        self.last_commit: tuple[int, float] | None = None
+        #: The newest local commit (set on the writer thread), see :class:`CommitRecord`.
+        self.last_commit: CommitRecord | None = None
+        self._newest_step: int | None = None
+        #: The newest object-tier commit reported through :meth:`note_promoted`.
+        self.last_promotion: CommitRecord | None = None
+        self._handed: dict[int, float] = {}  # step -> when save() handed it over (the newest few)
+        self._process: WriterProcess | None = WriterProcess() if self.mode == "process" else None
         self._memory: MemoryCopy | None = None
         self._committed_steps: set[int] = set()
         self._closing = False
         self._closed = False
         self._pool_lease: PoolLease | None = None  # writer thread; released by close()
+        # with a writer process the thread only waits and agrees: at normal priority it takes the GIL (and a
+        # contended core) promptly when the process answers
         self._worker: BackgroundWorker[_WriteJob] = BackgroundWorker(
             f"ckptd-writer-rank{self.rank}", self._run, describe=self._describe, failures=self._failed,
-            on_start=lower_thread_priority)
+            on_start=lower_thread_priority if self._process is None else None)
 
     # --- training thread ------------------------------------------------------------------------
-    def save(self, step: int, state: MutableMapping[str, Any]) -> bool:
+    def save(self, step: int, state: MutableMapping[str, Any], *, durable: bool = False) -> bool:
         """Stage ``state`` as ``step`` and hand it to the writer; returns False when skipped (busy).
+
+        ``durable``: return only once the step is committed locally (as :meth:`wait`), e.g. for the last
+        save before a planned stop.
 
         Raises the stored error of an earlier background write, if there is one: first with one rank; with
         several, only after this step was handed to the writer (or reported as failed to the other ranks),
         so that every rank takes part in every commit round in the same order whatever fails where.
         """
         self._check_open()
+        self.note_step(step)
         if self.world_size == 1:
             self._raise_stored()
-            return self._stage_and_enqueue(step, state)
-        try:
             saved = self._stage_and_enqueue(step, state)
-        except BaseException as error:
-            self._enqueue(_WriteJob(step, None, failure=f"{type(error).__name__}: {error}"))
-            raise
-        self._raise_stored()
+        else:
+            try:
+                saved = self._stage_and_enqueue(step, state)
+            except BaseException as error:
+                self._enqueue(_WriteJob(step, None, failure=f"{type(error).__name__}: {error}"))
+                raise
+            self._raise_stored()
+        if saved and durable:
+            self.wait()
         return saved
+
+    def note_step(self, step: int) -> None:
+        """Record the newest step the training loop reached (for :attr:`last_commit`'s ``steps_elapsed``);
+        the manager calls it for every step, saved or not. Training thread; no I/O."""
+        self._newest_step = step
+        if self._process is not None:
+            self._process.note_step(step)
 
     def _stage_and_enqueue(self, step: int, state: MutableMapping[str, Any]) -> bool:
         if self.busy:
@@ -154,8 +216,57 @@ class Saver:
         shards = {name: (name, placement) for name, placement in placements.items()}
         values = SavedValues(skeleton=flat.skeleton, shards=shards)
         self._memory = MemoryCopy(step, values, staged, committed=False)
-        self._enqueue(_WriteJob(step, staged, values.to_json(), holdings=holdings))
+        job = _WriteJob(step, staged, values.to_json(), holdings=holdings)
+        sent = self._send_to_process(job)
+        handed_at = time.monotonic()
+        self._handed[step] = handed_at
+        for old in sorted(self._handed)[:-64]:
+            del self._handed[old]
+        self._enqueue(dataclasses.replace(job, handed_at=handed_at, sent=sent))
         return True
+
+    def _send_to_process(self, job: _WriteJob) -> tuple[int, bool] | None:
+        """Process mode: send the step's request to the writer process now (training thread; no job runs,
+        since the buffers were free), so that the write starts whatever the training thread does next."""
+        if self._process is None:
+            return None
+        plan = self._plan(job)
+        if plan is None:
+            return None
+        commits = self._commits_in_process(job)
+        if commits:
+            plan["commit"] = {"ranks_here": list(self.sharing.ranks_here)}
+        self.local._lock_before_writing()
+        sent = self._process.send(dict(plan, op="write"))
+        return None if sent is None else (sent, commits)
+
+    def _send_from_thread(self, job: _WriteJob) -> tuple[int, bool] | None:
+        """Writer thread: send the request the training thread could not (the process had died: a new one is
+        started). None: the buffers are not in shared memory (the thread writes the step)."""
+        plan = self._plan(job)
+        if plan is None:
+            return None
+        commits = self._commits_in_process(job)
+        if commits:
+            plan["commit"] = {"ranks_here": list(self.sharing.ranks_here)}
+        self.local._lock_before_writing()
+        request = self._process.send(dict(plan, op="write"))
+        if request is None:
+            raise self._process.lost(f"writing step {job.step}", job.step)
+        return request, commits
+
+    def _commits_in_process(self, job: _WriteJob) -> bool:
+        """Whether the writer process commits the step in the same request (one rank, nothing to agree)."""
+        return self.world_size == 1 and job.holdings is None and self.sharing.is_owner
+
+    def note_promoted(self, step: int, at: float | None = None, *, tier: str = "remote") -> None:
+        """Record the object-tier commit of ``step`` at ``at`` (``time.monotonic()``, default now) as
+        :attr:`last_promotion`. Any thread."""
+        at = time.monotonic() if at is None else at
+        handed = self._handed.get(step)
+        newest = self._newest_step if self._newest_step is not None else step
+        self.last_promotion = CommitRecord(step=step, seconds=max(0.0, at - handed) if handed is not None else 0.0,
+                                           steps_elapsed=max(0, newest - step), committed_at=at, tier=tier)
 
     def prepare_staging(self, state: MutableMapping[str, Any]) -> int:
         """Prepare, in the background, the staging buffers of the tensors a save of ``state`` would stage
@@ -209,6 +320,8 @@ class Saver:
                            hint="the checkpoint directory stays locked; call close() again once the write "
                                 "ends, or raise CKPTD_CLOSE_TIMEOUT_S")
         self._closed = True
+        if self._process is not None:  # the writer thread has stopped: nothing waits on the process any more
+            self._process.close(settings().writer_stop_timeout_s)
         lease, self._pool_lease = self._pool_lease, None
         if lease is not None:
             lease.release()
@@ -294,16 +407,28 @@ class Saver:
 
     def _write(self, job: _WriteJob) -> None:
         entry, error = None, (job.failure or SKIPPED) if job.staged is None else None
+        sent = job.sent
+        committed: dict[str, Any] | None = None  # the writer process's reply when it committed the step too
         if job.staged is not None:
             writer: RankWriter | None = None
             try:
-                self._commit.check_writable(job.step)
-                writer = RankWriter(self.local, job.step, self.rank, codec=self.codec,
-                                    chunk_bytes=settings().chunk_bytes)
-                for name, tensor in job.staged.tensors.items():
-                    writer.add(name, tensor)
-                entry = writer.finish(job.values)
-                if job.holdings is not None:
+                if sent is None and self._process is not None:  # the training thread could not send it
+                    sent = self._send_from_thread(job)
+                if sent is not None and sent[1]:  # one request writes and commits (one rank)
+                    committed = self._process.receive(sent[0], what=f"writing and committing step {job.step}",
+                                                      step=job.step)
+                elif sent is not None:
+                    reply = self._process.receive(sent[0], what=f"writing step {job.step}", step=job.step)
+                    entry = RankEntry.from_json(reply["entry"], step=job.step,
+                                                path=f"the writer process of rank {self.rank}")
+                else:
+                    self._commit.check_writable(job.step)
+                    writer = RankWriter(self.local, job.step, self.rank, codec=self.codec,
+                                        chunk_bytes=settings().chunk_bytes)
+                    for name, tensor in job.staged.tensors.items():
+                        writer.add(name, tensor)
+                    entry = writer.finish(job.values)
+                if job.holdings is not None and entry is not None:
                     entry = job.holdings.entry(entry)
             except Exception as exc:  # reported to every rank, so that none waits for this one in vain
                 if writer is not None:
@@ -311,15 +436,28 @@ class Saver:
                 if self.world_size == 1:
                     raise
                 error = str(exc) if isinstance(exc, CkptdError) else f"{type(exc).__name__}: {exc}"
+        if committed is not None:
+            self._local_commit_done(job, committed["committed_at"], committed.get("newest_step"))
+            return
         manifest_bytes = self.coordinator.agree(job.step, entry, error,
                                                 self._manifest_builder(job.step, job.holdings))
         if error is not None:  # the coordinator raises first; kept for coordinators that do not
             raise WorkerError(f"step {job.step} failed", {self.rank: error}, step=job.step)
         written: CkptdError | None = None
+        committed_at: float | None = None
+        newest: int | None = None
         if self.sharing.is_owner:  # one commit marker per directory, written by its owner
             try:
-                self._commit.commit(job.step, manifest_bytes, world_size=self.world_size,
-                                    ranks_here=self.sharing.ranks_here)
+                if self._process is not None:
+                    reply = self._process.request(
+                        {"op": "commit", "root": str(self.local.root), "step": job.step,
+                         "manifest": manifest_bytes.decode(), "world_size": self.world_size,
+                         "ranks_here": list(self.sharing.ranks_here)},
+                        what=f"committing step {job.step}", step=job.step)
+                    committed_at, newest = reply["committed_at"], reply.get("newest_step")
+                else:
+                    self._commit.commit(job.step, manifest_bytes, world_size=self.world_size,
+                                        ranks_here=self.sharing.ranks_here)
             except CkptdError as exc:
                 written = exc
         failed = self.coordinator.confirm(job.step, None if written is None else str(written))
@@ -335,7 +473,30 @@ class Saver:
         if failed:
             log.warning("step %d could not be committed locally on rank(s) %s: %s", job.step, sorted(failed),
                         failed)
-        self.last_commit = (job.step, time.monotonic())
+        self._local_commit_done(job, committed_at, newest)
+
+    def _plan(self, job: _WriteJob) -> dict[str, Any] | None:
+        """The writer process's request for a staged job: where each buffer lies in shared memory. None when
+        a buffer is not in shared memory (a stager of the thread mode): the thread writes that step."""
+        assert job.staged is not None
+        tensors = []
+        for name, tensor in job.staged.tensors.items():
+            nbytes = tensor.numel() * tensor.element_size()
+            location = ("", 0, 0) if nbytes == 0 else shared_location(tensor)
+            if location is None:
+                return None
+            tensors.append([name, *location, dtype_name(tensor.dtype), list(tensor.shape), tensor.element_size(),
+                            tensor.is_floating_point()])
+        return {"root": str(self.local.root), "step": job.step, "rank": self.rank, "codec": self.codec,
+                "tensors": tensors, "segments": live_segments(), "values": job.values}
+
+    def _local_commit_done(self, job: _WriteJob, committed_at: float | None, newest: int | None) -> None:
+        """The step is committed in this rank's directory: record its window, then retention and callbacks."""
+        committed_at = time.monotonic() if committed_at is None else committed_at
+        newest = self._newest_step if newest is None else newest
+        self.last_commit = CommitRecord(step=job.step, seconds=max(0.0, committed_at - job.handed_at),
+                                        steps_elapsed=max(0, (newest if newest is not None else job.step) - job.step),
+                                        committed_at=committed_at)
         self._committed_steps = {job.step}
         self._committed(job.step)
 

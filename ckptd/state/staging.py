@@ -27,8 +27,10 @@ thread; :class:`StagedState` is read-only afterwards and may be read from any th
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +42,8 @@ from ckptd.format.values import ShardPlacement
 from ckptd.errors import ConfigError
 from ckptd.state.tree import flatten
 from ckptd.stepio.rank_writer import lower_thread_priority
+from ckptd.stepio.shared_memory import remove_segment_file, shared_empty
+from ckptd.tiers import direct_io
 from ckptd.tiers.direct_io import aligned_empty, prefaulted_empty
 
 log = logging.getLogger("ckptd.save")
@@ -58,6 +62,47 @@ def local_view(tensor: torch.Tensor) -> tuple[torch.Tensor, ShardPlacement | Non
     _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     local = tensor.to_local()
     return local, ShardPlacement(tuple(tensor.shape), tuple(int(o) for o in offsets))
+
+
+#: The shared-memory segment of every live shared staging buffer of this process (all stagers), by the
+#: buffer's data pointer.
+_segments: dict[int, str] = {}
+_segments_lock = threading.Lock()
+
+
+def shared_location(tensor: torch.Tensor) -> tuple[str, int, int] | None:
+    """``(segment name, offset, bytes)`` of a shared staging buffer (see ``Stager(shared=True)``); None for a
+    tensor that is none (the writer process cannot read it)."""
+    with _segments_lock:
+        name = _segments.get(tensor.data_ptr())
+    if name is None or tensor.storage_offset() != 0 or not tensor.is_contiguous():
+        return None
+    return name, 0, tensor.numel() * tensor.element_size()
+
+
+def _drop_segment(pointer: int, name: str) -> None:
+    """A shared buffer was freed: forget its segment and remove its file if the writer never mapped it."""
+    with _segments_lock:
+        if _segments.get(pointer) == name:
+            del _segments[pointer]
+    remove_segment_file(name)
+
+
+@atexit.register
+def remove_segment_files() -> None:
+    """Remove the files of every shared staging buffer of this process (their memory stays mapped here): at
+    exit (a writer process still running removes them too when its trainer is gone)."""
+    with _segments_lock:
+        names = list(_segments.values())
+    for name in names:
+        remove_segment_file(name)
+
+
+def live_segments() -> list[str]:
+    """The segments of every live shared staging buffer of this process (the writer process keeps these
+    mapped)."""
+    with _segments_lock:
+        return sorted(_segments.values())
 
 
 @dataclass(frozen=True)
@@ -79,10 +124,14 @@ class Stager:
     is refused with a :class:`~ckptd.errors.ConfigError` before anything is copied.
     """
 
-    def __init__(self, *, budget_bytes: int | None = None, pin: bool | None = None) -> None:
+    def __init__(self, *, budget_bytes: int | None = None, pin: bool | None = None,
+                 shared: bool = False) -> None:
         self.budget_bytes = settings().staging_budget_bytes if budget_bytes is None else budget_bytes
+        #: Buffers live in shared-memory segments a writer process maps (the Saver's stager in
+        #: ``CKPTD_WRITER_MODE=process``); they are not pinned.
+        self.shared = bool(shared)
         want_pin = settings().pin_staging if pin is None else pin
-        self.pin = bool(want_pin and torch.cuda.is_available())
+        self.pin = bool(want_pin and not self.shared and torch.cuda.is_available())
         self._buffers: dict[str, torch.Tensor] = {}
         #: Buffers allocated by the preparing thread and not yet used by a ``stage`` (under ``_lock``).
         self._prepared: dict[str, torch.Tensor] = {}
@@ -150,8 +199,7 @@ class Stager:
             raise ConfigError(
                 f"the state needs {needed} bytes of host memory to stage but the staging budget is "
                 f"{self.budget_bytes}", hint="raise CKPTD_STAGING_BUDGET_BYTES or save less state")
-        for name in set(self._buffers) - set(locals_):
-            del self._buffers[name]
+        self._forget([self._buffers.pop(name) for name in set(self._buffers) - set(locals_)])
         staged: dict[str, torch.Tensor] = {}
         placements: dict[str, ShardPlacement] = {}
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -162,7 +210,9 @@ class Stager:
             if placement is not None:
                 placements[name] = placement
         with self._lock:
+            unused = list(self._prepared.values())
             self._prepared.clear()  # prepared for a state that is not the one saved
+        self._forget(unused)
         non_blocking = self.pin
         with torch.no_grad():
             for buffer, source in copies:
@@ -182,11 +232,32 @@ class Stager:
         with self._lock:
             prepared = self._prepared.pop(name, None)
         buffer = prepared if self._fits(prepared, source) else self._allocate(source.shape, source.dtype)
+        self._forget([old for old in (existing, prepared) if old is not None and old is not buffer])
         self._buffers[name] = buffer  # type: ignore[assignment]
         self.allocations += 1
         return buffer  # type: ignore[return-value]
 
+    def _forget(self, buffers: list[torch.Tensor]) -> None:
+        """Shared mode: the segment files of dropped buffers go (a writer that mapped one keeps its memory)."""
+        if not self.shared:
+            return
+        with _segments_lock:
+            names = [_segments.pop(buffer.data_ptr(), None) for buffer in buffers if buffer.numel()]
+        for name in names:
+            if name is not None:
+                remove_segment_file(name)
+
     def _allocate(self, shape: torch.Size, dtype: torch.dtype, *, prefault: bool = False) -> torch.Tensor:
+        if self.shared:
+            tensor, segment = shared_empty(shape, dtype)
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes:
+                with _segments_lock:
+                    _segments[tensor.data_ptr()] = segment.name
+                weakref.finalize(tensor, _drop_segment, tensor.data_ptr(), segment.name)
+                if prefault and not direct_io.prefault(tensor.data_ptr(), nbytes):
+                    direct_io.touch_pages(tensor)
+            return tensor
         if self.pin:  # pinned host memory is page-aligned, and pinning maps its pages
             return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True)
         return prefaulted_empty(shape, dtype) if prefault else aligned_empty(shape, dtype)
@@ -220,9 +291,12 @@ class Stager:
     def release(self) -> None:
         """Drop every buffer (the memory tier is gone afterwards)."""
         self._finish_preparing()
+        dropped = list(self._buffers.values())
         self._buffers.clear()
         with self._lock:
+            dropped += list(self._prepared.values())
             self._prepared.clear()
+        self._forget(dropped)
 
 
 def prepare_state(stager: Stager, state: Mapping[str, Any], *, allow_pickle: bool,

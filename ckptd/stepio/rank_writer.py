@@ -38,6 +38,7 @@ import queue
 import threading
 from collections import deque
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptd._types import Buffer
@@ -102,6 +103,18 @@ def lease_io_pool(purpose: str = "write", options: Settings | None = None) -> Po
     return shared_pools.lease(purpose, threads, initializer=initializer)
 
 
+@dataclass(frozen=True)
+class RawTensor:
+    """A tensor's bytes without torch: what the writer process writes from a shared-memory buffer.
+    ``dtype`` is the stored dtype name (:func:`~ckptd.format.records.dtype_name`)."""
+
+    data: memoryview
+    dtype: str
+    shape: tuple[int, ...]
+    itemsize: int
+    floating: bool
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without copying."""
     import torch
@@ -137,20 +150,24 @@ class RankWriter:
         self._pool = self._lease.pool
         self._free_files: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._open = True
-        self._tensors: dict[str, tuple[torch.dtype, tuple[int, ...], list[Future[ChunkRecord]]]] = {}
+        self._tensors: dict[str, tuple[str, tuple[int, ...], list[Future[ChunkRecord]]]] = {}
         self._written: dict[tuple[str, str], ChunkRecord] = {}
         self._lock = threading.Lock()
         self._in_flight: deque[Future[ChunkRecord]] = deque()
         self.raw_bytes = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Queue a contiguous CPU tensor's chunks for writing. The tensor must not change until
+    def add(self, name: str, tensor: torch.Tensor | RawTensor) -> None:
+        """Queue a contiguous CPU tensor's (or a :class:`RawTensor`'s) chunks for writing. The tensor must not change until
         :meth:`finish` or :meth:`abort` returns. Raises the error of an earlier chunk, if any."""
         if not self._open:
             raise RuntimeError("RankWriter is already finished")
-        codec_id = codecs.codec_id_for(self.codec, floating=tensor.is_floating_point(),
-                                       itemsize=tensor.element_size())
-        data = tensor_bytes(tensor)
+        if isinstance(tensor, RawTensor):
+            codec_id = codecs.codec_id_for(self.codec, floating=tensor.floating, itemsize=tensor.itemsize)
+            data, dtype, shape = tensor.data, tensor.dtype, tensor.shape
+        else:
+            codec_id = codecs.codec_id_for(self.codec, floating=tensor.is_floating_point(),
+                                           itemsize=tensor.element_size())
+            data, dtype, shape = tensor_bytes(tensor), dtype_name(tensor.dtype), tuple(tensor.shape)
         packed = len(data) < self.pack_below
         futures = []
         for start in range(0, len(data), self.chunk_bytes):
@@ -159,7 +176,7 @@ class RankWriter:
             future = self._pool.submit(self._store_chunk, data[start:start + self.chunk_bytes], codec_id, packed)
             self._in_flight.append(future)
             futures.append(future)
-        self._tensors[name] = (tensor.dtype, tuple(tensor.shape), futures)
+        self._tensors[name] = (dtype, shape, futures)
         self.raw_bytes += len(data)
 
     def _store_chunk(self, raw: memoryview, codec_id: str, packed: bool) -> ChunkRecord:
@@ -237,7 +254,7 @@ class RankWriter:
         if not self._open:
             raise RuntimeError("RankWriter is already finished")
         self._drain()
-        tensors = {name: TensorRecord(dtype=dtype_name(dtype), shape=shape,
+        tensors = {name: TensorRecord(dtype=dtype, shape=shape,
                                       chunks=tuple(f.result() for f in futures))
                    for name, (dtype, shape, futures) in self._tensors.items()}
         packing = self.pack_below > 0
