@@ -69,6 +69,10 @@ class Settings:
     s3_upload_owner_lease_s: float = 120.0
     #: This machine's identity in owner records of uploads and GC leases ("": the host name).
     host_id: str = ""
+    #: Object tier: this job's identity in the claims of its promotions, the same for every restart of the job
+    #: ("": the object-tier URL, one job per prefix). A restart owns its interrupted promotions; another run
+    #: id's are refused (see docs/object-tier.md).
+    run_id: str = ""
     #: Object tier: connect and read timeouts and attempts of listings, lookups and deletes, kept short so
     #: that a store that cannot be reached or hangs is known within seconds (restore then uses the tiers
     #: that answer).
@@ -119,6 +123,20 @@ class Settings:
     #: Nice value added to ckptd's background threads (writer, hashing, reading) on Linux, so that the
     #: training thread wins contended cores; 0 leaves their priority alone.
     background_nice: int = 10
+    #: Where a save is hashed, encoded, written and committed locally: "process" (a writer process per
+    #: manager, fed through shared-memory staging buffers, so a training loop that holds the GIL does not
+    #: delay the commit) or "thread" (a writer thread in the training process).
+    writer_mode: str = "thread"
+    #: Nice value added to the writer process (0: the trainer's priority). See docs/saving.md for the
+    #: measurement behind the default.
+    writer_process_nice: int = 0
+    #: Seconds one request to the writer process (writing or committing one step) may take before the
+    #: process is stopped and the step fails with DeadlineError.
+    writer_timeout_s: float = 1800.0
+    #: Seconds between checks that the writer process still lives while a request waits for it.
+    writer_poll_s: float = 0.25
+    #: Seconds ``close()`` waits for the writer process to exit before it is killed.
+    writer_stop_timeout_s: float = 10.0
     #: Log level for ckptd's loggers.
     log_level: str = "WARNING"
     #: Data shards: local cache directory ("" means ~/.cache/ckptd/shards).
@@ -147,6 +165,10 @@ class Settings:
     #: Seconds one request of a manager to the daemon's control socket may take, connecting included; a
     #: daemon that does not answer in time counts as gone and the manager promotes in-process.
     daemon_request_timeout_s: float = 5.0
+    #: ``ckptd plan``: job-wide object-store upload rate (GB/s) beyond which a plan that assumes it warns (also
+    #: ``--object-store-limit-gb-per-s``). About what one S3 prefix takes at 3,500 PUT/s of 16 MiB parts
+    #: (59 GB/s) rounded up; large on-premises stores sustain tens to a few hundred GB/s.
+    plan_object_store_limit_gb_per_s: float = 100.0
 
 
 _overrides: dict[str, Any] = {}

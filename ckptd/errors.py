@@ -110,6 +110,11 @@ class CommitError(CkptdError):
     exit_code = 5
 
 
+class OtherPromotionError(CommitError):
+    """A written-once object of a step on the object tier holds other bytes: another promotion of that step
+    number (an interrupted one of this job, which the promoter takes over, or another job's, refused)."""
+
+
 class ShareReleasedError(CommitError):
     """Another rank dropped its share of the step unpromoted (``rank-NNNNN.released``): it cannot be committed,
     and retrying does not help."""

@@ -71,9 +71,10 @@ def bucket_keys(server: Any, bucket: str, prefix: str) -> set[str]:
 
 
 def uploads(requests: list[tuple[str, str]]) -> list[str]:
-    """The keys uploaded, without the promoter's step owner record (written first, deleted at the end)."""
+    """The keys uploaded, without the promoter's step owner record and claims (written first, deleted after
+    the commit)."""
     return [key for method, key in requests if method in ("put_object", "create_multipart_upload")
-            and not key.startswith(f"{STEP_OWNERS_PREFIX}/")]
+            and not key.startswith(f"{STEP_OWNERS_PREFIX}/") and not key.rpartition("/")[2].startswith("claim-rank-")]
 
 
 def test_a_step_of_200_small_tensors_is_a_handful_of_objects_and_restores_from_the_object_tier_alone(

@@ -19,7 +19,8 @@ from ckptd.errors import CkptdError, ConfigError, StillRunningError, StorageErro
 from ckptd.format import codecs
 from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, rank_file_prefix
 from ckptd.manager.commit import CommitCoordinator, SingleProcessCoordinator, StoreCoordinator
-from ckptd.manager.directories import DirectorySharing, directory_identity, set_aside_step
+from ckptd.manager.directories import DirectorySharing, directory_identity
+from ckptd.manager.set_aside import set_aside_reason, set_aside_step
 from ckptd.format.mesh_layout import Layout
 from ckptd.manager.holdings import LayoutRecorder
 from ckptd.policy import Policy
@@ -30,7 +31,7 @@ from ckptd.promotion.lag import PromotionLag, promotion_lag
 from ckptd.promotion.pinning import PIN_DIRECTORY
 from ckptd.manager.interrupted_commit import complete_interrupted_commit
 from ckptd.manager.restoring import RestoreResult, TierListings, restore_state
-from ckptd.manager.saving import MemoryCopy, Saver
+from ckptd.manager.saving import CommitRecord, MemoryCopy, Saver
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.local import LocalTier
 
@@ -159,6 +160,7 @@ class CheckpointManager:
             self.peer: StorageTier | None = None
             self._remote_sync: Any = None
             self._last_save_call: float | None = None
+            self._promotions_seen = 0
             storage_options, peer_options = split_peer_options(storage_options)
             self._handoff = self._find_daemon(daemon, remote=remote)
             self.peer = open_peer_tier(peer, self._handoff.link if self._handoff else None, peer_options)
@@ -264,8 +266,13 @@ class CheckpointManager:
             self.local.close()
 
     # --- saving -------------------------------------------------------------------------------
-    def save(self, step: int, state: MutableMapping[str, Any], *, force: bool = False) -> bool:
+    def save(self, step: int, state: MutableMapping[str, Any], *, force: bool = False,
+             durable: bool = False) -> bool:
         """Save ``state`` as ``step`` if the policy asks for it (or ``force``); returns whether it did.
+
+        ``durable=True`` (or ``Policy(durable_every_steps=N)`` for a step that is a multiple of N) returns only
+        once the step is committed locally: for the last save before a planned stop. :attr:`last_commit`
+        tells how long after ``save()`` returned, and how many steps later, each step was committed.
 
         Returns once the state is copied into host buffers: the caller may modify it right away. The
         write, the agreement between ranks and the commit run on a background thread; :meth:`wait`
@@ -279,6 +286,8 @@ class CheckpointManager:
         self._check_open()
         called, previous = time.perf_counter(), self._last_save_call
         self._last_save_call = called
+        self._saver.note_step(step)
+        self._note_promotions()
         if self.last_restore is not None and step == self.last_restore.step:
             log.info("step %d is the step this run restored; it is committed and not saved again", step)
             return False
@@ -287,7 +296,7 @@ class CheckpointManager:
                 self._prepare_staging = False
                 self._saver.prepare_staging(state)
             return False
-        saved = self._saver.save(step, state)
+        saved = self._saver.save(step, state, durable=durable or self.policy.durable(step))
         if saved and self._handoff is not None:  # the daemon's metrics; sent from the writer thread
             self._handoff.record_save(step, time.perf_counter() - called,
                                       None if previous is None else called - previous)
@@ -361,23 +370,25 @@ class CheckpointManager:
                         "those keys again", ", ".join(map(repr, earlier.keys)), earlier.step, result.step)
         self._saver.prepare_staging(state)  # off the training thread
         if result.step is not None and step is None:
-            self._set_aside_newer_steps(result.step, listings.committed(self.local))
+            self._set_aside_newer_steps(result.step, listings.committed(self.local), failed=result.failed)
         if self._remote_sync is not None:
             self._remote_sync.after_restore(result.step, result.tier)
         return result.step
 
-    def _set_aside_newer_steps(self, restored: int, committed: frozenset[int]) -> None:
+    def _set_aside_newer_steps(self, restored: int, committed: frozenset[int], *,
+                               failed: dict[int, list[dict[str, Any]]] | None = None) -> None:
         """Training goes on from ``restored`` and will save the steps after it again: committed local steps
         newer than it (not intact on every rank) are renamed aside by the directory's owner (kept, never
         deleted), so that those saves do not meet a committed step. ``restore(step=N)`` sets nothing aside:
-        a later save of a committed step is refused."""
+        a later save of a committed step is refused. ``failed``: why the restore could not load each step
+        (recorded next to the step set aside, see :mod:`ckptd.manager.set_aside`)."""
         failure: str | None = None
         uploader = self.uploader
         if uploader is not None:  # first: a promotion of a step renamed under it would fail
             uploader.set_aside_after(restored)
         try:
             if self.sharing.is_owner:
-                self._set_aside_in(self.local.root, sorted(committed), restored, report=True)
+                self._set_aside_in(self.local.root, sorted(committed), restored, report=True, failed=failed)
                 for name in self._pin_directories():  # a pinned copy would be promoted instead of the new step
                     pins = self.local.root / name
                     if pins.is_dir():
@@ -400,10 +411,12 @@ class CheckpointManager:
         return names
 
     @staticmethod
-    def _set_aside_in(root: Path, steps: list[int], restored: int, *, report: bool) -> None:
+    def _set_aside_in(root: Path, steps: list[int], restored: int, *, report: bool,
+                      failed: dict[int, list[dict[str, Any]]] | None = None) -> None:
         for step in steps:
             if step > restored:
-                kept = set_aside_step(root, step)
+                reason, problems = set_aside_reason(step, restored, (failed or {}).get(step, []))
+                kept = set_aside_step(root, step, reason=reason, restored_step=restored, problems=problems)
                 if report:
                     log.warning("step %d is newer than the restored step %d: kept as %s in %s; training "
                                 "continues from step %d", step, restored, kept, root, restored)
@@ -415,9 +428,36 @@ class CheckpointManager:
         return self._saver.busy
 
     @property
-    def last_commit(self) -> tuple[int, float] | None:
-        """(step, ``time.monotonic()``) of the newest step this process committed locally, or None."""
+    def last_commit(self) -> CommitRecord | None:
+        """The newest local commit of this process (None before the first): its step, the seconds from
+        ``save()`` returning to the commit, the steps the loop moved on meanwhile, ``time.monotonic()`` of it."""
         return self._saver.last_commit
+
+    @property
+    def last_promotion(self) -> CommitRecord | None:
+        """The newest object-tier commit of this process's in-process uploader, as :attr:`last_commit` (None
+        before the first, without an object tier, or while the daemon promotes). Its time is known to within
+        one call of :meth:`save` (the uploader's reports are looked at there), or exactly when the uploader
+        reports through :meth:`note_promoted`."""
+        self._note_promotions()
+        return self._saver.last_promotion
+
+    def note_promoted(self, step: int, at: float | None = None) -> None:
+        """Record that ``step`` was committed on the object tier at ``at`` (``time.monotonic()``, default now);
+        the hook for the uploader. Any thread."""
+        self._saver.note_promoted(step, at, tier=self.remote.label if self.remote is not None else "remote")
+
+    def _note_promotions(self) -> None:
+        uploader = self._remote_sync.uploader if self._remote_sync is not None else None
+        if uploader is None:
+            return
+        reports = uploader.reports
+        if len(reports) != self._promotions_seen:
+            self._promotions_seen = len(reports)
+            newest = reports[-1]
+            last = self._saver.last_promotion
+            if last is None or last.step < newest.step:
+                self.note_promoted(newest.step)
 
     def wait(self) -> None:
         """Block until every pending save is committed locally."""

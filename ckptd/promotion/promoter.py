@@ -5,11 +5,14 @@ it again):
 
 1. read the local manifest and rank indexes (their digests are checked against the manifest);
 2. stop if the object tier already has this step committed with the same content (idempotent);
-3. upload the rank indexes: the step's in-flight marker, which protects its chunks from GC
-   (see :mod:`ckptd.promotion.lease`), then wait while a collector holds the GC lease. Indexes and packs
+3. claim the shares (:mod:`ckptd.promotion.ownership`: which job and process promotes them), then upload
+   the rank indexes: the step's in-flight marker, which protects its chunks from GC
+   (see :mod:`ckptd.promotion.lease`), then wait while a collector holds the GC lease (a step of packs
+   only, keeping no content-addressed chunk, neither waits nor looks up chunks). Indexes and packs
    (the step directory's objects, not content-addressed) are written once (``If-None-Match``): a promoter
-   of another step with the same number (another job on the prefix) stops with a CommitError instead of
-   replacing what the first one's manifest names;
+   of another step with the same number stops with a CommitError instead of replacing what the first
+   one's manifest names, unless the claim shows an interrupted promotion of this same job (a restart),
+   whose objects of the step are then removed and the step promoted again;
 4. decide which content-addressed chunks to upload (:func:`ckptd.promotion.dedup.chunks_to_upload`: the
    missing ones, and stored ones recorded bad or failing their store-kept checksum), and every rank's pack (its small chunks
    in one object in the step directory, format 3). Each chunk's bytes are read from the local data
@@ -27,7 +30,8 @@ it again):
    with ``rank-NNNNN.released`` (:func:`announce_release`, holding the digest of the step's manifest, so that
    only this very step counts): the committing rank then stops waiting at once (CommitError), and a rank that
    has not started its share skips it;
-7. write ``manifest.json`` last: the exact bytes of the local manifest.
+7. check that no restart of the job took the step over, write ``manifest.json`` last (the exact bytes of the
+   local manifest), then delete the claims.
 """
 
 from __future__ import annotations
@@ -42,8 +46,8 @@ from dataclasses import dataclass
 
 from ckptd.background import run_jobs
 from ckptd.config import settings
-from ckptd.errors import (AlreadyCommittedError, CommitError, DeadlineError, NotFoundError, ShareReleasedError,
-                          StepSetAsideError)
+from ckptd.errors import (AlreadyCommittedError, CkptdError, CommitError, DeadlineError, NotFoundError,
+                          OtherPromotionError, ShareReleasedError, StepSetAsideError)
 from ckptd.format.hashing import chunk_digest
 from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
 from ckptd.tiers.atomicity import step_commit
@@ -52,7 +56,8 @@ from ckptd.stepio.step_reader import load_step_manifest
 from ckptd.promotion.dedup import chunks_to_upload, mark_uploaded, stored_sizes
 from ckptd.promotion.contents import (RankShare, StepContents, pack_path, read_step_contents, read_stored_chunk,
                                      read_verified_pack)
-from ckptd.promotion.lease import wait_for_collector
+from ckptd.promotion.lease import step_owner_lease, wait_for_collector
+from ckptd.promotion.ownership import FOREIGN, Claim, claim_name, decide, read_claim, run_id_for, take_over
 from ckptd.tiers.chunk_health import bad_chunk_paths
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.object import ObjectTier
@@ -140,9 +145,20 @@ class Promoter:
         #: Whether the step being promoted was set aside meanwhile (read while waiting for the other ranks'
         #: shares: StepSetAsideError then; an uploader sets it). Default: never.
         self.set_aside: Callable[[], bool] = lambda: False
+        #: This promoter's claim of the shares it promotes (see :mod:`ckptd.promotion.ownership`).
+        self.claim = Claim.mine(run_id_for(remote))
+        #: Steps whose interrupted promotion by an earlier incarnation of this job this promoter replaced.
+        self.taken_over: list[int] = []
 
     def promote(self, step: int, *, ranks: list[int] | None = None, progress: ProgressHook | None = None,
                 commits: bool | None = None) -> PromotionReport:
+        """:meth:`_promote_owned` under the step's owner lease (:func:`~ckptd.promotion.lease.step_owner_lease`), so
+        that a garbage collection never takes the step for abandoned while it is promoted."""
+        with step_owner_lease(self.remote, step):
+            return self._promote_owned(step, ranks=ranks, progress=progress, commits=commits)
+
+    def _promote_owned(self, step: int, *, ranks: list[int] | None = None, progress: ProgressHook | None = None,
+                       commits: bool | None = None) -> PromotionReport:
         """Promote one committed local step; returns what was uploaded. Raises NotFoundError when the step
         is not committed locally, IntegrityError when a local chunk is corrupt, StorageError when the
         object tier fails past its retry budget, CommitError when the remote holds a different step or
@@ -151,6 +167,36 @@ class Promoter:
         started = time.monotonic()
         contents = read_step_contents(self.local, step, ranks)
         commits = (ranks is None or 0 in ranks) if commits is None else commits
+        try:
+            return self._promote_contents(contents, ranks, progress, commits, started)
+        except OtherPromotionError as conflict:
+            self._take_over_or_refuse(contents, ranks, conflict)
+        return self._promote_contents(contents, ranks, progress, commits, started)
+
+    def _take_over_or_refuse(self, contents: StepContents, ranks: list[int] | None,
+                             conflict: OtherPromotionError) -> None:
+        """After a written-once object of the step held other bytes: replace what an interrupted promotion of
+        this job left (see :mod:`ckptd.promotion.ownership`), or raise the conflict (another job's, or a live
+        one)."""
+        step = contents.step
+        mine = [share.rank for share in contents.shares]
+        stored = {rank: read_claim(self.remote, step, rank) for rank in mine}
+        verdicts = {rank: decide(self.claim, claim) for rank, claim in stored.items()}
+        if any(verdict == FOREIGN for verdict in verdicts.values()):
+            owners = sorted({claim.describe() for claim in stored.values() if claim is not None})
+            by = f" (by {'; '.join(owners)})" if owners else ""
+            raise CommitError(f"{conflict.message}{by}", step=step, tier=self.remote.label, path=conflict.path,
+                              hint=conflict.hint) from conflict
+        removed = take_over(self.remote, step, mine, self.claim, whole_step=ranks is None)
+        self.taken_over.append(step)
+        log.info("step %d on %s: replacing the promotion of step %d that an earlier run of this job (%s) left "
+                    "interrupted (%d object(s) removed)", step, self.remote.label, step,
+                    "; ".join(sorted({claim.describe() for claim in stored.values() if claim is not None})),
+                    len(removed))
+
+    def _promote_contents(self, contents: StepContents, ranks: list[int] | None, progress: ProgressHook | None,
+                 commits: bool, started: float) -> PromotionReport:
+        step = contents.step
         existing = self._remote_manifest(step)
         if existing is not None:
             if not _same_step(existing, contents.manifest):
@@ -160,17 +206,21 @@ class Promoter:
             return self._report(contents, 0, 0, True, started)
         self._stop_if_released(contents, [entry.rank for entry in contents.manifest.ranks
                                           if ranks is not None and entry.rank not in ranks])
+        claims = self._claim(contents)
         uploaded_bytes = 0
         for share in contents.shares:  # 3. in-flight marker
             self._write_once(step, step_file(step, share.index_name), share.index_bytes)
             uploaded_bytes += len(share.index_bytes)
         self.on_phase("marked")
-        waited = wait_for_collector(self.remote)
-        if waited >= 0.5:
-            log.info("waited %.1fs for a garbage collection to finish before promoting step %d", waited, step)
         needed = contents.unique_chunks()
-        recorded_bad = bad_chunk_paths(self.remote)
-        missing = chunks_to_upload(self.remote, needed, self.local, bad=recorded_bad)
+        recorded_bad: set[str] = set()
+        missing: list[tuple[RankShare, ChunkRecord]] = []
+        if needed:  # a step of packs only (a small state) keeps no shared chunk a collector could take
+            waited = wait_for_collector(self.remote)
+            if waited >= 0.5:
+                log.info("waited %.1fs for a garbage collection to finish before promoting step %d", waited, step)
+            recorded_bad = bad_chunk_paths(self.remote)
+            missing = chunks_to_upload(self.remote, needed, self.local, bad=recorded_bad)
         self.on_phase("chunks")
         uploaded_bytes += self._upload(missing, contents.packs(), progress)
         uploaded = [chunk.object_key for _, chunk in missing]
@@ -185,6 +235,7 @@ class Promoter:
         if commits:
             self._wait_for_other_ranks(contents, ranks)
             self._check_other_indexes(contents, ranks)
+            self._check_claims(contents, claims)
             try:
                 step_commit(self.remote).commit(step, contents.manifest_bytes)
             except AlreadyCommittedError:  # another promoter committed it meanwhile
@@ -194,6 +245,7 @@ class Promoter:
                 return self._report(contents, len(missing), uploaded_bytes, True, started, len(contents.packs()))
             uploaded_bytes += len(contents.manifest_bytes)
             self.on_phase("committed")
+            self._drop_claims(contents)
         report = self._report(contents, len(missing), uploaded_bytes, False, started, len(contents.packs()))
         log.info("promoted step %d to %s: %d of %d chunks and %d packs uploaded (%d bytes) in %.2fs", step,
                  self.remote.label, report.chunks_uploaded, report.chunks, report.packs_uploaded,
@@ -217,12 +269,47 @@ class Promoter:
         try:
             self.remote.write_bytes(path, data, if_absent=True)
         except AlreadyCommittedError as error:
-            raise CommitError(
+            raise OtherPromotionError(
                 f"the object tier holds another promotion of step {step} with different content (in flight, "
                 "committed, or interrupted); this one stops and commits nothing", step=step,
                 tier=self.remote.label, path=path,
                 hint="give every job its own object-tier prefix; the files of an interrupted promotion are "
                      "removed by `ckptd gc` once CKPTD_GC_ABANDONED_S has passed, then promote again") from error
+
+    def _claim(self, contents: StepContents) -> dict[int, str]:
+        """Claim this promoter's shares of the step (written once); returns, per rank, the incarnation whose
+        claim stands (this promoter's, or an earlier one's when the step's objects it wrote are the same)."""
+        standing: dict[int, str] = {}
+        for share in contents.shares:
+            path = step_file(contents.step, claim_name(share.rank))
+            try:
+                self.remote.write_bytes(path, self.claim.to_json_bytes(), if_absent=True)
+                standing[share.rank] = self.claim.incarnation
+            except AlreadyCommittedError:
+                stored = read_claim(self.remote, contents.step, share.rank)
+                standing[share.rank] = "" if stored is None else stored.incarnation
+        return standing
+
+    def _check_claims(self, contents: StepContents, claims: dict[int, str]) -> None:
+        """CommitError when another promoter took over one of this promoter's shares since it claimed them (a
+        restart of the job that took this promotion for interrupted): its files are no longer this one's."""
+        for rank, incarnation in claims.items():
+            stored = read_claim(self.remote, contents.step, rank)
+            if stored is not None and stored.incarnation != incarnation:  # none: dropped by a commit of this step
+                raise CommitError(
+                    f"the object tier holds another promotion of step {contents.step} with different content: "
+                    f"{stored.describe()} took this step over; this one stops and "
+                    "commits nothing", step=contents.step, tier=self.remote.label,
+                    path=step_file(contents.step, claim_name(rank)),
+                    hint="give every job its own object-tier prefix, or its own CKPTD_RUN_ID")
+
+    def _drop_claims(self, contents: StepContents) -> None:
+        """Delete the claims of a committed step (bookkeeping, not data); a failure only leaves them behind."""
+        try:
+            self.remote.delete_files([step_file(contents.step, claim_name(entry.rank))
+                                      for entry in contents.manifest.ranks])
+        except CkptdError as error:
+            log.debug("could not delete the claims of step %d: %s", contents.step, error)
 
     def _check_other_indexes(self, contents: StepContents, ranks: list[int] | None) -> None:
         """CommitError unless every other rank's stored index is the one this manifest names: a

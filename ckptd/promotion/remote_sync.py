@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from ckptd.errors import CkptdError, ConfigError
 from ckptd.policy import Policy
+from ckptd.promotion.ownership import read_claim_quietly, run_id_for
 from ckptd.promotion.pull import MetadataReader, prefetch_step, pull_step
 from ckptd.promotion.schedule import PromotionSchedule
 from ckptd.promotion.uploader import BackgroundUploader
@@ -77,6 +78,7 @@ class RemoteSync:
         self.policy = policy
         #: Whether the local writer is writing a save (the uploader's S3 calls yield to it).
         self.writer_busy = writer_busy
+        self._told_interrupted = False
         #: None while the node's daemon promotes this root (``start_uploads=False``): see :meth:`start_uploads`.
         self.uploader: BackgroundUploader | None = None
         if start_uploads:
@@ -123,7 +125,9 @@ class RemoteSync:
             log.debug("no read-ahead before restore: %s", error)
 
     def after_restore(self, step: int | None, tier: str | None) -> None:
-        """With ``repopulate_local``, copy a step restored from the object tier to the local tier."""
+        """Say once where training resumes when the object tier holds only interrupted promotions of newer
+        steps; with ``repopulate_local``, copy a step restored from the object tier to the local tier."""
+        self._tell_interrupted(step)
         if not self.repopulate_local or step is None or tier != self.remote.label:
             return
         ranks = None if self.world_size == 1 else self.repopulate_ranks
@@ -133,6 +137,39 @@ class RemoteSync:
             pull_step(self.remote, self.local, step, ranks=ranks)
         except CkptdError as error:
             log.warning("could not re-populate the local tier with step %d: %s", step, error)
+
+    def _tell_interrupted(self, restored: int | None) -> None:
+        """Rank 0, after the first full restore: warn once when the object tier holds uncommitted step
+        directories newer than the step training resumes from (a promotion this job's earlier run left
+        interrupted: it is replaced when the step is saved again, see :mod:`ckptd.promotion.ownership`; or
+        another job's on this prefix: its promotion is refused)."""
+        if self._told_interrupted or self.rank != 0:
+            return
+        self._told_interrupted = True
+        try:
+            steps = self.remote.list_step_numbers()
+            committed = set(self.remote.committed_steps())
+        except CkptdError as error:
+            log.debug("could not list the object tier's step directories: %s", error)
+            return
+        pending = set(self.uploader.unpromoted) if self.uploader is not None else set()  # resumed, not interrupted
+        newer = [number for number in steps if number not in committed and number not in pending
+                 and (restored is None or number > restored)]
+        if not newer:
+            return
+        run_id = run_id_for(self.remote)
+        owners = {number: {claim.run_id for claim in (read_claim_quietly(self.remote, number, 0),) if claim}
+                  for number in newer}
+        foreign = [number for number in newer if owners[number] and run_id not in owners[number]]
+        listed = ", ".join(map(str, newer))
+        start = f"step {restored}" if restored is not None else "step 0"
+        where = "S3" if self.remote.url.startswith("s3://") else self.remote.label
+        log.warning("%s holds only an interrupted promotion of step %s: starting from %s (%s; %s)", where, listed,
+                    start, self.remote.label,
+                    "this job replaces it when it saves the step again" if not foreign else
+                    f"step(s) {', '.join(map(str, foreign))} belong to another job on this prefix "
+                    f"({', '.join(sorted(owners[foreign[0]]))}): this job's promotion of it will be refused; give "
+                    "every job its own prefix or CKPTD_RUN_ID")
 
     def wait(self, timeout_s: float | None = None) -> None:
         """Block until queued uploads are done (at most ``timeout_s``); re-raise the upload failures. Nothing

@@ -18,11 +18,12 @@ tier (it is down) drops the steps still queued, so that ``close`` reports them a
 trying each against a tier that does not answer.
 
 Cadence: the object tier is at most one step in flight and one queued behind the local tier. A step
-committed while another waits for its upload supersedes it: the waiting step is not promoted and its pin is
-released (unless ``keep_remote`` keeps it for good, see :meth:`~ckptd.policy.Policy.may_supersede`), and
-once a step is promoted, older steps whose promotion failed are released the same way. Nothing on the save
-path waits for the uploader: :meth:`~BackgroundUploader.on_commit` links the step's files into the pin
-directory without an fsync (the uploader thread makes the pin durable before it promotes). Pins are capped
+committed while another waits for its upload (or for the uploader thread to start it) supersedes it: the
+waiting step is not promoted and its pin is released (unless ``keep_remote`` keeps it for good, see
+:meth:`~ckptd.policy.Policy.may_supersede`), and once a step is promoted, older steps whose promotion failed
+are released the same way. Nothing on the save path waits for the uploader:
+:meth:`~BackgroundUploader.on_commit` links the step's files into the pin directory without an fsync (the
+uploader thread makes the pin durable before it promotes). Pins are capped
 (:class:`~ckptd.promotion.pinning.PinCap`, settings ``pin_max_steps``/``pin_max_bytes``): past the cap the
 oldest unpromoted pins are released with a warning naming how far the object tier is behind.
 
@@ -137,6 +138,8 @@ class BackgroundUploader:
         self._commit_times: dict[int, float] = {}
         self._logged_behind = 0
         self._asked_tiers = False
+        #: Set once the uploader thread listed both tiers (see :meth:`promotion_lag`).
+        self._tiers_learned = threading.Event()
         self._collection_due = False
         self._closing = False
         self._lock = threading.Lock()
@@ -210,8 +213,8 @@ class BackgroundUploader:
             if supersede:
                 dropped = sorted(queued for queued in self._queued if queued < step
                                  and self.policy.may_supersede(queued) and queued not in self._leftovers)
-                if self._current is None and dropped:  # nothing in flight: the oldest is about to start
-                    dropped = dropped[1:]
+                # Nothing in flight does not spare the oldest: a step the uploader thread has not started yet
+                # (it connects, or waits for a core) is as stale as the others, and a withdrawn job is skipped
                 self._withdraw(dropped)
                 self.superseded.extend(dropped)
         if dropped:
@@ -261,15 +264,34 @@ class BackgroundUploader:
         return lag_between(local_step, remote_step, local_created=local_created, remote_created=remote_created)
 
     def promotion_lag(self) -> PromotionLag:
-        """:attr:`lag`; the first time it lacks a tier's newest step, both tiers are listed once to learn it
-        (a tier that does not answer is skipped: the lag then counts from what this uploader saw)."""
-        if not self._asked_tiers and not self.knows_both_tiers:
-            self._asked_tiers = True
-            try:
-                self.learn_remote(promotion_lag(self.pins.local, self.remote))
-            except CkptdError as error:
-                log.debug("could not list the tiers for the promotion lag: %s", error)
+        """:attr:`lag`, never asking the object tier: the uploader thread lists both tiers once when it starts
+        and keeps the newest steps up to date from then on (commits seen, steps promoted). Until that first
+        listing is done, the newest local step is read once from the local tier (no S3 request) and the remote
+        counts as known by nothing yet."""
+        if not self._asked_tiers and not self._tiers_learned.is_set():
+            with self._lock:
+                knows_local = self._local_newest is not None
+            if not knows_local:
+                self._asked_tiers = True
+                try:
+                    steps = self.pins.local.committed_steps()
+                except CkptdError as error:
+                    log.debug("could not list the local tier for the promotion lag: %s", error)
+                    steps = []
+                if steps:
+                    self.learn_remote(lag_between(steps[-1], None))
         return self.lag
+
+    def _learn_tiers(self) -> None:
+        """Uploader thread, at its start (or, when a step waits for promotion already, once it idles): the newest
+        committed step of each tier, from one listing of each (a tier that does not answer is skipped: the lag
+        then counts from what this uploader sees)."""
+        try:
+            self.learn_remote(promotion_lag(self.pins.local, self.remote))
+        except CkptdError as error:
+            log.debug("could not list the tiers for the promotion lag: %s", error)
+        finally:
+            self._tiers_learned.set()
 
     def learn_remote(self, lag: PromotionLag) -> None:
         """Take the newest steps of a :func:`~ckptd.promotion.lag.promotion_lag` computed from the tiers as
@@ -417,6 +439,10 @@ class BackgroundUploader:
         nice = settings().background_nice
         lower_thread_priority(0 if nice <= 0 else nice + _UPLOADER_EXTRA_NICE)
         self.remote.connect()
+        with self._lock:
+            queued = bool(self._queued)
+        if not queued:  # else the first promotion goes first, and the listing waits until the uploader idles
+            self._learn_tiers()
         if self._writer_busy is not None:
             # Niceness does not stop a thread holding the GIL: an upload's Python work (botocore) beside the
             # writer's slows the save that the next save() then waits for
@@ -804,8 +830,10 @@ class BackgroundUploader:
         return [FailureRecord("promotion", error, step=step, rank=self.rank)]
 
     def _collect_if_due(self) -> None:
-        """Uploader thread, when no promotion is queued: announce dropped shares, apply ``keep_remote`` and
-        collect garbage."""
+        """Uploader thread, when no promotion is queued: learn the tiers' newest steps (once), announce dropped
+        shares, apply ``keep_remote`` and collect garbage."""
+        if not self._tiers_learned.is_set():
+            self._learn_tiers()
         self._announce_releases()
         if self._collection_due:
             self._collection_due = False
