@@ -73,6 +73,9 @@ class Settings:
     #: ("": the object-tier URL, one job per prefix). A restart owns its interrupted promotions; another run
     #: id's are refused (see docs/object-tier.md).
     run_id: str = ""
+    #: Object tier: seconds between looks at a step's owner records while a promotion waits for another
+    #: live promoter of the same step number (its record refreshed or expired) before taking the step over.
+    promotion_owner_poll_s: float = 2.0
     #: Object tier: connect and read timeouts and attempts of listings, lookups and deletes, kept short so
     #: that a store that cannot be reached or hangs is known within seconds (restore then uses the tiers
     #: that answer).

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.s3
 _CHILD = r"""
 import json, os, signal, sys, torch, ckptd
 root, url, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-steps, kill_at = int(sys.argv[4]), int(sys.argv[5])
+steps, kill_at, wait_at = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
 generator = torch.Generator().manual_seed(os.getpid())
 state = {"weights": torch.randn(40_000, generator=generator), "bias": torch.randn(1000, generator=generator)}
 with ckptd.CheckpointManager(root, remote=url, storage_options=options, capture_rng=False, daemon="off",
@@ -54,18 +54,24 @@ with ckptd.CheckpointManager(root, remote=url, storage_options=options, capture_
             manager.save(step, state)
             if step == kill_at:
                 manager.wait_uploads()  # killed in there
+            if step == wait_at:  # promoted before a newer step can supersede it in the queue
+                try:
+                    manager.wait_uploads()
+                except ckptd.CkptdError as error:
+                    print("WAIT-FAILED", type(error).__name__, error, flush=True)
 print("DONE", flush=True)
 """
 
 
-def _train(root: Path, url: str, options: dict[str, Any], steps: int, *, kill_at: int = 0,
-           run_id: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, CKPTD_LOG_LEVEL="WARNING", AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing")
+def _train(root: Path, url: str, options: dict[str, Any], steps: int, *, kill_at: int = 0, wait_at: int = 0,
+           run_id: str | None = None, **settings: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, CKPTD_LOG_LEVEL="WARNING", AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+               **{f"CKPTD_{name.upper()}": value for name, value in settings.items()})
     env.pop("CKPTD_RUN_ID", None)
     if run_id is not None:
         env["CKPTD_RUN_ID"] = run_id
     return subprocess.run([sys.executable, "-c", _CHILD, str(root), url, json.dumps(options), str(steps),
-                           str(kill_at)], capture_output=True, text=True, timeout=240, env=env)
+                           str(kill_at), str(wait_at)], capture_output=True, text=True, timeout=240, env=env)
 
 
 def _killed_mid_upload(tmp_path: Path, url: str, options: dict[str, Any], *, run_id: str | None = None) -> None:
@@ -84,7 +90,7 @@ def test_a_restart_on_an_empty_directory_replaces_its_own_interrupted_promotion(
     left = remote.list_files(5)
     assert claim_name(0) in left and "rank-00000.index.json" in left, f"the interrupted promotion left {left}"
 
-    again = _train(tmp_path / "new-node", url, options, 20)  # another node: its local directory is empty
+    again = _train(tmp_path / "new-node", url, options, 20, wait_at=5)  # another node: an empty directory
     assert again.returncode == 0, again.stderr[-3000:]
     assert "START 0" in again.stdout and "DONE" in again.stdout
     said = [line for line in again.stderr.splitlines() if "holds only an interrupted promotion of step 5" in line]
@@ -119,3 +125,32 @@ def test_two_jobs_with_their_own_run_ids_on_one_prefix_are_still_refused(tmp_pat
     assert "belong to another job on this prefix (job-a)" in other.stderr, other.stderr[-3000:]
     assert 5 not in remote.committed_steps(), "job a's interrupted step is not replaced by job b"
     assert json.loads(remote.read_bytes(step_file(5, claim_name(0))))["run_id"] == "job-a"
+
+
+def test_a_promotion_whose_owner_lease_is_live_on_another_host_is_never_taken_over(tmp_path: Path, s3_server,
+                                                                                   s3_bucket) -> None:
+    # the same job's claim from another host cannot tell a crashed promotion from a live one (a node cut off
+    # from the store but still uploading); its owner lease can: while it is refreshed, nothing is replaced
+    from ckptd.promotion.lease import STEP_OWNERS_PREFIX
+    from ckptd.format.layout import step_dir
+    from ckptd.tiers.upload_owners import UploadOwner
+
+    url = f"s3://{s3_bucket}/run"
+    options = s3_server.storage_options
+    remote = object_tier(s3_bucket, options)
+    _killed_mid_upload(tmp_path, url, options)
+    claim = json.loads(remote.read_bytes(step_file(5, claim_name(0))))
+    remote.write_bytes(step_file(5, claim_name(0)), json.dumps({**claim, "host": "node-7"}).encode())
+    live = UploadOwner(key=step_dir(5), host="node-7", pid=4242, refreshed=0.0, lease_s=3600.0)
+    remote.write_bytes(f"{STEP_OWNERS_PREFIX}/{step_dir(5)}/node-7-4242-live.json", live.to_json_bytes())
+    before = {name: remote.read_bytes(step_file(5, name)) for name in remote.list_files(5)}
+
+    again = _train(tmp_path / "new-node", url, options, 20, wait_at=5, s3_upload_owner_lease_s="1",
+                   promotion_owner_poll_s="0.2")
+    assert again.returncode == 0 and "DONE" in again.stdout, again.stderr[-3000:]
+    refused = [line for line in again.stdout.splitlines() if line.startswith("WAIT-FAILED")]
+    assert refused and "another promotion of step 5 with different content" in refused[0], again.stdout[-3000:]
+    assert 5 not in remote.committed_steps()
+    assert {name: remote.read_bytes(step_file(5, name)) for name in remote.list_files(5)} == before, \
+        "the live promotion's objects are untouched"
+    assert remote.committed_steps()[-1] == 20, "the later steps are promoted"

@@ -36,7 +36,7 @@ import uuid
 from dataclasses import asdict, dataclass
 
 from ckptd.config import settings
-from ckptd.errors import CkptdError, NotFoundError
+from ckptd.errors import CkptdError, CommitError, NotFoundError
 from ckptd.format.layout import MANIFEST_NAME, rank_file_prefix, step_file
 from ckptd.tiers.object import ObjectTier
 from ckptd.tiers.upload_owners import process_exists, process_start, this_host
@@ -130,6 +130,10 @@ def take_over(remote: ObjectTier, step: int, ranks: list[int], claim: Claim, *, 
     ``whole_step``, else the files of ``ranks``) and claim the shares of ``ranks`` for ``claim``; returns the
     names removed."""
     names = remote.list_files(step)
+    if MANIFEST_NAME in names:  # committed meanwhile by the other promotion: a committed step is never touched
+        raise CommitError("the other promotion of this step committed it meanwhile: nothing of it is replaced",
+                          step=step, tier=remote.label, path=step_file(step, MANIFEST_NAME),
+                          hint="delete it there (ckptd gc) or promote into another prefix")
     if whole_step:
         doomed = [name for name in names if name != MANIFEST_NAME]
     else:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -56,11 +57,12 @@ from ckptd.stepio.step_reader import load_step_manifest
 from ckptd.promotion.dedup import chunks_to_upload, mark_uploaded, stored_sizes
 from ckptd.promotion.contents import (RankShare, StepContents, pack_path, read_step_contents, read_stored_chunk,
                                      read_verified_pack)
-from ckptd.promotion.lease import step_owner_lease, wait_for_collector
+from ckptd.promotion.lease import live_step_owners, step_owner_lease, wait_for_collector
 from ckptd.promotion.ownership import FOREIGN, Claim, claim_name, decide, read_claim, run_id_for, take_over
 from ckptd.tiers.chunk_health import bad_chunk_paths
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.object import ObjectTier
+from ckptd.tiers.upload_owners import this_host
 
 log = logging.getLogger("ckptd.promotion")
 
@@ -182,6 +184,8 @@ class Promoter:
         mine = [share.rank for share in contents.shares]
         stored = {rank: read_claim(self.remote, step, rank) for rank in mine}
         verdicts = {rank: decide(self.claim, claim) for rank, claim in stored.items()}
+        if all(verdict != FOREIGN for verdict in verdicts.values()) and not self._other_owners_gone(step):
+            verdicts = {rank: FOREIGN for rank in verdicts}  # a live promoter holds the step: never taken over
         if any(verdict == FOREIGN for verdict in verdicts.values()):
             owners = sorted({claim.describe() for claim in stored.values() if claim is not None})
             by = f" (by {'; '.join(owners)})" if owners else ""
@@ -193,6 +197,22 @@ class Promoter:
                     "interrupted (%d object(s) removed)", step, self.remote.label, step,
                     "; ".join(sorted({claim.describe() for claim in stored.values() if claim is not None})),
                     len(removed))
+
+    def _other_owners_gone(self, step: int) -> bool:
+        """Whether no other process holds the owner lease of ``step`` (:func:`live_step_owners`), waiting up to
+        one lease for a holder to go: a claim on another host cannot tell a crashed promotion from a live one
+        (a node cut off, still uploading), but its lease can: a live one keeps refreshing it."""
+        deadline = time.monotonic() + settings().s3_upload_owner_lease_s + settings().promotion_owner_poll_s
+        while True:
+            others = [owner for owner in live_step_owners(self.remote, step)
+                      if (owner.host, owner.pid) != (this_host(), os.getpid())]
+            if not others:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            log.info("step %d on %s: waiting for the owner lease of %s (process %d) to end before replacing its "
+                     "promotion", step, self.remote.label, others[0].host, others[0].pid)
+            threading.Event().wait(min(settings().promotion_owner_poll_s, max(0.0, deadline - time.monotonic())))
 
     def _promote_contents(self, contents: StepContents, ranks: list[int] | None, progress: ProgressHook | None,
                  commits: bool, started: float) -> PromotionReport:
