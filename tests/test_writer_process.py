@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,8 +24,10 @@ import torch
 
 import ckptd
 from ckptd.config import override
-from ckptd.errors import WriterProcessError
+from ckptd.errors import ConfigError, WriterProcessError
 from ckptd.format.layout import step_dir
+from ckptd.stepio import writer_process
+from ckptd.stepio.shared_memory import OWNER_PREFIX, PREFIX, create_segment, remove_orphans, remove_segments_of
 
 
 @pytest.fixture(params=["process", "thread"])
@@ -67,7 +70,9 @@ def test_policy_refuses_a_bad_durable_interval() -> None:
 
 def test_last_commit_records_the_window_of_a_held_save(tmp_path: Path, process_mode: None) -> None:
     state = {"w": torch.randn(1024)}
-    with ckptd.CheckpointManager(tmp_path, policy=ckptd.Policy(every_steps=4), capture_rng=False) as manager:
+    # every step is due (every_steps=1), so steps 5-7 are refused only because step 4 is still in flight
+    policy = ckptd.Policy(every_steps=1, on_busy="skip")
+    with ckptd.CheckpointManager(tmp_path, policy=policy, capture_rng=False) as manager:
         assert manager.last_commit is None
         manager.save(0, state, durable=True)  # the writer process is up
         first = manager.last_commit
@@ -78,7 +83,8 @@ def test_last_commit_records_the_window_of_a_held_save(tmp_path: Path, process_m
             assert manager.save(4, state)
             returned = time.monotonic()
             for step in (5, 6, 7):
-                assert not manager.save(step, state)
+                assert not manager.save(step, state)  # busy: skipped
+            assert manager._saver.skipped[-3:] == [5, 6, 7]
             assert manager.last_commit is first
             released = time.monotonic()
         finally:
@@ -138,6 +144,109 @@ def test_an_error_in_the_writer_process_comes_back_typed(tmp_path: Path, process
         (tmp_path / step_dir(2)).unlink()
         manager.save(3, state, durable=True)  # the same writer process goes on
         assert manager.committed_steps()[-1] == 3
+
+
+def test_a_writer_process_alive_after_its_pipe_broke_is_killed_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pipe broke but the process lives on (here: stopped): waiting for its exit times out, so it is killed
+    and the step fails with WriterProcessError (not subprocess.TimeoutExpired)."""
+    monkeypatch.setattr(writer_process, "_DIED_WAIT_S", 0.3)
+    writer = writer_process.WriterProcess()
+    try:
+        process = writer._process
+        assert process is not None
+        os.kill(process.pid, signal.SIGSTOP)
+        error = writer.lost("the write of step 3", 3)
+        assert isinstance(error, WriterProcessError) and error.step == 3
+        assert "was killed" in str(error) and "during the write of step 3" in str(error)
+        assert process.poll() == -signal.SIGKILL and writer.pid is None
+    finally:
+        writer.close(1.0)
+
+
+_SEGMENT_HOLDER = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from ckptd.stepio.shared_memory import create_segment
+    segments = [create_segment(8192, directory=Path(sys.argv[1])) for _ in range(2)]
+    print(" ".join(segment.name for segment in segments), flush=True)
+    sys.stdin.read()  # lives until the test closes its stdin or kills it
+""")
+
+
+def test_orphan_removal_spares_segments_of_live_processes_whatever_their_pid(tmp_path: Path) -> None:
+    """/dev/shm shared across PID namespaces: a segment whose pid names no process here (another container's
+    live trainer) is kept while its creator lives (its owner lock is held), and removed once it is gone."""
+    holder = subprocess.Popen([sys.executable, "-c", _SEGMENT_HOLDER, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        mine, renamed = holder.stdout.readline().split()
+        # as seen from another PID namespace: the creator's pid is not a process here
+        absent = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+        with pytest.raises(ProcessLookupError):
+            os.kill(absent, 0)
+        token, suffix = renamed[len(PREFIX):].split("-")[1:]
+        foreign = f"{PREFIX}{absent}-{token}-{suffix}"
+        (tmp_path / renamed).rename(tmp_path / foreign)
+        own = create_segment(4096, directory=tmp_path)  # this process's, live as well
+        assert remove_orphans(directory=tmp_path) == []
+        assert remove_segments_of(absent, directory=tmp_path) == []
+        assert remove_segments_of(holder.pid, directory=tmp_path) == []
+        assert remove_segments_of(os.getpid(), directory=tmp_path) == []
+        present = set(os.listdir(tmp_path))
+        assert {mine, foreign, own.name, f"{OWNER_PREFIX}{token}"} <= present
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(remove_orphans(directory=tmp_path)) == sorted([mine, foreign])
+    left = sorted(os.listdir(tmp_path))
+    assert left == sorted([own.name, *(name for name in left if name.startswith(OWNER_PREFIX))])
+    assert f"{OWNER_PREFIX}{token}" not in left  # the dead owner's file went with its segments
+    assert remove_orphans(directory=tmp_path) == [] and own.name in os.listdir(tmp_path)
+
+
+_SMALL_TMPFS = textwrap.dedent("""
+    import os, subprocess, sys
+    from pathlib import Path
+    directory = Path(sys.argv[1])
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(directory)], check=True)
+    from ckptd.errors import ConfigError
+    from ckptd.stepio.shared_memory import create_segment
+    small = create_segment(256 * 1024, directory=directory)
+    small.memory[:] = b"x" * small.size
+    try:
+        big = create_segment(4 * 1024 * 1024, directory=directory)
+    except ConfigError as error:
+        print("ConfigError:", error, flush=True)
+    else:
+        big.memory[:] = b"x" * big.size  # a mapping larger than the tmpfs: SIGBUS at the first page past it
+        print("no error", flush=True)
+    print(" ".join(sorted(os.listdir(directory))), flush=True)
+""")
+
+
+def test_a_segment_larger_than_its_tmpfs_raises_a_config_error_not_sigbus(tmp_path: Path) -> None:
+    """A 1 MiB tmpfs (Docker's 64 MiB /dev/shm in small), mounted in a mount namespace of the child's own:
+    a 4 MiB segment fails when created, with the fix named, instead of killing the process with SIGBUS."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root (unshare --mount)")
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    probe = subprocess.run(["unshare", "--mount", "true"], capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare --mount is not allowed here: {probe.stderr.strip()}")
+    directory = tmp_path / "shm"
+    directory.mkdir()
+    child = subprocess.run(["unshare", "--mount", "--propagation", "private", sys.executable, "-c", _SMALL_TMPFS,
+                            str(directory)], capture_output=True, text=True, timeout=60, check=False)
+    assert child.returncode == 0, f"status {child.returncode}: {child.stderr[-2000:]}"
+    said, listed = child.stdout.splitlines()
+    assert said.startswith("ConfigError:"), said
+    assert str(directory) in said and "4194304 bytes" in said
+    assert "--shm-size" in said and "CKPTD_WRITER_MODE=thread" in said
+    names = listed.split()  # the failed segment's file is gone; the small one and the owner file stay
+    assert len(names) == 2 and sum(name.startswith(PREFIX) for name in names) == 1
+    assert issubclass(ConfigError, ckptd.CkptdError)
 
 
 _GIL_TRAINER = textwrap.dedent("""

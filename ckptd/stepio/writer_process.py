@@ -57,6 +57,11 @@ log = logging.getLogger("ckptd.save")
 
 _STEP_FORMAT = "<q"
 _NO_STEP = -1
+#: Seconds the process waits for its trainer to exit once the pipe closed, before removing its segments.
+_PARENT_EXIT_WAIT_S = 5.0
+#: Seconds the trainer waits for a writer process it found dead (or whose pipe broke) to exit, before it
+#: kills it (and again after the kill).
+_DIED_WAIT_S = 5.0
 
 
 def _error_json(error: BaseException) -> dict[str, Any]:
@@ -102,7 +107,8 @@ class _Serve:
                 raw = self.requests.recv_bytes()
             except (EOFError, OSError):  # the trainer is gone: nobody else frees its staging memory
                 self.segments.close()  # (a live trainer closes the pipe only after "stop" or with a kill)
-                remove_segments_of(self.parent)
+                self._await_parent_exit()
+                remove_segments_of(self.parent)  # those whose owner lock is free (see shared_memory)
                 return
             request = json.loads(raw)
             if request.get("op") == "stop":
@@ -117,6 +123,14 @@ class _Serve:
                 self.replies.send_bytes(json.dumps(reply).encode())
             except OSError:
                 return
+
+    def _await_parent_exit(self, timeout_s: float = _PARENT_EXIT_WAIT_S) -> None:
+        """Wait (a bounded while) until the trainer has exited, not only closed the pipe: its descriptors,
+        the one holding its segments' owner lock among them, are all released by the time this process is
+        given another parent."""
+        deadline = time.monotonic() + timeout_s
+        while os.getppid() == self.parent and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def _tier(self, root: str) -> Any:
         from ckptd.tiers.local import LocalTier
@@ -337,9 +351,28 @@ class WriterProcess:
 
     def _died(self, what: str, step: int | None) -> WriterProcessError:
         process = self._process
-        code = process.wait(timeout=5.0) if process is not None else None
-        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with status {code}"
-        self._reap()
+        code = None
+        killed = None  # the pid of a process killed here
+        if process is not None:
+            try:
+                code = process.wait(timeout=_DIED_WAIT_S)
+            except subprocess.TimeoutExpired:  # the pipe broke but the process lives (stopped, hung): end it
+                killed = process.pid
+                process.kill()
+                try:
+                    code = process.wait(timeout=_DIED_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    code = None  # unkillable for now (uninterruptible I/O): _reap() tries again, bounded
+        if killed is not None:
+            how = f"stopped answering (its pipe closed) and was killed (pid {killed})"
+        elif code is not None and code < 0:
+            how = f"was killed by signal {-code}"
+        else:
+            how = f"exited with status {code}"
+        try:
+            self._reap()
+        except subprocess.TimeoutExpired:
+            pass  # forgotten all the same (_reap drops the handle first); the error below is what matters
         return WriterProcessError(f"the writer process {how} during {what}; the step was not committed",
                                   step=step, tier="local",
                                   hint="earlier committed steps are intact; the next save starts a new writer "
