@@ -80,15 +80,25 @@ soak: setup
 		--report reports/soak/$$(date -u +%Y-%m-%d)-seed$(SOAK_SEED).json
 
 # The fault matrix's long mode (every row its long_runs times; MATRIX_JOBS worker processes), then the
-# report: reports/fault-matrix/REPORT.md and the table in the README.
+# report: reports/fault-matrix/REPORT.md and the table in docs/fault-matrix.md.
 .PHONY: matrix
 MATRIX_JOBS ?= 2
 matrix: setup
 	$(PY) tests/matrix/long_run.py --runs-for 1=500 --jobs $(MATRIX_JOBS) --out reports/fault-matrix/all.json
-	$(PY) tests/matrix/long_run.py --merge 'reports/fault-matrix/*.json' --markdown reports/fault-matrix/REPORT.md --readme README.md
+	$(PY) tests/matrix/long_run.py --merge 'reports/fault-matrix/*.json' --markdown reports/fault-matrix/REPORT.md --readme docs/fault-matrix.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+# The documentation site (mkdocs.yml): `make docs` builds it into site/ with --strict (a broken link, a missing
+# reference or an error class without a troubleshooting section fails), `make docs-serve` serves it with live
+# reload on 127.0.0.1:8000. The tools come with the dev extra; tests/test_docs_site.py runs the same build.
+.PHONY: docs docs-serve
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs serve --strict
 
 # A 3-node ckptd cluster on this machine (tests/cluster/: each node a network namespace on a bridge, addresses
 # in 198.18.0.0/15, its own disk, daemon and `ckptd launch` supervisor, moto's S3 in a namespace of its own):

@@ -540,7 +540,7 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    """A report as Markdown (for the README): the run, the figures per fault kind, the verdict."""
+    """A report as Markdown (for docs/fault-matrix.md): the run, the figures per fault kind, the verdict."""
     machine = report["machine"]
     lines = [f"Soak run of {report['started'][:10]}: `{report['command']}`, {report['minutes']:g} min of faults, "
              f"{report['steps']} steps, {report['topology']['nodes']} nodes x {report['topology']['ranks_per_node']} "

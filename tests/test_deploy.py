@@ -5,8 +5,8 @@
   kustomization lists every manifest but the two applied on their own, and its build validates too;
 - the DaemonSet has the security posture and the probes the issue asks for, and the training Job shares
   the daemon's host directories, socket, UID and root (read from the ConfigMap's TOML);
-- every ``ckptd`` command and flag the manifests, the unit, the Dockerfile, the comments and the README's
-  deploy section use exists in the matching ``ckptd ... --help`` output (the real CLI in a subprocess),
+- every ``ckptd`` command and flag the manifests, the unit, the Dockerfile, the comments and docs/deploy.md
+  use exists in the matching ``ckptd ... --help`` output (the real CLI in a subprocess),
   and every ``CKPTD_*`` variable they set is one ckptd reads;
 - the example TOML names every option of ``ckptd daemon --help``, and it, the ConfigMap's TOML and the
   systemd environment file pass ``ckptd daemon --check-config`` (paths moved under a temporary directory);
@@ -177,16 +177,14 @@ def _dockerfile_instruction(name: str) -> list[str]:
     return json.loads(lines[0].removeprefix(name + " "))
 
 
-def _readme_deploy_section() -> str:
-    text = (REPO / "README.md").read_text()
-    start = text.find("\n## Deploying the daemon")
-    assert start >= 0, "README.md has no 'Deploying the daemon' section"
-    end = text.find("\n## ", start + 1)
-    return text[start:end if end > 0 else None]
+def _deploy_page() -> str:
+    text = (REPO / "docs" / "deploy.md").read_text()
+    assert text.startswith("# Deploying the daemon"), "docs/deploy.md is not the 'Deploying the daemon' page"
+    return text
 
 
 def _invocations() -> Iterator[tuple[list[str], str, bool]]:
-    """Every ``ckptd ...`` command line of deploy/ and of the README's deploy section, and whether it is
+    """Every ``ckptd ...`` command line of deploy/ and of docs/deploy.md, and whether it is
     one (not a mention in a comment or prose, whose words after the command need not be arguments)."""
     yield ["ckptd", *_dockerfile_instruction("ENTRYPOINT")[1:], *_dockerfile_instruction("CMD")], "Dockerfile", True
     for line in UNIT.read_text().splitlines():
@@ -204,7 +202,7 @@ def _invocations() -> Iterator[tuple[list[str], str, bool]]:
                 if Path(argv[0]).name == "ckptd":
                     yield ["ckptd", *argv[1:]], f"{path.name} container {container['name']}", True
     texts = {path.name: path.read_text() for path in DEPLOY.rglob("*") if path.is_file()}
-    texts["README.md"] = _readme_deploy_section()
+    texts["docs/deploy.md"] = _deploy_page()
     subcommands = "|".join(sorted(_commands(_help())))
     for name, text in texts.items():
         for match in re.finditer(rf"(?<![\w.-])ckptd ((?:{subcommands})(?=[\s`]|$)[^\n`#&|;)]*)", text):

@@ -1,5 +1,6 @@
-"""The README's elastic example, run from README.md itself (``tests/scripts/readme_elastic_example.py``
-reads the code block and runs it as ``__main__``) under a real ``ckptd launch`` with 2 gloo ranks.
+"""The elastic example of docs/elastic.md (moved there from the README), run from that page itself
+(``tests/scripts/readme_elastic_example.py`` reads the code block and runs it as ``__main__``) under a real
+``ckptd launch`` with 2 gloo ranks.
 
 Its loader is built in ``setup()``, before the process group exists; it must take its rank and world size
 when it starts iterating. Checked: every batch each rank trained on is its own half of the global batch of

@@ -18,7 +18,10 @@ class, or under ``if TYPE_CHECKING:`` (a type-only import is still a dependency)
   ``ckptd.data.reader_api`` (the shard-reader interface), ``ckptd.dcp`` and each other;
 - packages of one layer never import each other in a cycle (``manager -> dcp`` is fine only while
   ``dcp`` never imports ``manager``, directly or through another package of that layer);
-- every module belongs to a layer or is a leaf (a new top-level package must be placed here).
+- every module belongs to a layer or is a leaf (a new top-level package must be placed in the table).
+
+The layer table itself is read from ``docs/architecture.md`` (the code map), so the page and this test
+cannot disagree.
 
 Each violation is reported as ``module A imports B (layer x -> layer y)`` with its file and line.
 """
@@ -35,16 +38,23 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 ROOTS = {"ckptd": REPO / "ckptd", "ckptd.plugins": REPO / "plugins"}
 
-LAYERS: dict[str, int] = {
-    "format": 0,
-    "tiers": 1,
-    "stepio": 2, "state": 2,
-    "manager": 3, "dcp": 3, "promotion": 3, "data": 3,
-    "planning": 3,
-    "export": 3,
-    "daemon": 4, "elastic": 4, "ckptd": 4,
-    "cli": 5, "demo": 5, "bench": 5, "embedded_s3": 5,
-}
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+
+def layers_from_architecture(text: str) -> dict[str, int]:
+    """The layer table of docs/architecture.md (rows ``| `package` | layer | job |`` between the
+    ``layers:begin`` and ``layers:end`` comments): the rule this test enforces is the one the page states."""
+    begin, end = text.find("<!-- layers:begin"), text.find("<!-- layers:end -->")
+    assert 0 <= begin < end, f"{ARCHITECTURE.name} has no layer table between layers:begin and layers:end"
+    layers: dict[str, int] = {}
+    for line in text[begin:end].splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].startswith("`") and cells[1].isdigit():
+            layers[cells[0].strip("`")] = int(cells[1])
+    return layers
+
+
+LAYERS: dict[str, int] = layers_from_architecture(ARCHITECTURE.read_text(encoding="utf-8"))
 #: What each leaf may import (leaves only).
 LEAVES: dict[str, frozenset[str]] = {
     "errors": frozenset(),
@@ -162,9 +172,9 @@ def violations(edges: Iterable[Edge]) -> list[str]:
         elif target in LEAVES:
             continue
         elif source not in LAYERS:
-            report(edge, f": {source} is in no layer (add it to LAYERS in tests/test_import_graph.py)")
+            report(edge, f": {source} is in no layer (add it to the layer table of docs/architecture.md)")
         elif target not in LAYERS:
-            report(edge, f": {target} is in no layer (add it to LAYERS in tests/test_import_graph.py)")
+            report(edge, f": {target} is in no layer (add it to the layer table of docs/architecture.md)")
         elif LAYERS[target] > LAYERS[source]:
             report(edge, ": imports point down only")
     problems.extend(_cycles(edges))
@@ -216,11 +226,18 @@ def test_every_module_is_parsed_and_placed():
     assert "ckptd.format.records" in modules and "ckptd.plugins.shard_readers.jsonl" in modules
     unplaced = sorted(m for m in modules if unit_of(m) not in LAYERS and unit_of(m) not in LEAVES
                       and unit_of(m) not in ANYTHING_GOES and unit_of(m) != "plugins")
-    assert not unplaced, f"modules in no layer (add their package to LAYERS): {unplaced}"
+    assert not unplaced, f"modules in no layer (add their package to the table in docs/architecture.md): {unplaced}"
     edges = all_edges()
     assert len(edges) > 200, "the parser found suspiciously few imports"
     assert "ckptd.errors" in {edge.target for edge in edges if edge.source == "ckptd.format.codecs"}
     assert "ckptd.data.reader_api" in {edge.target for edge in edges if edge.source.startswith("ckptd.plugins.")}
+
+
+def test_the_layer_table_is_read_from_architecture_md():
+    assert LAYERS["format"] == 0 and LAYERS["tiers"] == 1 and LAYERS["cli"] == 5 and LAYERS["ckptd"] == 4
+    assert len(LAYERS) >= 17, LAYERS
+    assert layers_from_architecture("<!-- layers:begin -->\n| Package | Layer | Job |\n|---|---|---|\n"
+                                    "| `a` | 0 | x |\n| `b` | 2 | y |\n<!-- layers:end -->") == {"a": 0, "b": 2}
 
 
 def test_layers_point_one_way():

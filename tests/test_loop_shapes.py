@@ -3,7 +3,7 @@
 weights, optimizer state and the sample ids of every step equal those of a run that never crashed, bit
 for bit, with 0 and 2 DataLoader workers and across epoch boundaries.
 
-The shapes (see README, "Using ckptd in an existing training script"): fetch-then-train; nanoGPT's
+The shapes (see docs/data-loader.md, "Using ckptd in an existing training script"): fetch-then-train; nanoGPT's
 prefetch-next with the save before the step (steps from 0); the same counted from 1 (``start_step=1``);
 gradient accumulation with the next micro-batch fetched ahead (``batches_per_step``); the loader wrapped
 in the user's own generator; a CUDA-stream-style prefetcher that keeps one batch preloaded on top of

@@ -160,7 +160,7 @@ def young_daly_interval_s(save_cost_s: float, mtbf_s: float) -> float:
 
 
 def ratios(report: BenchReport) -> dict[str, float]:
-    """The figures the targets are stated in (see the README's performance section)."""
+    """The figures the targets are stated in (see docs/performance.md)."""
     s, loop = report.seconds, report.loop
     best_save = min(s["torch_save"], s["dcp_save"])
     best_load = min(s["torch_load"], s["dcp_load"])

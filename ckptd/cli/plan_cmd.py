@@ -64,7 +64,7 @@ def _bandwidth_options(command: Any) -> Any:
     for name in reversed(list(_BANDWIDTH_HELP)):
         flag = name.replace("_", "-")
         variable = f"CKPTD_PLAN_{name.upper()}_GB_PER_S"
-        default = "" if name == "object_job" else " (default: see README)"
+        default = "" if name == "object_job" else " (default: see docs/plan.md)"
         command = click.option(f"--{flag}-gb-per-s", name, type=float, default=None, envvar=variable,
                                help=f"GB/s: gigabytes (1e9 bytes) per second, not gigabits (a 100 Gbit/s link "
                                     f"is 12.5), {_BANDWIDTH_HELP[name]}{default}. [env: {variable}]")(command)

@@ -22,8 +22,8 @@ taken batches unaccounted for would repeat them. Both raise :class:`~ckptd.error
 naming the step, the counts and the argument that would fit.
 
 Counting cannot tell a loop that is off by one step number from a loop that holds one batch more, so
-a shifted loop that forgets ``start_step`` passes these checks at the save; the README lists the common
-loops with their arguments. A resume shows it: the loop then holds another number of batches at its
+a shifted loop that forgets ``start_step`` passes these checks at the save; docs/data-loader.md lists the
+common loops with their arguments. A resume shows it: the loop then holds another number of batches at its
 first save than at the save it resumed from, and :func:`held_changed` words the warning.
 """
 

@@ -89,7 +89,7 @@ from ckptd.planning.run import RunLength, RunTotals, run_totals
 
 SCHEMA = 2
 _GB = 1e9
-#: Bandwidths used when neither given nor measured, GB/s (see README "ckptd plan"): one PCIe Gen4 x16
+#: Bandwidths used when neither given nor measured, GB/s (see docs/plan.md): one PCIe Gen4 x16
 #: link's pinned copy per GPU, a two-socket server's host memory, one NVMe drive, a 100 Gbit/s link to the
 #: buddy node, 20 Gbit/s to object storage per node.
 DEFAULT_GBPS: dict[str, float | None] = {"d2h": 25.0, "host_memcpy": 80.0, "disk": 5.0, "peer": 12.5,

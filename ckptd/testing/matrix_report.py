@@ -6,7 +6,7 @@ with the date, the machine and the exact command. :func:`merge_results` folds se
 (the runs of a scenario in several files are joined by seed; of a seed run twice, the newest file's run
 counts); :func:`markdown_report` turns the view into the report table, listing the rows that cannot run
 here with their reason and coverage and the rows no file has results for; :func:`replace_marked_block`
-puts that table into the README between two marker comments.
+puts that table into docs/fault-matrix.md between two marker comments.
 
 A run that did not hold stays visible after a fix: a failed run that a newer run of its seed replaced is
 kept in the merged view (``superseded``), and the findings file (:func:`load_findings`: each failure's
@@ -295,7 +295,7 @@ def markdown_report(merged: dict[str, Any], *, command: str, findings: list[dict
 
 
 def readme_block(merged: dict[str, Any], *, command: str, findings: list[dict[str, Any]] | None = None) -> str:
-    """The README's fault-matrix block (between the markers): totals, the table, the number of findings,
+    """The fault-matrix block of docs/fault-matrix.md (between the markers): totals, the table, the number of findings,
     date, machine, command."""
     total = totals(merged)
     dates = sorted(source["generated"] for source in merged["sources"])
@@ -307,7 +307,7 @@ def readme_block(merged: dict[str, Any], *, command: str, findings: list[dict[st
              + (f" (runs of {_date_range(dates)}; {'; '.join(machines)})." if dates else "."),
              "", *table_lines(merged), "",
              *([f"The campaign found {_findings_count(findings)}: the findings section of "
-                "[reports/fault-matrix/REPORT.md](reports/fault-matrix/REPORT.md) lists seeds, causes, fixes and "
+                "`reports/fault-matrix/REPORT.md` lists seeds, causes, fixes and "
                 "tests.", ""] if findings else []),
              f"Regenerate: `{command}`", "", README_END]
     return "\n".join(lines)
@@ -323,6 +323,6 @@ def replace_marked_block(text: str, block: str) -> str:
     replaced by ``block``; ValueError when the markers are missing."""
     start, end = text.find(README_START), text.find(README_END)
     if start < 0 or end < start:
-        raise ValueError("the README has no fault-matrix block: add the two marker lines "
+        raise ValueError("the page has no fault-matrix block: add the two marker lines "
                          f"{README_START!r} and {README_END!r} where the table goes")
     return text[:start] + block + text[end + len(README_END):]

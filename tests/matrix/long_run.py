@@ -6,12 +6,13 @@ Run rows (seeds ``seed_for(row, 0..N-1)``, the short mode's seeds first)::
 
 Without ``--runs`` each scenario runs its ``long_runs`` times; ``--jobs N`` spreads the runs over N worker
 processes; the results file is rewritten every 10 runs (a run stopped early keeps what it did), and
-``--first-run K`` runs a further batch (seeds from index K) that ``--merge`` joins to the earlier ones. Merge every results file into the report and the README's table (one command; the findings file
+``--first-run K`` runs a further batch (seeds from index K) that ``--merge`` joins to the earlier ones. Merge
+every results file into the report and the table of docs/fault-matrix.md (one command; the findings file
 ``reports/fault-matrix/findings.json``, every failure found with its cause, fix and regression test, becomes
 the report's findings section)::
 
     python tests/matrix/long_run.py --merge 'reports/fault-matrix/*.json' \\
-        --markdown reports/fault-matrix/REPORT.md --readme README.md
+        --markdown reports/fault-matrix/REPORT.md --readme docs/fault-matrix.md
 
 Replay one run, keeping its scratch directory and printing its traceback::
 
@@ -42,7 +43,7 @@ from ckptd.testing import matrix, matrix_report  # noqa: E402
 
 FINDINGS = REPO / "reports" / "fault-matrix" / "findings.json"
 MERGE_COMMAND = ("python tests/matrix/long_run.py --merge 'reports/fault-matrix/*.json' "
-                 "--markdown reports/fault-matrix/REPORT.md --readme README.md")
+                 "--markdown reports/fault-matrix/REPORT.md --readme docs/fault-matrix.md")
 
 
 def parse_rows(text: str) -> list[int]:
@@ -201,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--merge", nargs="+", default=None, metavar="GLOB", help="results files to merge")
     parser.add_argument("--markdown", default=None, help="with --merge: the report file to write")
-    parser.add_argument("--readme", default=None, help="with --merge: the README whose fault-matrix block to update")
+    parser.add_argument("--readme", default=None,
+                        help="with --merge: the Markdown page (docs/fault-matrix.md) whose fault-matrix block to update")
     parser.add_argument("--replay", default=None, metavar="ROW:[SCENARIO:]SEED", help="rerun one run, keeping it")
     args = parser.parse_args(argv)
     try:

@@ -1,4 +1,4 @@
-"""A ckptd-aware job whose only heartbeats are its saves (the README's shape), for the hang-blame tests.
+"""A ckptd-aware job whose only heartbeats are its saves (docs/elastic.md's shape), for the hang-blame tests.
 
 ``ckptd launch ... elastic_save_beats.py ROOT OUT STEPS [STOP_RANK STOP_STEP]``: every rank trains a small
 model on data drawn from (step, rank), averages gradients with all_reduce, saves every step through

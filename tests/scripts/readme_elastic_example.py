@@ -1,8 +1,8 @@
-"""Runs the README's elastic example as ``__main__``: the code block of the "Elastic launch" section, read
-from README.md itself (not a copy), for ``tests/test_elastic_readme_example.py``.
+"""Runs the documented elastic example as ``__main__``: the code block of the "Elastic launch" section of
+docs/elastic.md, read from that page itself (not a copy), for ``tests/test_elastic_readme_example.py``.
 
 ``ckptd launch [options] tests/scripts/readme_elastic_example.py MANIFEST ROOT`` runs the example with
-``sys.argv = [README.md, MANIFEST, ROOT]``. It only observes: every batch the example's ShardLoader hands to
+``sys.argv = [docs/elastic.md, MANIFEST, ROOT]``. It only observes: every batch the example's ShardLoader hands to
 the training loop is recorded (``<out>/rank<r>-batches.jsonl``: pid, the generation the process started in, step, the samples' ``id``
 field), and once ``ckptd.elastic.run`` returns, the weights of the model ``setup()`` built, as hex bytes
 (``<out>/rank<r>-final.json``). ``<out>`` is ``$README_EXAMPLE_OUT``. ``README_EXAMPLE_KILL=R:S``: rank R
@@ -25,16 +25,16 @@ from typing import Any
 import ckptd.elastic
 from ckptd.data import ShardLoader
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "elastic.md"
 
 
-def example_code(readme: Path = README) -> str:
-    """The first Python block of the README's "Elastic launch" section."""
-    text = readme.read_text(encoding="utf-8")
+def example_code(page: Path = PAGE) -> str:
+    """The first Python block of the "Elastic launch" section of docs/elastic.md."""
+    text = page.read_text(encoding="utf-8")
     section = text[text.index("## Elastic launch"):]
     found = re.search(r"```python\n(.*?)```", section, re.DOTALL)
     if found is None:
-        raise RuntimeError(f"{readme}: no python block in the Elastic launch section")
+        raise RuntimeError(f"{page}: no python block in the Elastic launch section")
     return found.group(1)
 
 
@@ -83,5 +83,5 @@ def _observe(out: Path) -> dict[str, Any]:
 if __name__ == "__main__":
     _observe(Path(os.environ["README_EXAMPLE_OUT"]))
     code = example_code()
-    sys.argv = [str(README), *sys.argv[1:]]
-    exec(compile(code, f"{README}:elastic-example", "exec"), {"__name__": "__main__"})
+    sys.argv = [str(PAGE), *sys.argv[1:]]
+    exec(compile(code, f"{PAGE}:elastic-example", "exec"), {"__name__": "__main__"})
