@@ -213,3 +213,126 @@ def test_use_collectives_false_on_two_gloo_ranks_round_trips_and_refuses_a_parti
     text = CliRunner().invoke(cli, ["inspect", str(root), "--step", str(LATER)])
     assert text.exit_code == 0 and "bytes per rank:" in text.output
     assert f"busiest rank {per_rank['busiest_rank']} writes {per_rank['busiest_over_mean']:.3f}x the mean" in text.output
+
+
+STALE, STALE_INDEX = 5, 6
+OLD_FILL, NEW_FILL = 7.0, 8.0
+
+
+def _wait_for(path: Path, timeout_s: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.01)
+
+
+class _SteppedWriter(CkptdStorageWriter):
+    """A writer whose save signals and waits on files at chosen points, to order two ranks' saves."""
+
+    def __init__(self, root: str, step: int, hooks: dict[str, Any]) -> None:
+        super().__init__(root, step=step)
+        self.hooks = hooks
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        self.hooks.get("after_set_up", lambda: None)()
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        self.hooks.get("before_write", lambda: None)()
+        return super().write_data(plan, planner)
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        self.hooks.get("before_finish", lambda: None)()
+        super().finish(metadata, results)
+        self.hooks.get("after_finish", lambda: None)()
+
+
+def _new_content_restored(rank: int, root: str, step: int) -> bool:
+    ok = True
+    for no_dist in (False, True):
+        state = _state(rank, 0.0)
+        dcp.load(state, storage_reader=CkptdStorageReader(root, step=step), no_dist=no_dist)
+        ok = ok and all(torch.equal(state[k], v) for k, v in _state(rank, NEW_FILL).items()
+                        if isinstance(v, torch.Tensor)) and state["meta"] == {"fill": NEW_FILL}
+    return ok
+
+
+def _stale_part_of_an_earlier_attempt(rank: int, world_size: int, root: str, sync: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    signals, tier = Path(sync), LocalTier(root)
+    for step in (STALE, STALE_INDEX):
+        # An earlier attempt at the step: rank 1 wrote its part (old content), rank 0 crashed before its own.
+        if rank == 1:
+            dcp.save(_state(rank, OLD_FILL), storage_writer=CkptdStorageWriter(root, step=step),
+                     use_collectives=False)
+        else:
+            dist.barrier()  # rank 1's save ends in DCP's barrier
+        dist.barrier()
+        out[f"{step}_committed_before"] = tier.is_committed(step)
+
+    # The job restarts and saves step STALE again on every rank. Rank 1 sets its save up, then waits until
+    # rank 0 has finished its whole save: rank 0 must not commit rank 1's stale part.
+    def rank0_finished() -> None:
+        out["rank0_committed"] = tier.is_committed(STALE)
+        (signals / "r0-finished").touch()
+
+    hooks = ({"after_finish": rank0_finished} if rank == 0 else
+             {"after_set_up": lambda: (signals / "r1-set-up").touch(),
+              "before_write": lambda: _wait_for(signals / "r0-finished")})
+    if rank == 0:
+        _wait_for(signals / "r1-set-up")
+    dcp.save(_state(rank, NEW_FILL), storage_writer=_SteppedWriter(root, STALE, hooks), use_collectives=False)
+    dist.barrier()
+    out["stale_restored_new"] = _new_content_restored(rank, root, STALE)
+
+    # Step STALE_INDEX: rank 1's stale part is in place while its new index is already written (a part
+    # record no set-up deleted): its recorded index digest no longer matches the file, so rank 0 does not
+    # commit it; rank 1 commits once its new part is written.
+    stale_part = tier.root / step_dir(STALE_INDEX) / part_name(1)
+    old_bytes = stale_part.read_bytes()
+    dist.barrier()
+
+    def rank0_finished_index() -> None:
+        out["rank0_committed_index"] = tier.is_committed(STALE_INDEX)
+        (signals / "r0-finished-index").touch()
+
+    def rank1_stale_part_back() -> None:
+        stale_part.write_bytes(old_bytes)
+        (signals / "r1-index-written").touch()
+        _wait_for(signals / "r0-finished-index")
+
+    hooks = ({"after_finish": rank0_finished_index} if rank == 0 else {"before_finish": rank1_stale_part_back})
+    if rank == 0:
+        _wait_for(signals / "r1-index-written")
+    dcp.save(_state(rank, NEW_FILL), storage_writer=_SteppedWriter(root, STALE_INDEX, hooks),
+             use_collectives=False)
+    dist.barrier()
+    out["index_restored_new"] = _new_content_restored(rank, root, STALE_INDEX)
+
+    # A committed step is never written again: a save of it fails on set-up, before writing anything.
+    try:
+        dcp.save(_state(rank, OLD_FILL), storage_writer=CkptdStorageWriter(root, step=STALE), use_collectives=False)
+    except BaseException as error:
+        out["again"] = f"{type(error).__name__}: {error}"
+    dist.barrier()
+    out["still_new"] = _new_content_restored(rank, root, STALE)
+    return out
+
+
+@pytest.mark.multirank
+def test_use_collectives_false_never_commits_a_part_left_by_an_earlier_attempt(tmp_path: Path) -> None:
+    root, sync = tmp_path / "ckpt", tmp_path / "sync"
+    sync.mkdir()
+    results = run_multirank(_stale_part_of_an_earlier_attempt, 2, str(root), str(sync), timeout_s=150)
+    for rank, out in enumerate(results):
+        assert not out[f"{STALE}_committed_before"] and not out[f"{STALE_INDEX}_committed_before"]
+        assert out["stale_restored_new"], f"rank {rank}: step {STALE} holds exactly the new save on both ranks"
+        assert out["index_restored_new"], f"rank {rank}: step {STALE_INDEX} holds exactly the new save"
+        assert "AlreadyCommittedError" in out["again"] and "never rewritten" in out["again"], out["again"]
+        assert out["still_new"]
+    assert results[0]["rank0_committed"] is False, "rank 0 did not commit rank 1's part of the earlier attempt"
+    assert results[0]["rank0_committed_index"] is False, "nor a part whose index file has changed"
+    assert LocalTier(root).committed_steps() == [STALE, STALE_INDEX]

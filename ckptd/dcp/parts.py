@@ -10,6 +10,13 @@ into place without replacing one, so one commit wins and the other sees the step
 A step whose parts are not all there is not committed: readers do not list it, and a load that names it
 gets :class:`~ckptd.errors.PartialStepError` naming the ranks missing (:func:`partial_step_error`). Part
 records stay in the committed step directory; readers ignore them.
+
+Part records carry no attempt id shared by the ranks, so a part left by an earlier, failed attempt at the
+step cannot be told from one of this attempt by its content. The writer therefore (a) deletes its own rank's
+part record when the save is set up, before it writes anything of the step; (b) commits only parts whose
+recorded index digest matches the index file now on disk (a rank that has begun writing again no longer
+matches); (c) never writes into a committed step. After a failed attempt the sound recovery is to delete
+the step directory (or save a new step) and save again on every rank.
 """
 
 from __future__ import annotations
@@ -19,12 +26,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd.errors import CkptdError, FormatError, PartialStepError
+from ckptd.format.hashing import chunk_digest
 from ckptd.format.layout import step_file
 from ckptd.format.records import RankEntry
 from ckptd.tiers.base import StorageTier
 
 #: Name of one rank's part record in a step directory.
 PART_SUFFIX = ".dcp-part.json"
+
+#: What to do about a step whose attempt without collectives failed (its parts may be of several attempts).
+HINT = "delete the step directory (or save a new step) and save again on every rank"
 
 
 def part_name(rank: int) -> str:
@@ -64,12 +75,30 @@ class RankPart:
                        newer_values=bool(body.get("newer_values", False)))
         except (ValueError, KeyError, TypeError) as error:
             raise FormatError(f"malformed part record: {error}", path=path, step=step,
-                              hint="rerun the save of this step on every rank") from error
+                              hint=HINT) from error
 
 
 def write_part(tier: StorageTier, step: int, part: RankPart) -> None:
-    """Write (or replace, after a failed attempt) this rank's part record of ``step``."""
+    """Write this rank's part record of ``step`` (the writer deleted any older one when the save was set up)."""
     tier.write_bytes(step_file(step, part_name(part.entry.rank)), part.to_json_bytes())
+
+
+def delete_part(tier: StorageTier, step: int, rank: int) -> None:
+    """Delete ``rank``'s part record of ``step`` left by an earlier attempt (nothing when there is none)."""
+    tier.delete_files([step_file(step, part_name(rank))])
+
+
+def part_matches_index(tier: StorageTier, step: int, part: RankPart) -> bool:
+    """Whether the index file of ``part``'s rank now on disk is the one the part records (same size and
+    digest): False when the rank has begun writing the step again, or its index is missing."""
+    path = step_file(step, part.entry.index_file)
+    try:
+        raw = tier.read_bytes(path)
+    except CkptdError:
+        if tier.exists(path):
+            raise
+        return False
+    return len(raw) == part.entry.index_size and chunk_digest(raw) == part.entry.index_digest
 
 
 def read_parts(tier: StorageTier, step: int) -> dict[int, RankPart]:
@@ -107,10 +136,10 @@ def partial_step_error(tiers: list[StorageTier], step: int) -> PartialStepError 
             return PartialStepError(
                 f"step {step} was saved without collectives and every rank wrote its part, but the step was not "
                 "committed (the committing rank stopped before writing the manifest)", step=step,
-                tier=tier.label, hint="rerun the save of this step on every rank, or load another step")
+                tier=tier.label, hint=f"{HINT}, or load another step")
         return PartialStepError(
             f"step {step} was saved without collectives and is not committed: ranks {missing} of {world_size} "
             f"have not written their part (present: {sorted(parts)})", step=step, tier=tier.label,
-            hint=f"wait for ranks {missing} to finish dcp.save of this step, or rerun it on those ranks; "
+            hint=f"wait for ranks {missing} to finish dcp.save of this step; if that attempt failed, {HINT}; "
                  "or load another step (a load without a step reads the newest committed one)")
     return None

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import logging
 import os
 import threading
 import time
@@ -73,11 +74,12 @@ from ckptd.config import settings
 from ckptd.format.values import SavedValues, ShardPlacement
 from ckptd.dcp import quantized as quantization
 from ckptd.dcp.metadata import MANIFEST_KEY, StoredPiece, planner_data_to_json
-from ckptd.dcp.parts import RankPart, read_parts, write_part
+from ckptd.dcp.parts import HINT as PARTS_HINT
+from ckptd.dcp.parts import RankPart, delete_part, part_matches_index, read_parts, write_part
 from ckptd.errors import (AlreadyCommittedError, CheckpointExistsError, CommitError, ConfigError,
                           PickleRefusedError, StorageError)
 from ckptd.format import codecs
-from ckptd.format.layout import parse_step_dir, step_dir
+from ckptd.format.layout import MANIFEST_NAME, parse_step_dir, step_dir, step_file
 from ckptd.stepio.rank_writer import RankWriter
 from ckptd.format.records import FORMAT_VERSION, Manifest, RankEntry
 from ckptd.format.values import VALUE_KEYS_SINCE
@@ -86,6 +88,8 @@ from ckptd.state.tree import flatten
 from ckptd.tiers.atomicity import step_commit
 from ckptd.tiers.local import LocalTier, local_root
 from ckptd.tiers.registry import scheme_of
+
+log = logging.getLogger("ckptd.dcp")
 
 #: fqn prefix of the one extra WriteResult per rank that carries its manifest entry to the coordinator.
 _RANK_ENTRY_FQN = "__ckptd_rank_entry__"
@@ -224,6 +228,11 @@ class CkptdStorageWriter(StorageWriter):
             self._check_overwrite()
             if self.step is not None:
                 step_commit(self._local).check_writable(self.step)
+                if not self.use_collectives and self.world_size > 1:
+                    # A part record of this rank left by an earlier attempt would let another rank commit
+                    # that attempt's files of this rank with this attempt's of its own: delete it before
+                    # writing anything of the step (this rank's new one is written after its index).
+                    delete_part(self._local, self.step, self.rank)
         except BaseException:
             self._buffers_free.set()  # this save ends here: the staged copy is not read
             raise
@@ -325,27 +334,41 @@ class CkptdStorageWriter(StorageWriter):
         pieces = {r.index: r.storage_data for rank_results in results for r in rank_results
                   if isinstance(r.storage_data, StoredPiece)}
         newer_values = any(piece.kind in ("bytesio", "quantized") for piece in pieces.values())
-        write_part(tier, step, RankPart(entry=share.entry, world_size=self.world_size, codec=self.codec,
-                                        save_id=share.target.save_id,
-                                        planner_data=planner_data_to_json(metadata.planner_data),
-                                        version=metadata.version, newer_values=newer_values))
-        parts = read_parts(tier, step)
         path = f"{root.rstrip('/')}/{step_dir(step)}"
-        if set(parts) >= set(range(self.world_size)):
-            self._commit_parts(tier, step, parts, path)
+        if tier.is_committed(step):
+            # Another rank committed the step without this rank's part of this save (which is not written
+            # yet): its files are not this save's, unless the manifest records exactly them.
+            self._check_committed_entry(tier, step, share.entry, path)
+        else:
+            write_part(tier, step, RankPart(entry=share.entry, world_size=self.world_size, codec=self.codec,
+                                            save_id=share.target.save_id,
+                                            planner_data=planner_data_to_json(metadata.planner_data),
+                                            version=metadata.version, newer_values=newer_values))
+            parts = read_parts(tier, step)
+            if set(parts) >= set(range(self.world_size)):
+                self._commit_parts(tier, step, parts, path, share.entry)
         metadata.storage_data = pieces
         metadata.storage_meta = StorageMeta(checkpoint_id=path, save_id=share.target.save_id)
 
-    def _commit_parts(self, tier: LocalTier, step: int, parts: dict[int, RankPart], path: str) -> None:
-        """Write the manifest of a step saved without collectives from every rank's part."""
+    def _commit_parts(self, tier: LocalTier, step: int, parts: dict[int, RankPart], path: str,
+                      own: RankEntry) -> None:
+        """Write the manifest of a step saved without collectives from every rank's part, when each part
+        records the index file now on disk (``own``: this rank's entry, just written as its part)."""
         odd = {rank: (part.world_size, part.codec) for rank, part in parts.items()
                if (part.world_size, part.codec) != (self.world_size, self.codec)}
         if odd or set(parts) != set(range(self.world_size)):
             raise CommitError(f"the parts of step {step} disagree with rank {self.rank}'s save ({self.world_size} "
                               f"ranks, codec {self.codec}): ranks {sorted(parts)}, (world size, codec) {odd}; "
                               "nothing was committed", step=step, path=path,
-                              hint="every rank must save with the same world size and codec; delete the step "
-                              "directory's part records of an older attempt and save again")
+                              hint=f"every rank must save with the same world size and codec; {PARTS_HINT}")
+        changed = sorted(rank for rank, part in parts.items() if not part_matches_index(tier, step, part))
+        if changed:
+            # Their index files are not the ones their parts record: those ranks are writing the step again
+            # (their part of this attempt is not written yet), or their files are gone. The rank that writes
+            # the last part of this attempt commits.
+            log.info("step %d: not committing yet: the index files of ranks %s do not match their part records "
+                     "(left by an earlier attempt)", step, changed)
+            return
         planner_data: dict[str, Any] = {}
         for part in parts.values():
             if isinstance(part.planner_data, dict):
@@ -363,7 +386,22 @@ class CkptdStorageWriter(StorageWriter):
         except AlreadyCommittedError:
             if not tier.is_committed(step):
                 raise
-            # Another rank found every part at the same time and committed first.
+            # Another rank found every part at the same time and committed first: with this rank's part of
+            # this save, unless it read one left by an earlier attempt.
+            self._check_committed_entry(tier, step, own, path)
+
+    def _check_committed_entry(self, tier: LocalTier, step: int, own: RankEntry, path: str) -> None:
+        """CommitError unless ``step``'s manifest records this rank's index exactly as this save wrote it."""
+        manifest_path = step_file(step, MANIFEST_NAME)
+        manifest = Manifest.from_json_bytes(tier.read_bytes(manifest_path), path=manifest_path, step=step,
+                                            tier=tier.label)
+        committed = next((entry for entry in manifest.ranks if entry.rank == own.rank), None)
+        key = (own.index_file, own.index_size, own.index_digest)
+        if committed is None or (committed.index_file, committed.index_size, committed.index_digest) != key:
+            raise CommitError(f"step {step} was committed by another rank with a part of rank {own.rank} that is "
+                              f"not the one this save wrote (a part left by an earlier attempt): the committed "
+                              f"step does not hold rank {own.rank}'s state of this save", step=step, path=path,
+                              tier=tier.label, hint=PARTS_HINT)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
@@ -451,7 +489,24 @@ class CkptdStorageWriter(StorageWriter):
             self.reset()
         return self._tier  # type: ignore[return-value]
 
+    def _refuse_committed(self, tier: LocalTier, step: int) -> None:
+        """Raise before writing a file of ``step`` when it is committed (a committed step is never changed):
+        CheckpointExistsError with ``overwrite=False``, else AlreadyCommittedError."""
+        if not tier.is_committed(step):
+            return
+        path = f"{os.fspath(tier.root).rstrip('/')}/{step_dir(step)}"
+        if not self.overwrite:
+            raise CheckpointExistsError(f"Checkpoint already exists and overwrite=False: step {step} was committed "
+                                        f"while rank {self.rank} was saving it; nothing more was written",
+                                        step=step, path=path, tier=tier.label,
+                                        hint=f"{PARTS_HINT}, or save to another directory")
+        raise AlreadyCommittedError(f"step {step} was committed while rank {self.rank} was saving it; a committed "
+                                    "step is never rewritten, so nothing more was written", step=step, path=path,
+                                    tier=tier.label, hint=PARTS_HINT if not self.use_collectives else
+                                    "save under a new step number, or delete the step first (`ckptd gc`)")
+
     def _write(self, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+        self._refuse_committed(self._local, self.step)  # type: ignore[arg-type]
         writer = RankWriter(self._local, self.step, self.rank, codec=self.codec,  # type: ignore[arg-type]
                             chunk_bytes=settings().chunk_bytes)
         shards: dict[str, tuple[str, ShardPlacement]] = {}
@@ -486,6 +541,8 @@ class CkptdStorageWriter(StorageWriter):
                                            storage_data=StoredPiece(self.rank, name, kind)))
             values = SavedValues(shards=shards, objects=objects, pickled=frozenset(pickled),
                                  buffers=frozenset(buffers), quantized=quantized)
+            # The data files and the index are renamed into place by finish: not into a committed step.
+            self._refuse_committed(self._local, self.step)  # type: ignore[arg-type]
             entry: RankEntry = writer.finish(values.to_json())
         except BaseException:
             writer.abort()
