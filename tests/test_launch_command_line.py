@@ -39,10 +39,10 @@ OPTIONS: dict[str, tuple[str | None, Check | str]] = {
     "module": (None, lambda spec: spec.command[2:4] == ("-m", "train.py")),
     "no_python": (None, lambda spec: spec.command[0] == "train.py" and not spec.preload),
     "run_path": (None, lambda spec: spec.command[2] == "train.py"),
-    "log_dir": ("logs", REFUSED),
-    "redirects": ("3", REFUSED),
-    "tee": ("3", REFUSED),
-    "local_ranks_filter": ("0", REFUSED),
+    "log_dir": ("logs", lambda spec: spec.logs.log_dir == "logs"),
+    "redirects": ("0:3,1:1", lambda spec: spec.logs.redirects == {0: 3}),  # one local rank by default
+    "tee": ("2", lambda spec: spec.logs.tee == {0: 2}),
+    "local_ranks_filter": ("0,1", lambda spec: spec.logs.local_ranks_filter == {0, 1}),
     "duplicate_stdout_filters": ("0", REFUSED),
     "duplicate_stderr_filters": ("0", REFUSED),
     "node_rank": ("0", lambda spec: spec.node_rank == 0),
@@ -101,7 +101,8 @@ def test_master_addr_and_port_name_the_store_without_an_endpoint() -> None:
     (["--nnodes", "1:2", "train.py"], "--nnodes"), (["--rdzv_backend", "etcd", "train.py"], "--rdzv-backend"),
     (["--rdzv-conf", "read_timeout=3", "train.py"], "--rdzv-conf"), (["--nproc-per-node", "gpu", "train.py"],
                                                                       "--nproc-per-node"),
-    (["--no-python", "-m", "train"], "--no-python")])
+    (["--no-python", "-m", "train"], "--no-python"), (["-r", "4", "train.py"], "--redirects"),
+    (["--tee", "0:1,x", "train.py"], "--tee"), (["--local-ranks-filter", "0,one", "train.py"], "--local-ranks-filter")])
 def test_values_ckptd_cannot_honour_are_refused_by_name(argv: list[str], named: str) -> None:
     pytest.importorskip("torch")
     import torch
@@ -117,7 +118,7 @@ def _cli(*argv: str, cwd: Path | None = None, timeout: float = 120) -> subproces
                           timeout=timeout, cwd=cwd, env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-@pytest.mark.parametrize(("argv", "named"), [(("--tee", "3", "train.py"), "--tee"),
+@pytest.mark.parametrize(("argv", "named"), [(("--tee", "7", "train.py"), "--tee"),
                                              (("--no-such-option", "train.py"), "--no-such-option")])
 def test_the_cli_exits_2_naming_the_option(argv: tuple[str, ...], named: str) -> None:
     done = _cli(*argv)

@@ -26,6 +26,12 @@ drawn = {"torch_seed": torch.initial_seed(), "torch": torch.rand(2).tolist(), "n
 with open(os.path.join(sys.argv[1], f"rank{rank}-restart{restart}.json"), "w") as out:
     json.dump(drawn, out)
 if len(sys.argv) > 2 and rank == sys.argv[2] and restart == "0":
+    import time
+    deadline = time.monotonic() + 120  # the others' draws are written before the group restart ends them
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(sys.argv[1], f"rank{other}-restart0.json"))
+            for other in range(int(os.environ["WORLD_SIZE"]))):
+        time.sleep(0.02)
     os.kill(os.getpid(), signal.SIGKILL)
 '''
 

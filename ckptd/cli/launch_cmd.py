@@ -27,10 +27,6 @@ from ckptd.errors import ConfigError
 #: torchrun options ckptd cannot honour yet, with the value that leaves them unused (torchrun's default):
 #: any other value is a usage error naming the option.
 REFUSED: dict[str, tuple[str, Any]] = {
-    "log_dir": ("--log-dir", None),
-    "redirects": ("--redirects", "0"),
-    "tee": ("--tee", "0"),
-    "local_ranks_filter": ("--local-ranks-filter", ""),
     "duplicate_stdout_filters": ("--duplicate-stdout-filters", []),
     "duplicate_stderr_filters": ("--duplicate-stderr-filters", []),
     "local_addr": ("--local-addr", None),
@@ -141,10 +137,14 @@ TORCHRUN_OPTIONS: tuple[tuple[str, str, str], ...] = (
     ("-m, --module", "", "Run SCRIPT as a module (python -m SCRIPT)."),
     ("--no-python, --no_python", "", "Run SCRIPT as an executable, not with python (implies --no-preload)."),
     ("--run-path, --run_path", "", "Run SCRIPT as a file (the default)."),
-    ("--log-dir, --log_dir", "DIR", "Refused (not supported yet)."),
-    ("-r, --redirects", "SPEC", "0 only (refused otherwise, not supported yet)."),
-    ("-t, --tee", "SPEC", "0 only (refused otherwise, not supported yet)."),
-    ("--local-ranks-filter, --local_ranks_filter", "RANKS", "Refused (not supported yet)."),
+    ("--log-dir, --log_dir", "DIR", "Base folder of the ranks' log files: DIR/<rdzv-id>_<random>/attempt_N/"
+                                    "<local rank>/std{out,err}.log, as torchrun."),
+    ("-r, --redirects", "SPEC", "Streams sent to those files only: 0-3 (1 stdout, 2 stderr, 3 both) or per "
+                                "local rank, 0:1,1:2. [default 0]"),
+    ("-t, --tee", "SPEC", "Streams sent to those files and to the console, each line prefixed [<role><local "
+                          "rank>]: (as --redirects). [default 0]"),
+    ("--local-ranks-filter, --local_ranks_filter", "RANKS", "Local ranks shown on the console, e.g. 0,1 (the "
+                                                            "files keep every rank's)."),
     ("--duplicate-stdout-filters, --duplicate_stdout_filters", "F", "Refused (not supported yet)."),
     ("--duplicate-stderr-filters, --duplicate_stderr_filters", "F", "Refused (not supported yet)."),
     ("--node-rank, --node_rank", "N", "This node's rank; node 0 hosts the job's store. [default 0]"),
@@ -230,6 +230,33 @@ def _signals(raw: str) -> tuple[int, ...]:
     return tuple(found)
 
 
+def _log_spec(args: argparse.Namespace, nproc: int) -> Any:
+    """torchrun's logging options as a LogSpec (torch's own parsing of ``--redirects`` and ``--tee``)."""
+    from torch.distributed.elastic.multiprocessing.api import Std, to_map
+
+    from ckptd.elastic.log_routing import LogSpec
+
+    maps = {}
+    for option, raw in (("--redirects", args.redirects), ("--tee", args.tee)):
+        try:
+            parsed = Std.from_str(str(raw))
+        except ValueError:
+            parsed = None
+        if parsed is None:
+            _refuse(option, f"{raw!r} is not 0-3 or a map of local ranks such as 0:1,1:2 (as torchrun)")
+        maps[option] = {local: int(value) for local, value in to_map(parsed, nproc).items()}
+    shown = None
+    if args.local_ranks_filter:
+        try:
+            shown = frozenset(int(part) for part in str(args.local_ranks_filter).split(","))
+        except ValueError:
+            _refuse("--local-ranks-filter", f"{args.local_ranks_filter!r} is not a comma-separated list of local "
+                                            "ranks, e.g. 0,1")
+    return LogSpec(log_dir=args.log_dir or None, redirects=maps["--redirects"], tee=maps["--tee"],
+                   local_ranks_filter=shown, prefix_template=os.environ.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+                   or None)
+
+
 def parse_launch(argv: Sequence[str]) -> ParsedLaunch:
     """Parse ``ckptd launch``'s arguments into the supervisor's spec; a usage error (exit 2) for what ckptd
     cannot honour. Imports torch."""
@@ -290,7 +317,7 @@ def parse_launch(argv: Sequence[str]) -> ParsedLaunch:
                       join_timeout_s=join_timeout, poll_s=float(args.monitor_interval),
                       stop_signals=_signals(args.signals_to_handle or _TORCHRUN_SIGNALS),
                       term_grace_s=5.0 if args.shutdown_timeout is None else float(args.shutdown_timeout),
-                      role=args.role, run_id=args.rdzv_id)
+                      role=args.role, run_id=args.rdzv_id, logs=_log_spec(args, nproc))
     return ParsedLaunch(spec=spec, rdzv_backend="c10d" if args.standalone else args.rdzv_backend,
                         run_id=args.rdzv_id)
 

@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from multiprocessing.context import ForkServerContext
 from typing import Any, TypeAlias
 
+from ckptd.elastic.log_routing import redirect_from_environment
 from ckptd.elastic.waiting import wait_for
 from ckptd.errors import WorkerError
 
@@ -89,6 +90,7 @@ def _run_rank(command: Sequence[str], environment: dict[str, str]) -> None:  # p
     fresh_random_state()
     os.environ.clear()
     os.environ.update(environment)
+    redirect_from_environment(environment)
     sys.stdout, sys.stderr = _unbuffered(1), _unbuffered(2)
     sys.stdin = _inherited_stdin()
     arguments = list(command[2:] if tuple(command[1:2]) == ("-u",) else command[1:])  # the interpreter's -u only
@@ -103,6 +105,13 @@ def _run_rank(command: Sequence[str], environment: dict[str, str]) -> None:  # p
         else:
             sys.argv = list(arguments)
             runpy.run_path(arguments[0], run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException:
+        # as the interpreter does with an uncaught exception: sys.excepthook prints it (torch's, once the
+        # process group exists, prefixes each line with [rankN]:), and the exit status is 1
+        sys.excepthook(*sys.exc_info())
+        raise SystemExit(1) from None
     finally:
         atexit._run_exitfuncs()  # multiprocessing ends its children with os._exit, past the atexit hooks
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ckptd.errors import GenerationEndedError
 from ckptd.elastic import keys
+from ckptd.elastic.log_routing import redirect_from_environment
 from ckptd.elastic.preloaded import RankProcess
 
 log = logging.getLogger("ckptd.elastic")
@@ -120,5 +121,6 @@ def become_rank(environ: dict[str, str] | None = None) -> None:
     variables = json.loads(store.get(assignment))
     env.pop(keys.ENV_SPARE, None)
     env.update(variables)
+    redirect_from_environment(variables)  # from now on its output goes to the rank's files
     log.info("warm spare %d (pid %d) becomes rank %s in generation %s", ident, os.getpid(), variables["RANK"],
              variables[keys.ENV_GENERATION])

@@ -52,6 +52,11 @@ Its loop, every ``poll_s``:
   for its commit and closes its managers (the object tier gets the step), then leaves
   (:mod:`ckptd.elastic.stop_checkpoint`); the supervisors wait ``stop_timeout_s`` for that instead of 20 s.
 
+- logs: torchrun's ``--log-dir``, ``--redirects``, ``--tee`` and ``--local-ranks-filter`` route each rank's
+  stdout and stderr (:mod:`ckptd.elastic.log_routing`): a whole-group restart opens a new ``attempt_<N>``
+  folder; a rank restarted alone, or the spare given its rank, appends to the rank's files; the loop copies
+  teed files to the console, prefixed.
+
 Exit codes of ``ckptd launch``: 0 (every rank finished), 12 (a restart budget spent, a lost node not
 replaced in time, or a supervisor replaced by a newer one), 14 (crash loop), 15 (stopped on request).
 """
@@ -74,7 +79,8 @@ import torch.distributed as dist
 
 from ckptd.config import settings
 from ckptd.errors import ConfigError, CrashLoopError, JobStoppedError, WorkerError
-from ckptd.elastic import group_restart, keys
+from ckptd.elastic import group_restart, keys, log_routing
+from ckptd.elastic.log_routing import LogRouter, LogSpec
 from ckptd.elastic.preloaded import PreloadedStarter, RankProcess, die_with_parent
 from ckptd.elastic.spares import SparePool
 from ckptd.elastic.waiting import wait_for
@@ -132,6 +138,9 @@ class LaunchSpec:
     #: ``TORCHELASTIC_RUN_ID``).
     role: str = "default"
     run_id: str = "none"
+    #: torchrun's ``--log-dir``, ``--redirects``, ``--tee``, ``--local-ranks-filter``
+    #: (:mod:`ckptd.elastic.log_routing`).
+    logs: LogSpec = field(default_factory=LogSpec)
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1 or self.nnodes < 1:
@@ -221,6 +230,10 @@ class Supervisor:
         self._signalled: int | None = None  # SIGTERM or SIGINT received
         self._handlers: dict[int, Any] = {}  # the signal handlers this supervisor replaced
         self._starter: PreloadedStarter | None = None  # with spec.preload, made and warmed before joining
+        self._logs = LogRouter(spec.logs, spec.run_id, spec.role, {rank.local_rank: rank.rank for rank in self.ranks})
+        if self._logs.run_dir is not None:
+            log.info("the ranks' logs go under %s (attempt_<N>/<local rank>/stdout.log, stderr.log)",
+                     self._logs.run_dir)
 
     # --- start ----------------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -295,7 +308,7 @@ class Supervisor:
             "RANK": str(rank.rank), "LOCAL_RANK": str(rank.local_rank), "ROLE_RANK": str(rank.rank),
             # after a whole-group restart every rank has the attempt's number, as under torchrun
             "TORCHELASTIC_RESTART_COUNT": str(rank.restarts if self._group_attempt is None else self._group_attempt), keys.ENV_GENERATION: str(self.generation),
-            keys.ENV_RESTART_COUNT: str(rank.restarts),
+            keys.ENV_RESTART_COUNT: str(rank.restarts), **self._logs.variables(rank.local_rank),
         }
 
     def _job_environment(self) -> dict[str, str]:
@@ -306,8 +319,15 @@ class Supervisor:
         job = self._job_environment()
         if self._starter is not None:
             return self._starter.start(self.spec.command, {**job, **variables})
-        return subprocess.Popen(list(self.spec.command), env={**job, **variables},
-                                preexec_fn=die_with_parent if sys.platform == "linux" else None)
+        files = [open(path, "ab") if (path := variables.get(name)) else None  # noqa: SIM115 - closed below
+                 for name in (log_routing.ENV_STDOUT, log_routing.ENV_STDERR)]
+        try:
+            return subprocess.Popen(list(self.spec.command), env={**job, **variables}, stdout=files[0],
+                                    stderr=files[1], preexec_fn=die_with_parent if sys.platform == "linux" else None)
+        finally:
+            for opened in files:
+                if opened is not None:
+                    opened.close()
 
     def _start(self, rank: _Rank) -> None:
         rank.hung_for, rank.finished, rank.start_at, rank.generation = None, False, None, self.generation
@@ -390,6 +410,7 @@ class Supervisor:
         self._attempts = group_restart.AttemptStores(self.store, self.spec.rdzv_host, self.spec.node_rank,
                                                      self.spec.join_timeout_s)
         self._say_recovery_mode()
+        self._logs.open_attempt(self._group_attempt or 0)
         for rank in self.ranks:
             self._start(rank)
         self._attempt_started = time.monotonic()
@@ -412,6 +433,7 @@ class Supervisor:
                 if self._recovered():
                     self._spares.fill()
                 self._check_hangs()
+                self._logs.pump()
                 time.sleep(self.spec.poll_s)
             self._spares.stop()
             self._finish()
@@ -421,6 +443,7 @@ class Supervisor:
         finally:
             if self._spares is not None:
                 self._spares.stop()
+            self._logs.close()
 
     def _recovered(self) -> bool:
         """Whether every local rank completed a step in the current generation (or finished)."""
@@ -500,6 +523,7 @@ class Supervisor:
                                                          self.spec.join_timeout_s)
         self._master_port = self._attempts.port(generation, on_poll=self._check_signalled)
         self._group_attempt = generation
+        self._logs.open_attempt(generation)
         log.info("node %d: ranks %s stopped in %.2f s (%d still ran); starting them all in generation %d, "
                  "rendezvous at %s:%d", self.spec.node_rank, [rank.rank for rank in self.ranks],
                  time.monotonic() - started, len(running), generation, self.spec.rdzv_host, self._master_port)
