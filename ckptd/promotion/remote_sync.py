@@ -146,15 +146,16 @@ class RemoteSync:
         if self._told_interrupted or self.rank != 0:
             return
         self._told_interrupted = True
+        pending = set(self.uploader.unpromoted) if self.uploader is not None else set()  # resumed, not interrupted
         try:
-            steps = self.remote.list_step_numbers()
-            committed = set(self.remote.committed_steps())
+            newer = [number for number in self.remote.list_step_numbers()
+                     if number not in pending and (restored is None or number > restored)]
+            if newer:  # listed again only when some step directory is newer than the restored step
+                committed = set(self.remote.committed_steps())
+                newer = [number for number in newer if number not in committed]
         except CkptdError as error:
             log.debug("could not list the object tier's step directories: %s", error)
             return
-        pending = set(self.uploader.unpromoted) if self.uploader is not None else set()  # resumed, not interrupted
-        newer = [number for number in steps if number not in committed and number not in pending
-                 and (restored is None or number > restored)]
         if not newer:
             return
         run_id = run_id_for(self.remote)

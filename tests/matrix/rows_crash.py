@@ -149,7 +149,7 @@ def local_tier_wiped(ctx: RunContext) -> Outcome:
         for step in (1, 2):
             manager.save(step, SMALL.state(step), force=True)
             manager.wait()
-        manager.wait_uploads()
+            manager.wait_uploads()  # a newer commit supersedes a step whose upload has not started
     before = inv.record_committed(remote)
     if before.numbers != [1, 2]:
         return inv.outcome([inv.Check("L2", False, f"the object tier holds {before.numbers} before the wipe, "
