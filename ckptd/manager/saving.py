@@ -230,6 +230,16 @@ class Saver:
         since the buffers were free), so that the write starts whatever the training thread does next."""
         if self._process is None:
             return None
+        request = self._write_request(job)
+        if request is None:
+            return None
+        plan, commits = request
+        sent = self._process.send(plan)
+        return None if sent is None else (sent, commits)
+
+    def _write_request(self, job: _WriteJob) -> tuple[dict[str, Any], bool] | None:
+        """The writer process's ``write`` request for ``job`` and whether it commits the step too (None: the
+        buffers are not in shared memory); takes the directory's write lock first."""
         plan = self._plan(job)
         if plan is None:
             return None
@@ -237,20 +247,16 @@ class Saver:
         if commits:
             plan["commit"] = {"ranks_here": list(self.sharing.ranks_here)}
         self.local._lock_before_writing()
-        sent = self._process.send(dict(plan, op="write"))
-        return None if sent is None else (sent, commits)
+        return dict(plan, op="write"), commits
 
     def _send_from_thread(self, job: _WriteJob) -> tuple[int, bool] | None:
         """Writer thread: send the request the training thread could not (the process had died: a new one is
         started). None: the buffers are not in shared memory (the thread writes the step)."""
-        plan = self._plan(job)
-        if plan is None:
+        prepared = self._write_request(job)
+        if prepared is None:
             return None
-        commits = self._commits_in_process(job)
-        if commits:
-            plan["commit"] = {"ranks_here": list(self.sharing.ranks_here)}
-        self.local._lock_before_writing()
-        request = self._process.send(dict(plan, op="write"))
+        plan, commits = prepared
+        request = self._process.send(plan)
         if request is None:
             raise self._process.lost(f"writing step {job.step}", job.step)
         return request, commits

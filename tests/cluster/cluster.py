@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ckptd.testing.daemon_process import wait_until as daemon_wait_until
 from netns import Network, NetworkError
 
 BUCKET, PREFIX = "cluster", "run"
@@ -40,15 +41,9 @@ _CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testin
 
 
 def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = 120.0, interval_s: float = 0.1) -> Any:
-    """Poll ``condition`` until it returns something true and return that; AssertionError after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(interval_s)
+    """Poll ``condition`` until it returns something true and return that; AssertionError after ``timeout_s``
+    (:func:`ckptd.testing.daemon_process.wait_until` with the harness's argument order)."""
+    return daemon_wait_until(condition, timeout_s, what, interval_s=interval_s)
 
 
 @dataclass(frozen=True)
