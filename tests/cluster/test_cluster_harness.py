@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from ckptd.testing.daemon_process import wait_until as daemon_wait_until
+
 from netns import SUBNET, Network, namespace_pids, namespaces, sweep_stale, unavailable_reason
 
 pytestmark = pytest.mark.usefixtures("namespaces_available")
@@ -150,8 +152,9 @@ def test_a_killed_harness_leaves_namespaces_that_the_next_sweep_removes() -> Non
     process = _harness_process("import time; time.sleep(600)\n")
     made = process.stdout.readline().split() if process.stdout else []
     assert made and set(made) <= set(namespaces())
-    sleepers = [pid for name in made for pid in namespace_pids(name)]
-    assert sleepers
+    # `ip netns exec` enters the namespace a moment after popen returns: wait for it (a deadline, not a bound)
+    sleepers = daemon_wait_until(lambda: [pid for name in made for pid in namespace_pids(name)], 60,
+                                 "the harness's sleeper inside its namespace")
     process.send_signal(signal.SIGKILL)
     process.wait(timeout=60)
     assert set(made) <= set(namespaces()), "SIGKILL leaves no chance to clean up"
