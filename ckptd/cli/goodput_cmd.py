@@ -16,7 +16,7 @@ import click
 
 from ckptd.cli.options import json_option, print_json
 from ckptd.cli.plan_cmd import plan as _plan_command
-from ckptd.cli.plan_cmd import plan_inputs
+from ckptd.cli.plan_cmd import duration_text, plan_inputs
 
 #: ``ckptd plan``'s options that make no sense here: the run's length (``--job-days`` is the simulated wall
 #: time instead) and the output switch (this command has its own).
@@ -96,16 +96,6 @@ def goodput(job_days: float, runs: int, seed: int, process_share: float, node_sh
     _print_report(document)
 
 
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    if seconds < 120:
-        return f"{seconds:.3g} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.3g} min"
-    return f"{seconds / 3600:.3g} h"
-
-
 def _print_report(document: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -116,24 +106,24 @@ def _print_report(document: dict[str, Any]) -> None:
     failures = document["failures"]
     shares = ", ".join(f"{kind} {share:.0%}" for kind, share in failures["shares"].items())
     console.print(f"{document['gpus']} GPUs, {document['runs']} runs of {document['days']:g} days (seed "
-                  f"{document['seed']}); job MTTF {_duration(failures['job_mttf_hours'] * 3600)} ({shares})")
+                  f"{document['seed']}); job MTTF {duration_text(failures['job_mttf_hours'] * 3600)} ({shares})")
     table = Table("strategy", "interval", "goodput", "p10-p90", "failures", "lost work", "downtime/failure",
                   "recovered in", title="simulated goodput (planned interval, then the best one)")
     for name, figures in document["strategies"].items():
         for label, outcome in (("planned", figures["planned"]), ("best", figures["best"])):
             runs = outcome["failures"]
-            table.add_row(f"{name} ({label})", _duration(outcome["interval_seconds"]), f"{outcome['goodput']:.2%}",
+            table.add_row(f"{name} ({label})", duration_text(outcome["interval_seconds"]), f"{outcome['goodput']:.2%}",
                           f"{outcome['goodput_p10']:.1%}-{outcome['goodput_p90']:.1%}",
                           f"{sum(runs.values()) / document['runs']:.3g}/run",
                           f"{outcome['lost_work_gpu_hours'] / document['runs']:.3g} GPU-h/run",
-                          _duration(outcome["mean_downtime_seconds"]), _duration(outcome["mean_recovery_seconds"]))
+                          duration_text(outcome["mean_downtime_seconds"]), duration_text(outcome["mean_recovery_seconds"]))
     console.print(table)
     costs = Table("strategy", "stall", "commit (process/node)", "detect (process/node/hang)",
                   "recover (process/node/hang)", title="costs per checkpoint and per failure")
     for name, figures in document["strategies"].items():
         cost = figures["costs"]
-        costs.add_row(name, _duration(cost["stall_seconds"]),
-                      " / ".join(_duration(cost["commit_seconds"][kind]) for kind in ("process", "node")),
-                      " / ".join(_duration(cost["detect_seconds"][kind]) for kind in ("process", "node", "hang")),
-                      " / ".join(_duration(cost["recover_seconds"][kind]) for kind in ("process", "node", "hang")))
+        costs.add_row(name, duration_text(cost["stall_seconds"]),
+                      " / ".join(duration_text(cost["commit_seconds"][kind]) for kind in ("process", "node")),
+                      " / ".join(duration_text(cost["detect_seconds"][kind]) for kind in ("process", "node", "hang")),
+                      " / ".join(duration_text(cost["recover_seconds"][kind]) for kind in ("process", "node", "hang")))
     console.print(costs)

@@ -291,7 +291,10 @@ def _size(value: float | None) -> str:
     return f"{value:.0f} B"
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float | None) -> str:
+    """A duration as a short reading: seconds, minutes or hours ("-" for none)."""
+    if seconds is None:
+        return "-"
     if seconds < 120:
         return f"{seconds:.3g} s"
     if seconds < 7200:
@@ -331,19 +334,19 @@ def _print_plan(document: dict[str, Any]) -> None:
     console.print(table)
     console.print(f"all nodes write {_size(document['checkpoint']['written_bytes_all_nodes'])} per checkpoint")
     staging = document["staging"]
-    console.print(f"staging stall: {_duration(staging['seconds'])} ({staging['bound']} bound)")
+    console.print(f"staging stall: {duration_text(staging['seconds'])} ({staging['bound']} bound)")
     gbps, sources = inputs["bandwidths_gb_per_s"], inputs["bandwidth_sources"]
     console.print("bandwidths, GB/s: " + ", ".join(
         f"{name.replace('_', ' ')} {value:.3g} ({sources[name]})" for name, value in gbps.items() if value is not None))
     tiers = Table("tier", "durable", "restore", "from", "kept/node", "job total", "every", "Young", "lost",
-                  title=f"tiers: MTBF {_duration(inputs['failures']['mtbf_hours'] * 3600)}, interval by Daly")
+                  title=f"tiers: MTBF {duration_text(inputs['failures']['mtbf_hours'] * 3600)}, interval by Daly")
     for name, tier in document["tiers"].items():
         interval = tier["interval"]
-        tiers.add_row(name, _duration(tier["durable_seconds"]),
-                      _duration(tier["restore_seconds"]), tier["restore_from"], _size(tier["storage_bytes_per_node"]),
+        tiers.add_row(name, duration_text(tier["durable_seconds"]),
+                      duration_text(tier["restore_seconds"]), tier["restore_from"], _size(tier["storage_bytes_per_node"]),
                       _size(tier["storage_bytes_total"]),
-                      _duration(interval["seconds"]) + ("*" if interval["bound"] == "tier" else ""),
-                      _duration(interval["young_seconds"]), f"{tier['lost_fraction']['total']:.2%}")
+                      duration_text(interval["seconds"]) + ("*" if interval["bound"] == "tier" else ""),
+                      duration_text(interval["young_seconds"]), f"{tier['lost_fraction']['total']:.2%}")
     console.print(tiers)
     if any(tier["interval"]["bound"] == "tier" for tier in document["tiers"].values()):
         console.print("*: raised to what the tier can absorb (a save reaches it before the next one does)")
@@ -352,7 +355,7 @@ def _print_plan(document: dict[str, Any]) -> None:
     if failures["mtbf_from"] == "failures":
         console.print(f"MTBF {failures['mtbf_hours']:.3g} h for {layout['world_size']} GPUs at "
                       f"{failures['per_gpu_failures_per_hour']:.3g} failures per GPU-hour; restart "
-                      f"{_duration(failures['restart_s'])} plus the restore")
+                      f"{duration_text(failures['restart_s'])} plus the restore")
     for warning in document["warnings"]:
         console.print(f"warning: {warning}", style="yellow")
 
@@ -372,7 +375,7 @@ def _print_modes(console: Any, document: dict[str, Any], table_type: Any) -> Non
     for name, tier in document["tiers"].items():
         for mode, figures, stall in (("async", tier, document["staging"]["seconds"]),
                                      ("sync", tier["sync"], tier["sync"]["stall_seconds"])):
-            row = [name, mode, _duration(stall), _duration(figures["interval"]["seconds"]), f"{figures['goodput']:.2%}"]
+            row = [name, mode, duration_text(stall), duration_text(figures["interval"]["seconds"]), f"{figures['goodput']:.2%}"]
             totals = figures["run"]
             if totals is not None:
                 row += [f"{totals['saves']:.4g}",
