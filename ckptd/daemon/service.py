@@ -333,9 +333,10 @@ class Daemon:
 
     def _write_state_files(self) -> None:
         document = self._state_document()
-        _write_json(self.config.state_dir / STATE_FILE, document)
         for name, runtime in self._roots.items():
             _write_json(runtime.local.root / ROOT_FILE, {**document, "root_name": name})
+        # Last: clients and tests take the state_dir file as the sign that every root names this daemon.
+        _write_json(self.config.state_dir / STATE_FILE, document)
 
     def _remove_state_files(self) -> None:
         paths = [self.config.state_dir / STATE_FILE] + [runtime.local.root / ROOT_FILE
