@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as torch_mp
-import xxhash
 
 from ckptd.bench.contenders import SaveRun
 from ckptd.bench.workloads import ComputeLoop
+from ckptd.format.hashing import chunk_digest
 from ckptd.stepio.rank_writer import lower_thread_priority
 
 _PIECE = 16 * 1024 * 1024
@@ -41,7 +41,7 @@ def _serve(connection: Any, buffers: dict[str, torch.Tensor], directory: str) ->
                 view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
                 for start in range(0, len(view), _PIECE):
                     piece = view[start:start + _PIECE]
-                    digests.append(xxhash.xxh3_128_hexdigest(piece))
+                    digests.append(chunk_digest(piece))
                     while piece:
                         piece = piece[os.write(fd, piece):]
             os.fsync(fd)

@@ -23,8 +23,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
-import os
-import socket
 import struct
 from dataclasses import dataclass
 
@@ -168,11 +166,6 @@ def tcp_peer_uid(peer: tuple[str, int], server: tuple[str, int]) -> int | None:
         except OSError:
             continue
     return None
-
-
-def this_is_linux() -> bool:
-    """Whether loopback UIDs can be told here."""
-    return os.path.exists("/proc/net/tcp") and hasattr(socket, "SO_PEERCRED")
 
 
 __all__ = ["Access", "Authenticator", "MIN_DISTINCT_CHARS", "MIN_TOKEN_CHARS", "SCOPES", "check_token_strength",

@@ -31,13 +31,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import xxhash
 from aiohttp import web
 
 from ckptd.errors import (AlreadyCommittedError, CkptdError, ConfigError, DiskFullError, NotFoundError,
                           UnsafePathError)
 from ckptd.daemon.auth import Access, Authenticator
 from ckptd.daemon.peer_store import Namespace, PeerNamespaces
+from ckptd.format.hashing import StreamingChunkDigest
 from ckptd.tiers.peer_paths import PEER_PREFIX, PeerPath, parse_request_path
 
 log = logging.getLogger("ckptd.daemon.peer")
@@ -207,7 +207,7 @@ class _PeerEndpoints:
             return _refusal(413, f"a peer write holds at most {self.limits.max_put_bytes} bytes")
         if_absent = request.query.get("if_absent") == "1"
         handle = await _in_thread(self.namespaces.begin_write, namespace, asked, if_absent=if_absent)
-        hasher = xxhash.xxh3_128()
+        hasher = StreamingChunkDigest()
         received = 0
         try:
             while received < length:
@@ -226,7 +226,7 @@ class _PeerEndpoints:
                 handle.abort()
                 return _refusal(400, f"the body held {received} bytes, not the {length} announced")
             await _in_thread(self.namespaces.finish_write, namespace, asked, handle, if_absent=if_absent,
-                             digest=hasher.digest())
+                             digest=hasher.hexdigest())
         except BaseException:
             handle.abort()  # a client gone mid-body, a full disk: nothing is left behind
             raise

@@ -52,11 +52,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import xxhash
-
 from ckptd.errors import (AlreadyCommittedError, CkptdError, ConfigError, IntegrityError, NotFoundError,
                           StorageError, UnsafePathError)
-from ckptd.format.hashing import chunk_digest
+from ckptd.format.hashing import StreamingChunkDigest, chunk_digest
 from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, TEMP_MARKER, parse_step_dir, step_dir
 from ckptd.format.records import FORMAT_NAME, ChunkRecord, Manifest, RankIndex
 from ckptd.format.verify import decode_verified
@@ -219,12 +217,6 @@ class PeerNamespaces:
             raise NotFoundError("step is not committed; only files of committed steps are served", step=asked.step,
                                 path=asked.relative)
 
-    def open_for_read(self, namespace: Namespace, asked: PeerPath, *, content: bool = True) -> tuple[int, int]:
-        """An open descriptor of a file a peer may read and its size (the caller closes it). ``content``:
-        its bytes are to be sent (only files of committed steps); False: only its size is (a HEAD)."""
-        served = self.open_served(namespace, asked, content=content)
-        return served.fd, served.size
-
     def open_served(self, namespace: Namespace, asked: PeerPath, *, content: bool = True) -> ServedFile:
         """The file a peer asked for, opened and checked (see the module docstring); NotFoundError for a file
         the step's records do not name, IntegrityError for a copy that fails its check (both logged)."""
@@ -355,7 +347,7 @@ class PeerNamespaces:
                 data = _read_all(fd, size)
             finally:
                 os.close(fd)
-            if size != entry.index_size or chunk_digest(data) != entry.index_digest:
+            if not entry.matches_index(data):
                 continue  # served as named and refused then, with the reason; its data files stay unnamed
             index = RankIndex.from_json_bytes(data, path=relative, step=step)
             for number, data_file in enumerate(index.data_files):
@@ -401,7 +393,7 @@ class PeerNamespaces:
         return handle
 
     def finish_write(self, namespace: Namespace, asked: PeerPath, handle: AtomicFile, *, if_absent: bool,
-                     digest: bytes) -> None:
+                     digest: str) -> None:
         """Rename a received file into place. With ``if_absent`` an existing file is never replaced: the
         write counts as done when it holds the same bytes (``digest``: xxh3-128 of what was received),
         else AlreadyCommittedError."""
@@ -422,7 +414,7 @@ class PeerNamespaces:
                                             path=asked.relative,
                                             hint="a committed step is immutable; save a new step") from None
 
-    def _holds(self, namespace: Namespace, asked: PeerPath, size: int, digest: bytes) -> bool:
+    def _holds(self, namespace: Namespace, asked: PeerPath, size: int, digest: str) -> bool:
         try:
             fd, found = self._open(namespace, asked)
         except NotFoundError:
@@ -430,14 +422,14 @@ class PeerNamespaces:
         try:
             if found != size:
                 return False
-            hasher, offset = xxhash.xxh3_128(), 0
+            hasher, offset = StreamingChunkDigest(), 0
             while offset < size:
                 block = os.pread(fd, _HASH_BLOCK, offset)
                 if not block:
                     return False
                 hasher.update(block)
                 offset += len(block)
-            return hasher.digest() == digest
+            return hasher.hexdigest() == digest
         finally:
             os.close(fd)
 

@@ -57,7 +57,7 @@ from ckptd.stepio.step_reader import load_step_manifest
 from ckptd.tiers.atomicity import ranks_held
 from ckptd.tiers.base import StorageTier
 from ckptd.manager.set_aside import set_aside_steps
-from ckptd.tiers.local import LocalTier
+from ckptd.tiers.local import LocalTier, write_file_atomically
 from ckptd.tiers.registry import open_tier
 
 log = logging.getLogger("ckptd.daemon")
@@ -955,6 +955,4 @@ def _lower_priority(cpu_policy: str = "nice") -> None:
 
 
 def _write_json(path: Path, document: dict[str, Any]) -> None:
-    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
-    os.replace(temporary, path)
+    write_file_atomically(path, (json.dumps(document, indent=1, sort_keys=True) + "\n").encode())

@@ -18,12 +18,14 @@ import os
 import posixpath
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import fsspec
 
 from ckptd.errors import FormatError, FormatVersionError, NotFoundError, UnsafePathError
 from ckptd.format.hashing import SHARD_DIGEST_ALGORITHM, chunk_digest
+from ckptd.tiers.local import write_file_atomically
 
 #: Version written into every dataset manifest; readers refuse other versions.
 MANIFEST_VERSION = 1
@@ -169,14 +171,7 @@ def load_dataset_manifest(path: str | os.PathLike[str], *, storage_options: Mapp
 
 
 def save_dataset_manifest(manifest: DatasetManifest, path: str | os.PathLike[str]) -> None:
-    """Write a manifest to a local path atomically (temporary file, fsync, rename)."""
-    target = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(target))
-    os.makedirs(directory, exist_ok=True)
-    temporary = f"{target}.tmp-{os.getpid()}"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(manifest.to_json(), handle, indent=1)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, target)
+    """Write a manifest to a local path atomically (temporary file, fsync, rename, fsync of the directory)."""
+    target = Path(os.path.abspath(path))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_file_atomically(target, (json.dumps(manifest.to_json(), indent=1) + "\n").encode())

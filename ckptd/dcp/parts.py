@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptd.errors import CkptdError, FormatError, PartialStepError
-from ckptd.format.hashing import chunk_digest
 from ckptd.format.layout import step_file
 from ckptd.format.records import RankEntry
 from ckptd.tiers.base import StorageTier
@@ -98,7 +97,7 @@ def part_matches_index(tier: StorageTier, step: int, part: RankPart) -> bool:
         if tier.exists(path):
             raise
         return False
-    return len(raw) == part.entry.index_size and chunk_digest(raw) == part.entry.index_digest
+    return part.entry.matches_index(raw)
 
 
 def read_parts(tier: StorageTier, step: int) -> dict[int, RankPart]:

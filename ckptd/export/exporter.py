@@ -43,7 +43,7 @@ from ckptd.stepio.step_reader import StepReader
 from ckptd.tiers import open_tier
 from ckptd.tiers.base import StorageTier
 from ckptd.tiers.direct_io import aligned_empty
-from ckptd.tiers.local import AtomicFile, fsync_directory
+from ckptd.tiers.local import fsync_directory, write_file_atomically
 
 if TYPE_CHECKING:
     import torch
@@ -204,9 +204,7 @@ def _write_layout(directory: Path, plan: ExportPlan, progress: Callable[[int], N
     if plan.config is not None:
         extra.append((CONFIG_FILE_NAME, plan.config))
     for name, data in extra:
-        output = AtomicFile(directory / name)
-        output.write(data)
-        output.commit(sync_directory=False)
+        write_file_atomically(directory / name, data, sync_directory=False)
     fsync_directory(directory)
 
 

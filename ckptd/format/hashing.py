@@ -26,14 +26,15 @@ def shard_digest(data: Buffer) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
-class StreamingShardDigest:
-    """xxh3-64 over a stream of pieces (large shards hashed while they are read)."""
+class StreamingChunkDigest:
+    """:func:`chunk_digest` over a stream of pieces (a file hashed while it is received or read)."""
 
     def __init__(self) -> None:
-        self._state = xxhash.xxh3_64()
+        self._state = xxhash.xxh3_128()
 
     def update(self, data: Buffer) -> None:
         self._state.update(data)
 
     def hexdigest(self) -> str:
+        """The digest of every piece so far, as :func:`chunk_digest` gives it for their concatenation."""
         return self._state.hexdigest()

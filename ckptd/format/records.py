@@ -245,6 +245,10 @@ class RankEntry:
     def data_size(self) -> int:
         return total_size(self.data_files)
 
+    def matches_index(self, raw: bytes) -> bool:
+        """Whether ``raw`` is the index file this entry names: the same size and xxh3-128 digest."""
+        return len(raw) == self.index_size and chunk_digest(raw) == self.index_digest
+
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {"rank": self.rank, "index_file": self.index_file, "index_size": self.index_size,
                                 "index_digest": self.index_digest,

@@ -28,9 +28,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptd.errors import CkptdError, IntegrityError, StorageError
+from ckptd.errors import StorageError
 from ckptd.format.layout import step_dir
-from ckptd.tiers.local import AtomicFile, fsync_directory
+from ckptd.tiers.local import fsync_directory, write_file_atomically
 
 #: Directory in a local-tier root where committed steps that training went back past are kept.
 SET_ASIDE_DIRECTORY = ".set-aside"
@@ -53,13 +53,6 @@ class SetAsideProblem:
     chunk: str | None = None
     expected: str | None = None
     actual: str | None = None
-
-    @classmethod
-    def from_error(cls, error: CkptdError, *, rank: int | None = None) -> SetAsideProblem:
-        """The problem an error describes (file, tier, and for bad bytes the chunk and both digests)."""
-        if isinstance(error, IntegrityError):
-            return cls(str(error), rank, error.tier, error.path, error.chunk, error.expected, error.actual)
-        return cls(str(error), rank, error.tier, error.path)
 
     @classmethod
     def from_json(cls, value: Any) -> SetAsideProblem:
@@ -128,9 +121,8 @@ def set_aside_step(root: Path, step: int, *, reason: str | None = None, restored
     record = SetAsideRecord(step, name, now, reason, restored_step, tuple(problems))
     try:
         target_dir.mkdir(exist_ok=True)
-        record_file = AtomicFile(root / f"{name}{_RECORD_SUFFIX}")
-        record_file.write((json.dumps(record.to_json(), indent=1) + "\n").encode())
-        record_file.commit()
+        record_bytes = (json.dumps(record.to_json(), indent=1) + "\n").encode()
+        write_file_atomically(root / f"{name}{_RECORD_SUFFIX}", record_bytes)
         os.rename(root / step_dir(step), root / name)
         fsync_directory(root)
         fsync_directory(target_dir)

@@ -166,10 +166,6 @@ class Layout:
     def ranks_per_node(self) -> int:
         return min(self.gpus_per_node, self.world_size)
 
-    def stage_of(self, rank: int) -> int:
-        """The pipeline stage of a global rank (tensor-parallel fastest, then data-parallel, then pipeline)."""
-        return rank // (self.tp * self.dp)
-
 
 @dataclass(frozen=True)
 class ComponentBytes:

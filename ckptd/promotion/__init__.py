@@ -1,7 +1,7 @@
 """Promotion of committed steps to the object tier, garbage collection, and pulling steps back.
 
 - :class:`Promoter` / :func:`promote_step`: verified, deduplicated, resumable copy of a local step.
-- :class:`BackgroundUploader`: the in-process uploader the manager (and later the daemon) runs.
+- :class:`BackgroundUploader`: the in-process uploader the manager runs (the daemon schedules its own).
 - :func:`collect_garbage`: retention plus mark-and-sweep of unreferenced chunks, for both tiers.
 - :func:`pull_step` / :func:`prefetch_step`: re-populating the local tier, read-ahead for restores.
 """

@@ -68,7 +68,7 @@ def read_step_contents(tier: StorageTier, step: int, ranks: list[int] | None = N
         entry = manifest.entry(rank)
         index = load_rank_index(tier, manifest, rank)
         raw = tier.read_bytes(step_file(step, entry.index_file))
-        if chunk_digest(raw) != entry.index_digest:
+        if not entry.matches_index(raw):
             raise IntegrityError("rank index changed while it was read", path=step_file(step, entry.index_file),
                                  step=step, tier=tier.label, expected=entry.index_digest, actual=chunk_digest(raw))
         shares.append(RankShare(rank=rank, index_name=entry.index_file, index_bytes=raw, index=index))

@@ -81,10 +81,6 @@ class DedupCheck:
     mismatched: int
     local_bytes_read: int
 
-    @property
-    def to_upload(self) -> int:
-        return self.missing + self.recorded_bad + self.mismatched
-
 
 #: The last check this process made (for logs, benchmarks and tests).
 last_check: DedupCheck | None = None

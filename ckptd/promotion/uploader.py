@@ -50,7 +50,8 @@ instead of after ``CKPTD_COMMIT_TIMEOUT_S`` (ranks that switch from a daemon to 
 different steps disagree about which steps are leftovers: this settles it within a step).
 :attr:`~BackgroundUploader.lag` says how far the object tier is behind, without any I/O.
 
-The node daemon reuses this class with its own queue of steps.
+The node daemon does not use this class: it schedules its own promotions from its journal
+(:mod:`ckptd.daemon.service`) and copies each step with the same :class:`~ckptd.promotion.promoter.Promoter`.
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 from ckptd.background import BackgroundWorker, FailureRecord, raise_failures
 from ckptd.config import settings

@@ -81,7 +81,7 @@ def load_rank_index(tier: StorageTier, manifest: Manifest, rank: int) -> RankInd
     entry = manifest.entry(rank)
     path = step_file(manifest.step, entry.index_file)
     raw = _read_metadata(tier, path, manifest.step)
-    if len(raw) != entry.index_size or chunk_digest(raw) != entry.index_digest:
+    if not entry.matches_index(raw):
         raise IntegrityError("rank index does not match the manifest", path=path, step=manifest.step,
                              tier=tier.label, expected=entry.index_digest, actual=chunk_digest(raw),
                              hint="the index is corrupt; restore another tier or an older step")

@@ -97,6 +97,7 @@ def file_in_the_way(directory: Path) -> Path | None:
 
 
 def fsync_directory(directory: Path) -> None:
+    """fsync a directory, making the names created, renamed or removed in it durable."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -273,6 +274,16 @@ class AtomicFile:
             os.close(self._fd)
             self._fd = None
         self.temporary.unlink(missing_ok=True)
+
+
+def write_file_atomically(path: Path, data: Buffer, *, if_absent: bool = False, sync_directory: bool = True) -> None:
+    """Write a whole small file (a record, a state file) through :class:`AtomicFile`: a temporary name,
+    fsync, rename into place, fsync of the directory (unless the caller syncs it once after writing several
+    files). With ``if_absent=True`` an existing file is kept and :class:`AlreadyCommittedError` raised.
+    Failures raise :class:`StorageError` naming the file."""
+    handle = AtomicFile(path)
+    handle.write(data)
+    handle.commit(if_absent=if_absent, sync_directory=sync_directory)
 
 
 class LocalTier(StorageTier):

@@ -52,10 +52,6 @@ class PeerPath:
     def namespace_name(self) -> str:
         return "/".join(self.namespace)
 
-    @property
-    def is_chunk(self) -> bool:
-        return self.relative is not None and self.relative.startswith(f"{CHUNKS_DIRECTORY}/")
-
 
 def _refuse(why: str, shown: str) -> UnsafePathError:
     return UnsafePathError(f"refusing peer path {shown!r}: {why}",
