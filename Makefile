@@ -58,6 +58,13 @@ test-slow: setup
 test-all: setup-integrations
 	$(PY) -m pytest -m ''
 
+# `make test` beside LOAD_BURNERS CPU-spinning processes (the busy-machine run): exit code, wall time and the load
+# seen go to reports/load/. The 60 s per-test limit grows with the run's load per core (tests/time_limit.py).
+LOAD_BURNERS ?= 20
+.PHONY: test-under-load
+test-under-load: setup
+	$(PY) tests/run_under_load.py --burners $(LOAD_BURNERS) --report reports/load/$$(date -u +%Y-%m-%d).json -- $(MAKE) test
+
 # PyTorch's own DCP test files (a copy kept outside this repository) with ckptd's storage plugins in
 # place of FileSystemWriter/FileSystemReader (ckptd.testing.dcp_swap); CKPTD_DCP_SWAP=0 runs them
 # against DCP's own classes. PYTORCH_TEST_ARGS: more pytest arguments (-k, -x, file names).

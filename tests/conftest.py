@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from ckptd.embedded_s3 import EmbeddedS3
+from time_limit import pytest_runtest_logreport, pytest_sessionfinish  # noqa: F401  (the 60 s rule)
 
 
 class _RunningS3(EmbeddedS3):
