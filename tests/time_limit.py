@@ -4,11 +4,13 @@ The limit is ``CKPTD_TEST_LIMIT_S`` seconds (60 unless set; 0 turns the check of
 teardown together, on an idle machine. On a busy machine every test is slower by about the load per core, so the
 limit is scaled by the run's mean one-minute load average per core (sampled at each test report, never below 1):
 at a load of 20 on 2 cores a test may take ten times as long. Tests marked slow, bench, gpu or integrations are
-not part of the default run and are not checked.
+not part of the default run and are not checked. With ``CKPTD_TEST_TIMES=<file>`` each test report's phase and
+seconds are appended to that file as JSON lines while the run goes on (to see where the time of a run goes).
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +55,11 @@ _TIMES = RunTimes()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    times_file = os.environ.get("CKPTD_TEST_TIMES")
+    if times_file and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or a plain run) sees every report
+        with open(times_file, "a", encoding="utf-8") as out:
+            out.write(json.dumps({"id": report.nodeid, "when": report.when, "s": round(report.duration, 3),
+                                  "outcome": report.outcome}) + "\n")
     if any(marker in report.keywords for marker in UNCHECKED_MARKERS):
         return
     _TIMES.add(report.nodeid, report.duration)
