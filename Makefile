@@ -49,9 +49,8 @@ test: setup promtool
 test-integrations: setup-integrations
 	$(PY) -m pytest -m integrations
 
-# The slow group (marker slow): variants and heavier scenarios of capabilities the default run also tests
-# (two-node variants, node loss through a fresh launch, spare races, the GC state machine at full size...),
-# kept out of it so that `make test` stays under 15 minutes on 2 cores.
+# The slow group (marker slow, the tests listed in tests/slow_tests.txt): variants and heavier scenarios of
+# capabilities the default run also tests, kept out of it so that the default run stays under 8 minutes on 2 cores.
 test-slow: setup
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m slow
 

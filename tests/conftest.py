@@ -16,7 +16,7 @@ import pytest
 
 from ckptd.embedded_s3 import EmbeddedS3
 from slow_group import pytest_collection_modifyitems  # noqa: F401  (tests/slow_tests.txt)
-from time_limit import pytest_runtest_logreport, pytest_sessionfinish  # noqa: F401  (the 60 s rule)
+from time_limit import pytest_configure, pytest_runtest_logreport, pytest_sessionfinish  # noqa: F401  (the 60 s rule)
 
 
 class _RunningS3(EmbeddedS3):

@@ -6,6 +6,7 @@ to the daemon's stop event and metrics."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -249,3 +250,30 @@ def test_an_object_tier_that_is_down_does_not_hold_replication(tmp_path, running
             assert replicas.read_bytes(f"{step_dir(step)}/{name}") == LocalTier(root).read_bytes(
                 f"{step_dir(step)}/{name}"), name
     assert PinnedSteps(LocalTier(root), DAEMON_PIN_DIRECTORY).pinned() == [1, 2], "promotion still needs the pins"
+
+
+def test_daemon_json_names_the_daemon_only_once_every_root_does(tmp_path, running, monkeypatch):
+    """Regression: clients and tests take the state_dir's ``daemon.json`` to mean that every root's
+    ``.ckptd-daemon.json`` names this daemon, so it is written after all of them; a root whose file still named
+    a daemon killed before (pid 1 here) at that moment sent its trainer to a socket nobody serves."""
+    from ckptd.daemon import service
+    from ckptd.testing.daemon_process import write_config
+
+    roots = [tmp_path / "root-a", tmp_path / "root-b"]
+    for root in roots:
+        root.mkdir()
+        (root / service.ROOT_FILE).write_text(json.dumps({"pid": 1}))  # left by a SIGKILLed daemon
+    seen: list[dict[str, Any]] = []
+    real_write = service.write_file_atomically
+
+    def watched(path: Path, data: bytes, **options: Any) -> None:
+        real_write(path, data, **options)
+        if path.name == service.STATE_FILE and json.loads(path.read_text())["pid"] == os.getpid():
+            seen.append({root.name: json.loads((root / service.ROOT_FILE).read_text())["pid"] for root in roots})
+
+    monkeypatch.setattr(service, "write_file_atomically", watched)
+    config = write_config(tmp_path / "daemon.toml", [{"name": root.name, "local": str(root)} for root in roots],
+                          state_dir=str(tmp_path / "state"), node_id="node-a", listen="127.0.0.1:0", watch="poll",
+                          scrub_interval_s=0)
+    _start(running, load_config(config, environ={}))
+    assert seen == [{"root-a": os.getpid(), "root-b": os.getpid()}], seen

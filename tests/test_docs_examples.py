@@ -4,7 +4,8 @@ Each block carries a marker, an HTML comment on the last non-blank line before i
 convention is in docs/architecture.md, "Examples in the docs"):
 
 - ``<!-- example: run -->``: a whole Python script, run as it is (``run: python train.py ckpt 30; python
-  train.py ckpt 50`` names the file and the command lines the page gives; each must exit 0);
+  train.py ckpt 50`` names the file and the command lines the page gives; each must exit 0, and a command's
+  ``expect="TEXT"`` words are texts its output must contain);
 - ``<!-- example: fragment SETUP -->``: Python that assumes some state (a manager, a model, a dataset): the
   script is the named setup's preamble, the block, then the setup's checks (``SETUPS`` below);
 - ``<!-- example: cli [SETUP] [exit=N] -->``: every line is a ``ckptd`` command, run with the venv's ``ckptd``
@@ -28,6 +29,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -109,8 +111,10 @@ def parse_marker(text: str) -> Marker:
     if kind.startswith("run"):
         command = text.removeprefix("run").strip()
         if command and not command.startswith(":"):
-            raise ValueError(f"'run' takes ': python FILE ARGS; ...', not {command!r}")
-        return Marker("run", argument=command.removeprefix(":").strip())
+            raise ValueError(f"'run' takes ': python FILE ARGS [expect=TEXT]; ...', not {command!r}")
+        marker = Marker("run", argument=command.removeprefix(":").strip())
+        run_commands(marker)
+        return marker
     words = rest.split()
     if kind == "tested-by":
         if len(words) != 1:
@@ -134,6 +138,31 @@ def parse_marker(text: str) -> Marker:
     if setup is not None and setup not in SETUPS:
         raise ValueError(f"unknown setup {setup!r}; known: {sorted(SETUPS)}")
     return Marker(kind, setup, exit_code)
+
+
+@dataclass(frozen=True)
+class RunCommand:
+    """One command line of a ``run`` marker: its words and the texts its output must contain."""
+
+    argv: list[str]
+    expect: list[str]
+
+
+def run_commands(marker: Marker) -> list[RunCommand]:
+    """The command lines of a ``run`` marker (``python example.py`` when it names none); ValueError when one is not
+    ``python FILE ARGS`` or its quoting is broken. ``expect="TEXT"`` (shell quoting) is taken out of the line."""
+    commands = []
+    for line in marker.argument.split(";") if marker.argument else ["python example.py"]:
+        try:
+            words = shlex.split(line)
+        except ValueError as exc:
+            raise ValueError(f"'run' command {line.strip()!r}: {exc}") from None
+        argv = [word for word in words if not word.startswith("expect=")]
+        expect = [word.removeprefix("expect=") for word in words if word.startswith("expect=")]
+        if len(argv) < 2 or argv[0] != "python" or not all(expect):
+            raise ValueError(f"'run' command {line.strip()!r} is not 'python FILE ARGS [expect=TEXT]'")
+        commands.append(RunCommand(argv, expect))
+    return commands
 
 
 # --- setups: the state a fragment or a command assumes ---------------------------------------------------
@@ -286,10 +315,6 @@ SETUPS: dict[str, Setup] = {
                     logits = self.head(self.embed(idx))
                     return logits, torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-            # DataLoader forks its workers by default; forked while one of the manager's threads (ckptd-writer-rank0,
-            # ckptd-stager-prepare) held glibc's atexit lock, a worker hung in torch.set_num_threads (once in ~10 runs)
-            torch.multiprocessing.set_start_method("forkserver")
-            torch.multiprocessing.set_forkserver_preload(["torch", "ckptd"])
             batch_size, world_size, max_iters, gradient_accumulation_steps = 2, 1, 6, 2
             model = GPT()
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -572,6 +597,13 @@ def test_the_marker_parser_refuses_unknown_kinds_setups_and_reasonless_skips() -
             parse_marker(text)
     assert parse_marker("cli committed-root exit=4") == Marker("cli", "committed-root", 4)
     assert parse_marker("run: python t.py 1") == Marker("run", argument="python t.py 1")
+    for text in ("run: t.py 1", "run: python t.py expect=", "run: python t.py expect=\"open quote", "run python t.py"):
+        with pytest.raises(ValueError):
+            parse_marker(text)
+    commands = run_commands(parse_marker('run: python t.py a 3 expect="after step 3" expect=done; python t.py b'))
+    assert commands == [RunCommand(["python", "t.py", "a", "3"], ["after step 3", "done"]),
+                        RunCommand(["python", "t.py", "b"], [])]
+    assert run_commands(parse_marker("run")) == [RunCommand(["python", "example.py"], [])]
 
 
 def test_the_block_reader_takes_the_marker_from_the_last_line_before_the_fence(tmp_path: Path) -> None:
@@ -659,11 +691,31 @@ def _workspace(block: Block, tmp_path: Path, request: pytest.FixtureRequest) -> 
 
 
 def _run(argv: list[str], ws: Workspace, what: str, expected: int = 0) -> str:
-    done = subprocess.run(argv, cwd=ws.directory, env=ws.environment(), capture_output=True, text=True,
-                          timeout=DEADLINE_S, check=False)
-    output = done.stdout + done.stderr
-    assert done.returncode == expected, f"{what} exited {done.returncode}, not {expected}:\n{output[-6000:]}"
-    return done.stdout
+    """Run ``argv`` in the workspace in a session of its own; after :data:`DEADLINE_S` (or when the test is
+    interrupted) the whole process group is killed: the ranks, DataLoader workers and fork servers it started
+    with it. Returns its stdout."""
+    process = subprocess.Popen(argv, cwd=ws.directory, env=ws.environment(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=DEADLINE_S)
+    except subprocess.TimeoutExpired:
+        _kill_group(process)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"{what} still ran after {DEADLINE_S} s (killed):\n{(stdout + stderr)[-6000:]}") from None
+    except BaseException:
+        _kill_group(process)
+        process.communicate()
+        raise
+    output = stdout + stderr
+    assert process.returncode == expected, f"{what} exited {process.returncode}, not {expected}:\n{output[-6000:]}"
+    return stdout
+
+
+def _kill_group(process: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _script(block: Block, setup: Setup, ws: Workspace) -> str:
@@ -728,13 +780,13 @@ def test_example(block: Block, marker: Marker, tmp_path: Path, request: pytest.F
     setup = SETUPS[marker.setup] if marker.setup else Setup()
     prepared = setup.prepare(ws, request) if setup.prepare else None
     if marker.kind == "run":
-        commands = [command.split() for command in marker.argument.split(";")] if marker.argument else \
-            [["python", "example.py"]]
-        for command in commands:
-            assert command[0] == "python" and len(command) >= 2, f"{block.where}: {command} is not 'python FILE ...'"
-            script = ws.directory / command[1]
+        for command in run_commands(marker):
+            script = ws.directory / command.argv[1]
             script.write_text(ws.localise(block.code))
-            _run([sys.executable, *command[1:]], ws, f"{block.where}: {' '.join(command)}")
+            what = f"{block.where}: {' '.join(command.argv)}"
+            printed = _run([sys.executable, *command.argv[1:]], ws, what)
+            missing = [text for text in command.expect if text not in printed]
+            assert not missing, f"{what} did not print {missing}:\n{printed[-6000:]}"
     elif marker.kind == "fragment":
         script = ws.directory / "example.py"
         script.write_text(_script(block, setup, ws))

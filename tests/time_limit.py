@@ -4,8 +4,10 @@ The limit is ``CKPTD_TEST_LIMIT_S`` seconds (60 unless set; 0 turns the check of
 teardown together, on an idle machine. On a busy machine every test is slower by about the load per core, so the
 limit is scaled by the run's mean one-minute load average per core (sampled at each test report, never below 1):
 at a load of 20 on 2 cores a test may take ten times as long. Tests marked slow, bench, gpu or integrations are
-not part of the default run and are not checked. With ``CKPTD_TEST_TIMES=<file>`` each test report's phase and
-seconds are appended to that file as JSON lines while the run goes on (to see where the time of a run goes).
+not part of the default run and are not checked. A ``CKPTD_TEST_LIMIT_S`` that is not a number stops the run
+at its start. With ``CKPTD_TEST_TIMES=<file>`` each test report's phase and seconds are appended to that file
+as JSON lines while the run goes on (to see where the time of a run goes); a relative path is taken from the
+directory pytest started in (tests change directories).
 """
 
 from __future__ import annotations
@@ -52,12 +54,17 @@ def _base_limit_s() -> float:
 
 
 _TIMES = RunTimes()
+#: CKPTD_TEST_TIMES, made absolute when conftest imports this module (before any test changes directory).
+_TIMES_FILE = os.path.abspath(os.environ["CKPTD_TEST_TIMES"]) if os.environ.get("CKPTD_TEST_TIMES") else None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _base_limit_s()  # a bad value stops the run now, not after it
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    times_file = os.environ.get("CKPTD_TEST_TIMES")
-    if times_file and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or a plain run) sees every report
-        with open(times_file, "a", encoding="utf-8") as out:
+    if _TIMES_FILE and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller (or a plain run) sees every report
+        with open(_TIMES_FILE, "a", encoding="utf-8") as out:
             out.write(json.dumps({"id": report.nodeid, "when": report.when, "s": round(report.duration, 3),
                                   "outcome": report.outcome}) + "\n")
     if any(marker in report.keywords for marker in UNCHECKED_MARKERS):
@@ -78,7 +85,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     factor = _TIMES.load_factor()
     if reporter is not None:
-        reporter.write_sep("=", f"{len(over)} default-run tests over the {base:.0f} s limit "
+        reporter.write_sep("=", f"{len(over)} default-run tests over the {base:.1f} s limit "
                                 f"(x{factor:.1f} for the run's load per core)", red=True)
         for nodeid, seconds in over:
             reporter.write_line(f"{seconds:8.1f}s {nodeid}")

@@ -955,4 +955,6 @@ def _lower_priority(cpu_policy: str = "nice") -> None:
 
 
 def _write_json(path: Path, document: dict[str, Any]) -> None:
-    write_file_atomically(path, (json.dumps(document, indent=1, sort_keys=True) + "\n").encode())
+    write_file_atomically(path, (json.dumps(document, indent=1, sort_keys=True) + "\n").encode(),
+                          what="daemon state file",
+                          hint="the daemon did not start: make its state_dir and every root writable for it")

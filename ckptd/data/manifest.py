@@ -23,7 +23,7 @@ from typing import Any
 
 import fsspec
 
-from ckptd.errors import FormatError, FormatVersionError, NotFoundError, UnsafePathError
+from ckptd.errors import FormatError, FormatVersionError, NotFoundError, StorageError, UnsafePathError
 from ckptd.format.hashing import SHARD_DIGEST_ALGORITHM, chunk_digest
 from ckptd.tiers.local import write_file_atomically
 
@@ -171,7 +171,16 @@ def load_dataset_manifest(path: str | os.PathLike[str], *, storage_options: Mapp
 
 
 def save_dataset_manifest(manifest: DatasetManifest, path: str | os.PathLike[str]) -> None:
-    """Write a manifest to a local path atomically (temporary file, fsync, rename, fsync of the directory)."""
+    """Write a manifest to a local path atomically (temporary file, fsync, rename, fsync of the directory).
+
+    Failures raise :class:`~ckptd.errors.StorageError` naming the manifest's path; an existing manifest is
+    never lost (see :func:`~ckptd.tiers.local.write_file_atomically`)."""
     target = Path(os.path.abspath(path))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    write_file_atomically(target, (json.dumps(manifest.to_json(), indent=1) + "\n").encode())
+    hint = "write the manifest to a writable local path (`ckptd data index URI --format FORMAT --out FILE`)"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StorageError(f"cannot write the dataset manifest: creating its directory failed: "
+                           f"{exc.strerror or exc}", path=str(target), hint=hint) from exc
+    write_file_atomically(target, (json.dumps(manifest.to_json(), indent=1) + "\n").encode(),
+                          what="dataset manifest", hint=hint)

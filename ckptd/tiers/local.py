@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,9 @@ def _step_of(path: Path | str) -> int | None:
 
 
 _KEPT = "older committed steps were kept"
+#: What failed when a file replaced an existing one and only the fsync of its directory then failed.
+_REPLACED_NOT_DURABLE = ("the new file is in place (it replaced the old one) but its directory entry may not be "
+                        "durable: the fsync of the directory")
 
 
 def _storage_error(exc: OSError, path: Path | str, what: str) -> StorageError:
@@ -80,6 +84,36 @@ def _storage_error(exc: OSError, path: Path | str, what: str) -> StorageError:
         hint = ("the disk reported a write-back error, so the file's bytes may be lost: the step was not "
                 f"committed and is not retried (check the disk, e.g. dmesg); save a new step; {_KEPT}")
     return StorageError(f"{what} failed: {exc.strerror or exc}", **where, hint=hint)
+
+
+#: How :class:`AtomicFile` turns a failed file-system call into an error: (the error, the path, what was
+#: being done) -> the :class:`StorageError` to raise. The default, :func:`_storage_error`, speaks of the
+#: checkpoint tier; :func:`write_file_atomically` with ``what=`` speaks of the caller's file instead.
+ErrorFactory = Callable[[OSError, Path, str], StorageError]
+
+
+def _small_file_error(file: Path, what: str, hint: str | None) -> ErrorFactory:
+    """An :data:`ErrorFactory` for ``file`` when it is not part of a checkpoint (a dataset manifest, a
+    daemon's state file): the message names ``what`` the file is and its path (also where its directory
+    failed), the hint says what the errno calls for and then ``hint`` (the caller's advice)."""
+
+    def error(exc: OSError, path: Path, doing: str) -> StorageError:
+        cause = None
+        kind: type[StorageError] = StorageError
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            kind = DiskFullError
+            cause = "the file system is full (or the quota exceeded): free space there"
+        elif exc.errno == errno.EROFS:
+            cause = "the file system is read-only"
+        elif exc.errno in (errno.EACCES, errno.EPERM):
+            cause = f"this process (uid {os.geteuid()}) may not write there"
+        elif exc.errno == errno.EIO:
+            cause = "the disk reported an I/O error (check it, e.g. dmesg)"
+        advice = "; ".join(part for part in (cause, hint) if part) or None
+        return kind(f"cannot write the {what}: {doing} failed: {exc.strerror or exc}", path=str(file),
+                    hint=advice)
+
+    return error
 
 
 def file_in_the_way(directory: Path) -> Path | None:
@@ -159,8 +193,9 @@ class AtomicFile:
     reserved in multiples of :data:`~ckptd.tiers.direct_io.ALIGNMENT` and zero-padded to its end.
     """
 
-    def __init__(self, final: Path, *, direct: bool = False) -> None:
+    def __init__(self, final: Path, *, direct: bool = False, error: ErrorFactory = _storage_error) -> None:
         self.final = final
+        self._error = error
         self.temporary = final.with_name(f"{final.name}{TEMP_MARKER}{uuid.uuid4().hex[:12]}")
         self.size = 0
         self.aligned = direct
@@ -173,7 +208,7 @@ class AtomicFile:
             else:
                 self._fd, self.direct = os.open(self.temporary, flags, 0o644), False
         except OSError as exc:
-            raise _storage_error(exc, final, "creating a file") from exc
+            raise self._error(exc, final, "creating a file") from exc
 
     def write(self, data: Buffer) -> int:
         """Append bytes; returns the offset they start at."""
@@ -185,7 +220,7 @@ class AtomicFile:
             direct_io.pwrite_all(self._fd, view, offset)  # type: ignore[arg-type]
         except OSError as exc:
             self.abort()
-            raise _storage_error(exc, self.final, "writing") from exc
+            raise self._error(exc, self.final, "writing") from exc
         self.size += len(view)
         return offset
 
@@ -208,13 +243,13 @@ class AtomicFile:
                 return
             except OSError as exc:
                 if exc.errno != errno.EINVAL:
-                    raise _storage_error(exc, self.final, "writing") from exc
+                    raise self._error(exc, self.final, "writing") from exc
                 direct_io.stop_direct(self._fd)  # type: ignore[arg-type]
                 self.direct = False
         try:
             direct_io.pwrite_all(self._fd, memoryview(data).cast("B"), offset)  # type: ignore[arg-type]
         except OSError as exc:
-            raise _storage_error(exc, self.final, "writing") from exc
+            raise self._error(exc, self.final, "writing") from exc
 
     def commit(self, *, sync_directory: bool = True, if_absent: bool = False) -> None:
         """fsync, rename over the final name, fsync the directory (unless the caller syncs it once after
@@ -222,8 +257,15 @@ class AtomicFile:
 
         With ``if_absent=True`` an existing final file is kept and :class:`AlreadyCommittedError` raised:
         the temporary is hard-linked to the final name, which the kernel refuses atomically when the name
-        exists, and then unlinked."""
-        phase, placed = "fsync of the file", False
+        exists, and then unlinked.
+
+        The directory fsync is best effort where it cannot be done at all (:data:`_UNSYNCABLE`, as in
+        :func:`make_directory`: a directory this process may not open for reading, a file system that cannot
+        fsync directories). When it fails otherwise (EIO), a file that was new is unlinked again (the commit
+        did not happen; nothing was there before), but a file that replaced an existing one stays: the old
+        copy went with the rename, so unlinking would lose both. Then the error says that the new file is in
+        place but its directory entry may not be durable (after a power loss the old copy may be back)."""
+        phase, placed, replaced = "fsync of the file", False, False
         try:
             if self.aligned:  # the last range may have been written unpadded, through the page cache
                 os.ftruncate(self._fd, self.size)  # type: ignore[arg-type]
@@ -235,17 +277,29 @@ class AtomicFile:
             if if_absent:
                 self._link_into_place()
             else:
+                replaced = os.path.lexists(self.final)
                 os.replace(self.temporary, self.final)
             placed = True
             if sync_directory:
                 phase = "fsync of the directory"
-                fsync_directory(self.final.parent)
+                self._sync_directory()
         except OSError as exc:
             self.abort()
+            if placed and replaced:
+                raise self._error(exc, self.final, _REPLACED_NOT_DURABLE) from exc
             if placed:  # the rename may not survive a power loss: the commit did not happen
                 _unlink_if_same_file(self.final, written)
             where = self.final.parent if phase == "fsync of the directory" else self.final
-            raise _storage_error(exc, where, f"committing ({phase})") from exc
+            raise self._error(exc, where, f"committing ({phase})") from exc
+
+    def _sync_directory(self) -> None:
+        try:
+            fsync_directory(self.final.parent)
+        except OSError as exc:
+            if exc.errno not in _UNSYNCABLE:
+                raise
+            log.debug("the directory of %s cannot be fsynced (%s); its entry is as durable as the file system "
+                      "makes it", self.final, exc.strerror)
 
     def _link_into_place(self) -> None:
         try:
@@ -276,12 +330,20 @@ class AtomicFile:
         self.temporary.unlink(missing_ok=True)
 
 
-def write_file_atomically(path: Path, data: Buffer, *, if_absent: bool = False, sync_directory: bool = True) -> None:
+def write_file_atomically(path: Path, data: Buffer, *, if_absent: bool = False, sync_directory: bool = True,
+                          what: str | None = None, hint: str | None = None) -> None:
     """Write a whole small file (a record, a state file) through :class:`AtomicFile`: a temporary name,
     fsync, rename into place, fsync of the directory (unless the caller syncs it once after writing several
-    files). With ``if_absent=True`` an existing file is kept and :class:`AlreadyCommittedError` raised.
-    Failures raise :class:`StorageError` naming the file."""
-    handle = AtomicFile(path)
+    files; see :meth:`AtomicFile.commit` for a directory that cannot be fsynced). With ``if_absent=True`` an
+    existing file is kept and :class:`AlreadyCommittedError` raised.
+
+    Failures raise :class:`StorageError` (:class:`DiskFullError` when the disk is full) naming the file. By
+    default the error speaks of the checkpoint's local tier; a caller writing another kind of file names it
+    with ``what`` (``"dataset manifest"``: "cannot write the dataset manifest: ...") and says what to do with
+    ``hint``. When the file replaced an existing one and only the directory fsync failed, the new file stays
+    in place and the error says so."""
+    error = _storage_error if what is None else _small_file_error(path, what, hint)
+    handle = AtomicFile(path, error=error)
     handle.write(data)
     handle.commit(if_absent=if_absent, sync_directory=sync_directory)
 
