@@ -5,6 +5,7 @@ from the tiers or known by the manager, says how far the object tier is behind."
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -162,23 +163,82 @@ def test_manager_promotion_lag_while_the_object_tier_refuses(tmp_path: Path, s3_
         assert plain.promotion_lag is None
 
 
+class _Writer:
+    """A writer the tier yields to: ``busy()`` says whether it writes, and records which caller (the asyncio task
+    on a tier's event loop, else the thread) asked, and what it was told."""
+
+    def __init__(self, busy: bool) -> None:
+        self.writing = busy
+        self.polls: list[tuple[object, bool]] = []
+        self.lock = threading.Lock()
+
+    def busy(self) -> bool:
+        try:
+            caller: object = asyncio.current_task()
+        except RuntimeError:  # no event loop in this thread
+            caller = threading.get_ident()
+        with self.lock:
+            answer = self.writing
+            self.polls.append((caller, answer))
+        return answer
+
+
+class _Overlap(_Writer):
+    """Writes until ``needed`` callers wait at the same time (each was told busy and has not been told idle
+    since), then stops for good: the moment overlapping waits are seen, ``overlapped`` is set."""
+
+    def __init__(self, needed: int) -> None:
+        super().__init__(busy=True)
+        self.needed, self.overlapped = needed, threading.Event()
+        self.waiting: set[object] = set()
+
+    def busy(self) -> bool:
+        caller = asyncio.current_task()
+        with self.lock:
+            if self.writing:
+                self.waiting.add(caller)
+                if len(self.waiting) >= self.needed:
+                    self.writing = False
+                    self.overlapped.set()
+        return super().busy()
+
+
 def test_s3_calls_yield_while_a_save_is_written_without_blocking_each_other(s3_server, s3_bucket) -> None:
+    # a call waits while the writer writes, at most its limit: this writer never stops, so only the limit ends it
+    limited = object_tier(s3_bucket, s3_server.storage_options, prefix="yield")
+    endless = _Writer(busy=True)
+    limited.yield_while(endless.busy, limit_s=0.1)
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        call = pool.submit(limited.exists, "missing")
+        try:
+            assert call.result(timeout=60) is False, "a writer that never stops holds a call only its limit"
+        finally:
+            endless.writing = False  # a call that ignored its limit is let go
+        assert time.monotonic() - started >= 0.1, "a call waits while the writer writes"
+    assert len(endless.polls) > 1 and all(answer for _, answer in endless.polls), "it waited, polling the writer"
+
+    # waits on the tier's event loop do not block it: eight calls from four threads, and the writer writes until
+    # four of them wait at the same time (the limit is far past any test's length: only that ends the waits)
     remote = object_tier(s3_bucket, s3_server.storage_options, prefix="yield")
-    writing = threading.Event()
-    writing.set()
-    remote.yield_while(writing.is_set, limit_s=0.1)
-    started = time.monotonic()
-    remote.exists("missing")
-    assert 0.1 <= time.monotonic() - started < 1.0, "a call waits while the writer writes, at most its limit"
-    started = time.monotonic()
-    with ThreadPoolExecutor(4) as pool:  # 8 calls, each waiting its 0.1 s on the tier's event loop
-        assert list(pool.map(lambda index: remote.exists(f"missing-{index}"), range(8))) == [False] * 8
-    # one after another, the eight waits alone would take 0.8 s: anything under that overlapped them
-    assert time.monotonic() - started < 0.8, "the waits blocked the event loop: they ran one after another"
-    writing.clear()
-    started = time.monotonic()
-    remote.exists("missing")
-    assert time.monotonic() - started < 0.1, "an idle writer is not waited for"
+    writer = _Overlap(needed=4)
+    remote.yield_while(writer.busy, limit_s=600)
+    with ThreadPoolExecutor(4) as pool:
+        calls = [pool.submit(remote.exists, f"missing-{index}") for index in range(8)]
+        overlapped = writer.overlapped.wait(60)
+        with writer.lock:
+            writer.writing = False  # waits that ran one after another are let go
+        assert overlapped, f"the waits blocked the event loop: they ran one after another ({len(writer.waiting)})"
+        assert [call.result(timeout=60) for call in calls] == [False] * 8
+
+    # an idle writer is not waited for: each S3 call asks it once and goes on
+    s3_calls: list[str] = []
+    remote.on_call(lambda operation, _: s3_calls.append(operation))
+    del writer.polls[:]
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(remote.exists, "missing").result(timeout=60) is False, "an idle writer is not waited for"
+    assert s3_calls and len(writer.polls) == len(s3_calls), (writer.polls, s3_calls)
+    assert not any(answer for _, answer in writer.polls)
 
 
 def test_the_uploader_yields_to_a_writer_that_never_stops_and_still_promotes(
