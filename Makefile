@@ -47,7 +47,7 @@ test: setup promtool
 	@if [ -n "$(PYTORCH_TESTS)" ]; then $(MAKE) test-pytorch-dcp; fi
 
 test-integrations: setup-integrations
-	$(PY) -m pytest -m integrations
+	$(PY) -m pytest -m integrations -n $(TEST_WORKERS) --dist loadfile
 
 # The slow group (marker slow, the tests listed in tests/slow_tests.txt): variants and heavier scenarios of
 # capabilities the default run also tests, kept out of it so that the default run stays under 8 minutes on 2 cores.
