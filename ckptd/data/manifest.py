@@ -25,7 +25,7 @@ import fsspec
 
 from ckptd.errors import FormatError, FormatVersionError, NotFoundError, StorageError, UnsafePathError
 from ckptd.format.hashing import SHARD_DIGEST_ALGORITHM, chunk_digest
-from ckptd.tiers.local import write_file_atomically
+from ckptd.tiers.local import make_directory, write_file_atomically
 
 #: Version written into every dataset manifest; readers refuse other versions.
 MANIFEST_VERSION = 1
@@ -178,7 +178,7 @@ def save_dataset_manifest(manifest: DatasetManifest, path: str | os.PathLike[str
     target = Path(os.path.abspath(path))
     hint = "write the manifest to a writable local path (`ckptd data index URI --format FORMAT --out FILE`)"
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        make_directory(target.parent)
     except OSError as exc:
         raise StorageError(f"cannot write the dataset manifest: creating its directory failed: "
                            f"{exc.strerror or exc}", path=str(target), hint=hint) from exc

@@ -83,6 +83,8 @@ def _storage_error(exc: OSError, path: Path | str, what: str) -> StorageError:
         # the bytes are unknown, so the file is never fsynced again and trusted.
         hint = ("the disk reported a write-back error, so the file's bytes may be lost: the step was not "
                 f"committed and is not retried (check the disk, e.g. dmesg); save a new step; {_KEPT}")
+    elif exc.errno == errno.EIO and what.startswith(_REPLACED_NOT_DURABLE):
+        hint = "the disk reported an I/O error (check it, e.g. dmesg), then write the file again"
     return StorageError(f"{what} failed: {exc.strerror or exc}", **where, hint=hint)
 
 
