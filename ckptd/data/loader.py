@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader
 
 from ckptd.data.dataset import RankBatch, ShardDataset
 from ckptd.data.position import BatchLedger, Position, StepConvention, held_changed
+from ckptd.data.worker_fork import workers_leave_inherited_objects_alone
 from ckptd.errors import ConfigError, ResumeMismatchError
 
 log = logging.getLogger("ckptd.data")
@@ -195,7 +196,9 @@ class ShardLoader:
         self.dataset.set_position(self._epoch, self._consumed, frozenset(self._skipped),
                                   sample_ids=self.with_sample_ids)
         batch_size = self.dataset.schedule.global_batch_size
-        for item in self._data_loader():
+        with workers_leave_inherited_objects_alone():
+            batches = iter(self._data_loader())  # forks the workers
+        for item in batches:
             item = item.finished()  # already done by the pinning thread with pin_memory=True
             if item.epoch != self._epoch:
                 raise ResumeMismatchError(f"a worker produced a batch of epoch {item.epoch} during epoch "
