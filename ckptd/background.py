@@ -12,13 +12,19 @@ here, so that each of them behaves the same way:
   the job needs (the directory lock) and may call ``close`` again later.
 - :class:`TaskPool` is a thread pool with an owner that closes it, with named threads and a close that
   gives up after a deadline, naming the tasks still running.
+- :func:`start_thread` starts any other named daemon thread (a server's loop, a watcher, a connection)
+  as an :class:`OwnedThread`, whose owner stops it its own way (an event, closing a socket) and then
+  waits for it with a deadline: :meth:`OwnedThread.join_within` says whether it ended,
+  :meth:`OwnedThread.stop_within` raises :class:`~ckptd.errors.StillRunningError` naming it.
 - :class:`SharedPools` hands out the process-wide pools by purpose (``"write"``, ``"read"``). A caller
   holds a :class:`PoolLease` while it uses one; when the wanted thread count changes
   (``CKPTD_IO_THREADS``), a new pool takes over and the superseded one is shut down as soon as its last
   lease is released, so that changing a setting never leaks threads.
 
 Thread rules: :class:`BackgroundWorker` methods other than the job itself are called from the owning
-(training) thread; :class:`SharedPools` and :class:`TaskPool` are thread-safe.
+(training) thread; :class:`SharedPools`, :class:`TaskPool` and :class:`OwnedThread` are thread-safe.
+
+No other module of ckptd starts a thread or a pool itself (``tests/test_thread_ownership.py`` checks it).
 """
 
 from __future__ import annotations
@@ -109,6 +115,58 @@ def run_jobs(jobs: Sequence[Callable[[], None]], *, threads: int, thread_name_pr
             raise
 
 
+class OwnedThread:
+    """A named daemon thread started by :func:`start_thread`. Its owner stops it the way its target
+    expects (an event, closing its socket; the ``stop`` given to :func:`start_thread`), then waits for it
+    with a deadline. Thread-safe."""
+
+    def __init__(self, name: str, target: Callable[..., object], args: tuple[Any, ...],
+                 stop: Callable[[], None] | None) -> None:
+        self._stop = stop
+        self._thread = threading.Thread(target=target, args=args, name=name, daemon=True)
+
+    @property
+    def name(self) -> str:
+        """The thread's name (what logs and ``threading.enumerate()`` show)."""
+        return self._thread.name
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still runs."""
+        return self._thread.is_alive()
+
+    def join_within(self, timeout_s: float | None) -> bool:
+        """Wait at most ``timeout_s`` seconds (None: until it ends) for the thread to end; returns whether
+        it has. Returns False at once when called from the thread itself (it cannot wait for itself)."""
+        if self._thread is threading.current_thread():
+            return False
+        self._thread.join(timeout=None if timeout_s is None else max(0.0, timeout_s))
+        return not self._thread.is_alive()
+
+    def stop_within(self, timeout_s: float | None, *, what: str | None = None, hint: str | None = None) -> None:
+        """Ask the thread to stop (the ``stop`` given to :func:`start_thread`, if any), then wait at most
+        ``timeout_s`` seconds for it to end; raises :class:`~ckptd.errors.StillRunningError` naming it
+        (or ``what``) when it has not. The thread is left alone: it may still end later."""
+        if self._stop is not None:
+            self._stop()
+        if self.join_within(timeout_s):
+            return
+        running = what or f"thread {self.name}"
+        waited = "" if timeout_s is None else f" within {timeout_s:g} s"
+        raise StillRunningError(f"{running} did not stop{waited}", running=running, hint=hint)
+
+    def _start(self) -> OwnedThread:
+        self._thread.start()
+        return self
+
+
+def start_thread(name: str, target: Callable[..., object], *args: Any,
+                 stop: Callable[[], None] | None = None) -> OwnedThread:
+    """Start ``target(*args)`` on a daemon thread called ``name`` and return it. ``stop`` is how
+    :meth:`OwnedThread.stop_within` asks the thread to end (None: the owner does it before it waits)."""
+    return OwnedThread(name, target, args, stop)._start()
+
+
 class BackgroundWorker(Generic[Job]):
     """One named daemon thread that runs ``handle(job)`` for every submitted job, in order.
 
@@ -139,8 +197,7 @@ class BackgroundWorker(Generic[Job]):
         self._dropped = 0  # queued jobs to skip (drop_queued), counted down by the thread
         self._records: list[FailureRecord] = []
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._thread = start_thread(name, self._run)
 
     # --- owning thread -------------------------------------------------------------------------
     def submit(self, job: Job, *, busy: bool = False) -> None:
@@ -168,7 +225,7 @@ class BackgroundWorker(Generic[Job]):
     @property
     def alive(self) -> bool:
         """Whether the thread still runs (it stops only after :meth:`close`)."""
-        return self._thread.is_alive()
+        return self._thread.alive
 
     def unfinished(self) -> list[Job]:
         """Jobs not finished: the running one first, then the queued ones in order."""
@@ -230,8 +287,7 @@ class BackgroundWorker(Generic[Job]):
             if not self._stopping:
                 self._stopping = True
                 self._queue.put(None)
-        self._thread.join(timeout=remaining(deadline))
-        if self._thread.is_alive():
+        if not self._thread.join_within(remaining(deadline)):
             self._raise_still_running(timeout_s, what, hint)
 
     def _raise_still_running(self, timeout_s: float | None, what: str, hint: str | None) -> None:

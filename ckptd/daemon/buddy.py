@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ckptd.background import OwnedThread, start_thread
+
 if TYPE_CHECKING:
     from ckptd.daemon.config import DaemonConfig
 
@@ -33,6 +35,8 @@ log = logging.getLogger("ckptd.daemon")
 REFRESH_S = 30.0
 #: How long :meth:`BuddyDiscovery.start` waits for the first lookup before the daemon goes on without it.
 FIRST_LOOKUP_WAIT_S = 5.0
+#: How long :meth:`BuddyDiscovery.stop` waits for the refresh thread (a slow lookup) to end.
+STOP_WAIT_S = 5.0
 
 #: ``(name, port) -> addresses``: every address ``name`` resolves to (raises OSError when it does not).
 Resolver = Callable[[str, int], Sequence[str]]
@@ -115,7 +119,7 @@ class BuddyDiscovery:
         self._resolved = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._thread: OwnedThread | None = None
 
     @classmethod
     def for_config(cls, config: DaemonConfig, **kwargs: Any) -> BuddyDiscovery:
@@ -138,15 +142,17 @@ class BuddyDiscovery:
         if not self.dynamic or self._thread is not None:
             return
         first = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(first,), name="ckptd-daemon-buddy", daemon=True)
-        self._thread.start()
+        self._thread = start_thread("ckptd-daemon-buddy", self._run, first)
         if not first.wait(wait_s):
             log.warning("buddy: looking up %s takes more than %.0fs; the daemon starts without a buddy", self.url,
                         wait_s)
 
-    def stop(self) -> None:
-        """Stop the refresh thread (a lookup in progress is left to finish on its own)."""
+    def stop(self, timeout_s: float = STOP_WAIT_S) -> None:
+        """Stop the refresh thread, waiting at most ``timeout_s`` for it to end (a lookup in progress is then
+        left to finish on its own)."""
         self._stop.set()
+        if self._thread is not None and not self._thread.join_within(timeout_s):
+            log.info("buddy: a lookup of %s is still in progress; it ends on its own", self.url)
 
     def refresh(self) -> str | None:
         """Look the name up once and move the buddy when the ring changed; returns the current buddy."""

@@ -32,6 +32,7 @@ import threading
 from pathlib import Path
 from typing import Any, Protocol
 
+from ckptd.background import OwnedThread, start_thread
 from ckptd.daemon.metrics import DaemonMetrics
 from ckptd.errors import CkptdError, ConfigError
 
@@ -82,8 +83,8 @@ class ControlSocket:
                               hint="run the daemon on Linux")
         self.daemon, self.path, self.allowed_uids = daemon, Path(path), frozenset(allowed_uids)
         self._server: socket.socket | None = None
-        self._accepting: threading.Thread | None = None
-        self._connections: dict[socket.socket, threading.Thread] = {}
+        self._accepting: OwnedThread | None = None
+        self._connections: dict[socket.socket, OwnedThread] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._inode: tuple[int, int] | None = None
@@ -104,8 +105,7 @@ class ControlSocket:
         info = os.stat(self.path)
         self._inode = (info.st_dev, info.st_ino)
         self._server = server
-        self._accepting = threading.Thread(target=self._accept_loop, name="ckptd-control", daemon=True)
-        self._accepting.start()
+        self._accepting = start_thread("ckptd-control", self._accept_loop)
         log.info("control socket %s accepts UID(s) %s", self.path, ", ".join(map(str, sorted(self.allowed_uids))))
 
     def stop(self) -> None:
@@ -126,8 +126,8 @@ class ControlSocket:
             except OSError:
                 pass
         for thread in [self._accepting, *connections.values()]:
-            if thread is not None:
-                thread.join(_JOIN_TIMEOUT_S)
+            if thread is not None and not thread.join_within(_JOIN_TIMEOUT_S):
+                log.warning("control socket thread %s did not stop within %g s", thread.name, _JOIN_TIMEOUT_S)
         self._remove_own_file()
 
     def _remove_stale(self) -> None:
@@ -183,18 +183,12 @@ class ControlSocket:
             self._refuse(connection, f"UID {uid} may not use this control socket")
             return
         with self._lock:
-            if len(self._connections) >= MAX_CONNECTIONS:
-                busy = True
-            else:
-                busy = False
-                thread = threading.Thread(target=self._serve, args=(connection, uid), name="ckptd-control-conn",
-                                          daemon=True)
-                self._connections[connection] = thread
+            busy = len(self._connections) >= MAX_CONNECTIONS
+            if not busy:  # the thread's own exit waits for this lock, so it is listed before it can leave
+                self._connections[connection] = start_thread("ckptd-control-conn", self._serve, connection, uid)
         if busy:
             log.warning("refused a control connection from pid %d: %d connections open", pid, MAX_CONNECTIONS)
             self._refuse(connection, f"too many control connections ({MAX_CONNECTIONS}); try again later")
-            return
-        thread.start()
 
     @staticmethod
     def _refuse(connection: socket.socket, why: str) -> None:

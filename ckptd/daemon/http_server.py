@@ -35,6 +35,7 @@ from typing import Any, Protocol
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
+from ckptd.background import OwnedThread, start_thread
 from ckptd.daemon.auth import Access, Authenticator, is_loopback
 from ckptd.daemon.metrics import DaemonMetrics
 from ckptd.errors import CkptdError, ConfigError
@@ -80,7 +81,7 @@ class HttpServer:
         self.auth = auth or Authenticator(None, frozenset({os.geteuid()}), loopback_only=is_loopback(host))
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
-        self._thread: threading.Thread | None = None
+        self._thread: OwnedThread | None = None
         self._started = threading.Event()
         self._start_error: BaseException | None = None
 
@@ -90,12 +91,11 @@ class HttpServer:
         that cannot be bound raises ConfigError naming it."""
         if self._thread is not None:
             raise CkptdError("this HttpServer was started already")
-        self._thread = threading.Thread(target=self._serve, name="ckptd-http", daemon=True)
-        self._thread.start()
+        self._thread = start_thread("ckptd-http", self._serve)
         if not self._started.wait(_START_TIMEOUT_S):
             raise CkptdError(f"the HTTP server did not start on {self.host}:{self.port} within {_START_TIMEOUT_S:g} s")
         if self._start_error is not None:
-            self._thread.join(_STOP_TIMEOUT_S)
+            self._thread.join_within(_STOP_TIMEOUT_S)
             error = self._start_error
             raise ConfigError(f"cannot listen on {self.host}:{self.port}: {error}",
                               hint="pick a free port with `listen = \"HOST:PORT\"` (port 0 picks one)") from error
@@ -104,11 +104,10 @@ class HttpServer:
     def stop(self) -> None:
         """Stop serving (requests in flight get up to 10 s) and end the thread. Safe to call twice."""
         loop, thread = self._loop, self._thread
-        if loop is None or thread is None or not thread.is_alive():
+        if loop is None or thread is None or not thread.alive:
             return
         loop.call_soon_threadsafe(loop.stop)
-        thread.join(_STOP_TIMEOUT_S)
-        if thread.is_alive():
+        if not thread.join_within(_STOP_TIMEOUT_S):
             log.warning("the HTTP server thread did not stop within %g s", _STOP_TIMEOUT_S)
 
     @property

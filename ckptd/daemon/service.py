@@ -40,7 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ckptd.background import BackgroundWorker
+from ckptd.background import BackgroundWorker, OwnedThread, start_thread
 from ckptd.config import settings
 from ckptd.daemon.buddy import BuddyDiscovery, Resolver
 from ckptd.daemon.config import DaemonConfig, RootConfig
@@ -74,6 +74,8 @@ ROOT_LOCK_FILE = ".ckptd-daemon.lock"
 #: How often the maintenance thread refreshes the tier listings of the status document.
 _REFRESH_S = 10.0
 _IDLE_WAIT_S = 0.5
+#: Longest wait at start for the object tiers' clients to be made; past it the daemon starts anyway.
+_CONNECT_WAIT_S = 60.0
 _KEPT_ERRORS = 20
 #: Worker threads run this much below ``background_nice`` (the in-process uploader's offset).
 _EXTRA_NICE = 5
@@ -120,7 +122,8 @@ class Daemon:
         self._stopping = threading.Event()
         self._stopped = threading.Event()
         self._wake = {kind: threading.Event() for kind in ("promote", "replicate")}
-        self._workers: list[threading.Thread] = []
+        self._workers: list[OwnedThread] = []
+        self._announcing: list[OwnedThread] = []  # ckptd-daemon-release threads (announce_release)
         self._running: dict[str, Task] = {}
         self._commit_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -185,9 +188,7 @@ class Daemon:
                                              "run one daemon per local root"))
 
     def _spawn(self, name: str, target: Callable[..., None], *args: Any) -> None:
-        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        thread.start()
-        self._workers.append(thread)
+        self._workers.append(start_thread(name, target, *args))
 
     def _open_root(self, root: RootConfig) -> RootRuntime:
         local = LocalTier(root.local, create=True)  # never takes the trainer's writer lock
@@ -296,8 +297,10 @@ class Daemon:
         if self.watcher is not None:
             self.watcher.stop()
         deadline = time.monotonic() + drain
-        for thread in self._workers:
-            thread.join(max(0.0, deadline - time.monotonic()))
+        with self._state_lock:
+            announcing = list(self._announcing)
+        for thread in [*self._workers, *announcing]:
+            thread.join_within(deadline - time.monotonic())
         if self._scrub_worker is not None:  # a pass stops between chunks once stopping is set
             try:
                 self._scrub_worker.close(max(0.0, deadline - time.monotonic()), what="the scrub pass")
@@ -488,7 +491,9 @@ class Daemon:
                 log.warning("could not announce that root %s dropped its share of step %d: %s",
                             runtime.config.name, step, error)
 
-        threading.Thread(target=announce, name="ckptd-daemon-release", daemon=True).start()
+        with self._state_lock:
+            self._announcing = [thread for thread in self._announcing if thread.alive]
+            self._announcing.append(start_thread("ckptd-daemon-release", announce))
 
     # --- workers ------------------------------------------------------------------------------------
     def _work(self, kind: str) -> None:
@@ -524,9 +529,10 @@ class Daemon:
         """Make the object tiers' clients at start (no request is sent): botocore loads its S3 model for each
         client, about a CPU-second in all, which would otherwise land on the trainer's first steps. It runs on
         a thread at the workers' priority, which the tiers' I/O threads it starts inherit."""
-        thread = threading.Thread(target=self._connect_lowered, name="ckptd-daemon-connect", daemon=True)
-        thread.start()
-        thread.join()
+        thread = start_thread("ckptd-daemon-connect", self._connect_lowered)
+        if not thread.join_within(_CONNECT_WAIT_S):
+            log.warning("making the object tiers' clients takes more than %g s; the daemon starts meanwhile",
+                        _CONNECT_WAIT_S)
 
     def _connect_lowered(self) -> None:
         _lower_priority(self.config.cpu_policy)

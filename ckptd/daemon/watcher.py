@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ckptd.background import OwnedThread, start_thread
 from ckptd.errors import ConfigError
 from ckptd.format.layout import MANIFEST_NAME, parse_step_dir
 
@@ -85,7 +86,7 @@ class CommitWatcher:
         self._stop = threading.Event()
         self._callback_lock = threading.Lock()
         self._observer: Any = None
-        self._thread: threading.Thread | None = None
+        self._thread: OwnedThread | None = None
         #: Rescans done so far (the status document and tests read it).
         self.scans = 0
 
@@ -99,8 +100,7 @@ class CommitWatcher:
         else:
             interval = self.poll_interval_s
         log.info("watching %d root(s) for commits with %s (rescan every %.1fs)", len(self.roots), self.mode, interval)
-        self._thread = threading.Thread(target=self._scan_loop, args=(interval,), name="ckptd-watch-scan", daemon=True)
-        self._thread.start()
+        self._thread = start_thread("ckptd-watch-scan", self._scan_loop, interval)
 
     def _choose_mode(self) -> str:
         if self.requested_mode == "poll":
@@ -181,5 +181,6 @@ class CommitWatcher:
             self._observer.join(timeout=5)
             self._observer = None
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            if not self._thread.join_within(5):
+                log.warning("the rescan thread did not stop within 5 s (a rescan is slow); it ends by itself")
             self._thread = None

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptd.background import TaskPool
 from ckptd.config import settings
 from ckptd.data.manifest import DatasetManifest, ShardRecord
 from ckptd.data.reader_api import ShardReader
@@ -118,7 +119,7 @@ def index_dataset(
         done += 1
         if progress:
             progress(records[path], True, done, len(listed))
-    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="ckptd-index") as pool:
+    with TaskPool("ckptd-index", workers) as pool:
         futures = {pool.submit(_index_one, source, reader, item): item for item in to_read}
         try:
             for future in concurrent.futures.as_completed(futures):

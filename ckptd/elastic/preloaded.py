@@ -27,11 +27,11 @@ import runpy
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Sequence
 from multiprocessing.context import ForkServerContext
 from typing import Any, TypeAlias
 
+from ckptd.background import start_thread
 from ckptd.elastic.log_routing import redirect_from_environment
 from ckptd.elastic.waiting import wait_for
 from ckptd.errors import WorkerError
@@ -173,10 +173,8 @@ class PreloadedStarter:
         probe: Any = self._context.Process(target=_nothing, name="ckptd-preload-probe")
         # start() blocks until the server, its imports done, forks the probe: on a thread of its own, so
         # that this wait can log and give up
-        starting = threading.Thread(target=lambda: (probe.start(), probe.join()), name="ckptd-preload-probe",
-                                    daemon=True)
-        starting.start()
-        wait_for(lambda: not starting.is_alive(), what="this node's fork server to import torch and ckptd "
+        starting = start_thread("ckptd-preload-probe", _start_and_join, probe)
+        wait_for(lambda: not starting.alive, what="this node's fork server to import torch and ckptd "
                  "(--preload)", timeout_s=timeout_s, poll_s=0.02, hint=_NO_PRELOAD_HINT)
         if probe.exitcode != 0:
             raise WorkerError(f"this node's fork server could not start a process (its probe ended with "
@@ -200,6 +198,11 @@ class PreloadedStarter:
         finally:
             os.environ.clear()
             os.environ.update(saved)
+
+
+def _start_and_join(process: Any) -> None:
+    process.start()
+    process.join()
 
 
 def _nothing() -> None:  # pragma: no cover - forked

@@ -80,6 +80,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
+from ckptd.background import start_thread
 from ckptd.config import settings
 from ckptd.errors import CkptdError, ConfigError, GenerationEndedError, NoIntactCheckpointError, StillRunningError
 from ckptd.elastic import keys
@@ -501,8 +502,7 @@ class _GenerationWatcher:
         self.checkpoints_on_stop = checkpoints_on_stop
         self._stop = threading.Event()
         self._store = env.connect()  # its own client: the training thread keeps the other
-        self._thread = threading.Thread(target=self._run, name=f"ckptd-elastic-watch-rank{env.rank}", daemon=True)
-        self._thread.start()
+        self._thread = start_thread(f"ckptd-elastic-watch-rank{env.rank}", self._run)
 
     def _run(self) -> None:
         pid, count, next_alive, ended = os.getpid(), 0, 0.0, False
@@ -537,7 +537,9 @@ class _GenerationWatcher:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5.0)
+        if not self._thread.join_within(5.0):
+            log.warning("the generation watcher of rank %d did not stop within 5 s (a store call hangs); it ends "
+                        "with the process", self.env.rank)
 
 
 def _barrier(view: GenerationStore, name: Callable[[int], str], rank: int, world_size: int, what: str,

@@ -13,15 +13,16 @@ Each function returns GB/s (1e9 bytes/s). Main thread; each run is one pass over
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 import statistics
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from ckptd.background import run_jobs
 from ckptd.errors import CkptdError, ConfigError, StorageError
 
 log = logging.getLogger(__name__)
@@ -38,15 +39,15 @@ def host_memcpy_gbps(nbytes: int, *, repeats: int = 3, copiers: int = 1) -> floa
     source = np.ones(nbytes, dtype=np.uint8)
     target = np.empty_like(source)
     bounds = [nbytes * part // max(1, copiers) for part in range(max(1, copiers) + 1)]
-    shares = [(target[low:high], source[low:high]) for low, high in zip(bounds, bounds[1:])]
+    shares = [functools.partial(np.copyto, target[low:high], source[low:high])
+              for low, high in zip(bounds, bounds[1:])]
 
     def copy_all() -> float:
         start = time.perf_counter()
         if len(shares) == 1:
-            np.copyto(*shares[0])
+            shares[0]()
         else:
-            with ThreadPoolExecutor(len(shares), thread_name_prefix="ckptd-plan-copy") as pool:
-                list(pool.map(lambda share: np.copyto(*share), shares))
+            run_jobs(shares, threads=len(shares), thread_name_prefix="ckptd-plan-copy")
         return time.perf_counter() - start
 
     copy_all()

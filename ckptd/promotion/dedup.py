@@ -39,10 +39,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TypeVar
 
+from ckptd.background import TaskPool
 from ckptd.config import settings
 from ckptd.errors import CommitError, IntegrityError, NotFoundError
 from ckptd.format.records import ChunkRecord
@@ -104,8 +104,8 @@ def _in_parallel(function: Callable[[T], R], items: list[T]) -> list[R]:
     if not items:
         return []
     workers = max(1, min(settings().s3_concurrency, len(items)))
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckptd-dedup") as pool:
-        return list(pool.map(function, items))
+    with TaskPool("ckptd-dedup", workers) as pool:
+        return [future.result() for future in [pool.submit(function, item) for item in items]]
 
 
 def _look_up(remote: ObjectTier, paths: list[str]) -> dict[str, _Stored]:

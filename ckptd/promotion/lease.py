@@ -46,7 +46,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ckptd.background import BackgroundWorker
+from ckptd.background import BackgroundWorker, start_thread
 from ckptd.config import settings
 from ckptd.errors import CkptdError, DeadlineError, LockedError, NotFoundError, StillRunningError
 from ckptd.format.layout import step_dir
@@ -187,8 +187,7 @@ def _release(tier: StorageTier, token: str) -> None:
         pending = _PendingRelease(token)
         with _state_lock:
             _pending[tier.label] = pending
-        threading.Thread(target=_retry_release, args=(tier, pending), name="ckptd-gc-lease-release",
-                         daemon=True).start()
+        start_thread("ckptd-gc-lease-release", _retry_release, tier, pending)
 
 
 def _retry_release(tier: StorageTier, pending: _PendingRelease) -> None:

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ckptd.background import start_thread
 from ckptd.errors import CkptdError, ConfigError
 from ckptd.policy import Policy
 from ckptd.promotion.ownership import read_claim_quietly, run_id_for
@@ -36,15 +36,12 @@ def _run_beating(work: Callable[[], None], while_waiting: Callable[[], None]) ->
         except BaseException as error:  # noqa: BLE001 - re-raised on the calling thread
             failure.append(error)
 
-    helper = threading.Thread(target=run, name="ckptd-close-uploads", daemon=True)
-    helper.start()
-    while helper.is_alive():
-        helper.join(_WAITING_BEAT_S)
-        if helper.is_alive():
-            try:
-                while_waiting()
-            except Exception as error:  # noqa: BLE001 - a failed beat must not abandon the close half-way
-                log.debug("the callback of a close waiting for uploads failed: %s", error)
+    helper = start_thread("ckptd-close-uploads", run)
+    while not helper.join_within(_WAITING_BEAT_S):
+        try:
+            while_waiting()
+        except Exception as error:  # noqa: BLE001 - a failed beat must not abandon the close half-way
+            log.debug("the callback of a close waiting for uploads failed: %s", error)
     if failure:
         raise failure[0]
 

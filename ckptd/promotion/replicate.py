@@ -33,11 +33,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from ckptd._types import Buffer
-from ckptd.background import run_jobs
+from ckptd.background import TaskPool, run_jobs
 from ckptd.config import settings
 from ckptd.errors import AlreadyCommittedError, CommitError, NotFoundError
 from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, step_file
@@ -82,7 +81,7 @@ def _verified_data_file(local: StorageTier, share: RankShare, number: int) -> It
     data_file = share.index.data_files[number]
     chunks = share.index.packed_chunks(number)  # distinct chunks of file ``number``, by offset
     position = 0
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckptd-replicate-read") as reader:
+    with TaskPool("ckptd-replicate-read", 1) as reader:
         ahead = reader.submit(read_stored_chunk, local, share, chunks[0]) if chunks else None
         for following, chunk in enumerate(chunks, start=1):
             assert ahead is not None

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ckptd.background import OwnedThread, start_thread
 from ckptd.config import settings
 from ckptd.format.values import ShardPlacement
 from ckptd.errors import ConfigError
@@ -137,7 +138,7 @@ class Stager:
         self._prepared: dict[str, torch.Tensor] = {}
         self._lock = threading.Lock()
         self._stop_preparing = threading.Event()
-        self._preparing: threading.Thread | None = None
+        self._preparing: OwnedThread | None = None
         self.allocations = 0
         #: Buffers the preparing thread allocated (whether a stage used them or not).
         self.prepared_allocations = 0
@@ -153,7 +154,7 @@ class Stager:
     def preparing(self) -> bool:
         """Whether a background preparation is still running."""
         thread = self._preparing
-        return thread is not None and thread.is_alive()
+        return thread is not None and thread.alive
 
     def prepare(self, tensors: Mapping[str, torch.Tensor]) -> int:
         """Start allocating and pre-faulting, on a background thread, the buffers that a later
@@ -172,9 +173,7 @@ class Stager:
         if not wanted or (self.budget_bytes and needed > self.budget_bytes):
             return 0
         self._stop_preparing.clear()
-        self._preparing = threading.Thread(target=self._prepare, args=(wanted,), name="ckptd-stager-prepare",
-                                           daemon=True)
-        self._preparing.start()
+        self._preparing = start_thread("ckptd-stager-prepare", self._prepare, wanted, stop=self._stop_preparing.set)
         return len(wanted)
 
     def wait_prepared(self, timeout_s: float | None = None) -> bool:
@@ -182,7 +181,7 @@ class Stager:
         is done. For benchmarks and tests; a save does not need it."""
         thread = self._preparing
         if thread is not None:
-            thread.join(timeout_s)
+            thread.join_within(timeout_s)
         return not self.preparing
 
     def stage(self, tensors: Mapping[str, torch.Tensor]) -> StagedState:
@@ -278,14 +277,14 @@ class Stager:
 
     def stop_preparing(self) -> None:
         """Stop a running preparation after the buffer in progress and wait for its thread (the owner
-        calls it when it closes); the buffers prepared so far stay for the next :meth:`stage`."""
+        calls it when it closes); the buffers prepared so far stay for the next :meth:`stage`. Raises
+        StillRunningError when the thread has not ended within ``close_timeout_s``."""
         self._finish_preparing()
 
     def _finish_preparing(self) -> None:
         thread = self._preparing
         if thread is not None:
-            self._stop_preparing.set()
-            thread.join()
+            thread.stop_within(settings().close_timeout_s, what="preparing the staging buffers")
             self._preparing = None
 
     def release(self) -> None:

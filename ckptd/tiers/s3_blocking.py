@@ -32,6 +32,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from ckptd.background import start_thread
 from ckptd.config import settings
 from ckptd.errors import CkptdError, StorageError
 from ckptd.tiers.s3_budget import OperationBudget, backoff_s, install_hooks, run_within_budget
@@ -262,16 +263,13 @@ def _read_pieces_into(body: Any, view: memoryview) -> int:
 
 
 class _DaemonPool:
-    """``count`` daemon threads running submitted calls. Not :class:`ckptd.background.TaskPool`: its
-    :class:`~concurrent.futures.ThreadPoolExecutor` threads are joined at interpreter exit, so a GET stuck
-    until its read timeouts would hold the exit."""
+    """``count`` daemon threads (:func:`ckptd.background.start_thread`) running submitted calls. Not
+    :class:`ckptd.background.TaskPool`: its :class:`~concurrent.futures.ThreadPoolExecutor` threads are
+    joined at interpreter exit, so a GET stuck until its read timeouts would hold the exit."""
 
     def __init__(self, count: int, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name=f"{name}_{index}", daemon=True)
-                         for index in range(count)]
-        for thread in self._threads:
-            thread.start()
+        self._threads = [start_thread(f"{name}_{index}", self._work) for index in range(count)]
 
     def submit(self, call: Callable[[], T]) -> Future[T]:
         future: Future[T] = Future()
@@ -301,7 +299,7 @@ class _DaemonPool:
             self._queue.put(None)
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            thread.join_within(deadline - time.monotonic())
 
 
 __all__ = ["BlockingRequests", "blocking_client_arguments", "make_blocking_client", "read_body_into"]

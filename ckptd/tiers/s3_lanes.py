@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from ckptd.background import OwnedThread, start_thread
 from ckptd.tiers.s3_budget import OperationBudget, within_budget
 
 _log = logging.getLogger(__name__)
@@ -32,16 +33,14 @@ class _Loop:
 
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
-        self.thread.start()
+        self.thread = start_thread(name, self.loop.run_forever)
 
     def stop(self, clients: list[Any]) -> None:
         for client in clients:
             _close_client(client, self.loop)
         if self.loop.is_running():
             self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=_CLOSE_TIMEOUT_S)
-        if not self.thread.is_alive():
+        if self.thread.join_within(_CLOSE_TIMEOUT_S):
             self.loop.close()
 
 
@@ -140,7 +139,7 @@ class IoLanes:
     def running(self) -> bool:
         return bool(self._loops)
 
-    def threads(self) -> list[threading.Thread]:
+    def threads(self) -> list[OwnedThread]:
         """The lanes' threads (empty before first use and after :meth:`close`)."""
         return [loop.thread for loop in self._loops]
 
