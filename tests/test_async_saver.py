@@ -86,6 +86,7 @@ def test_busy_skip_skips_and_busy_wait_waits(tmp_path: Path, gate: dict[str, Any
         assert gate["entered"].wait(10)
         threading.Timer(0.2, gate["release"].set).start()
         assert manager.save(2, state)  # returns only after step 1 is written and step 2 staged
+        assert gate["release"].is_set(), "save(2) returned while step 1 was still held"
         manager.wait()
         assert manager.committed_steps() == [1, 2]
 

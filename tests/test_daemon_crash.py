@@ -73,7 +73,9 @@ def _kill_mid_copy(config: Path, state: Path, kind: str, seed: int) -> list[dict
     ``seed``); returns the journal as the kill left it."""
     chooser = random.Random(seed)
     writes = chooser.randint(1, 9)
-    with DaemonProcess(config, state, slow_writes_s=0.05) as daemon:
+    # each write waits 0.5 s after its announcement: far past the 0-40 ms, so that even a loaded machine's late
+    # kill lands while a copy is still running
+    with DaemonProcess(config, state, slow_writes_s=0.5) as daemon:
         daemon.wait_ready()
         daemon.wait_event(lambda line: line.startswith(f"write {kind} "), count=writes)
         time.sleep(chooser.uniform(0.0, 0.04))

@@ -123,7 +123,7 @@ def test_bytesio_and_quantized_values_need_a_reader_of_format_4(tmp_path: Path) 
 
 def test_the_next_stage_goes_on_once_the_staged_copy_went_to_the_checkpoint_process(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CKPTD_COMMIT_TIMEOUT_S", "5")  # it waited this long, then CommitError
+    monkeypatch.setenv("CKPTD_COMMIT_TIMEOUT_S", "60")  # it waited this long, then CommitError
     writer = CkptdStorageWriter(tmp_path)
     first = writer.stage({"w": torch.arange(8.0)})
     sent: list[bytes] = []

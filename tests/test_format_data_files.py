@@ -252,17 +252,22 @@ def test_a_failed_read_returns_only_after_every_read_of_the_tensor_stopped(
         save_one(manager_factory, state)
     tier = LocalTier(checkpoint_dir)
     reader = StepReader([ChunkSource(tier, load_rank_index(tier, load_step_manifest(tier, STEP), 0))])
-    real_read, calls, late = step_reader.read_chunk, [], threading.Event()
+    real_read, calls, calls_lock = step_reader.read_chunk, [], threading.Lock()
+    another_started, late = threading.Event(), threading.Event()
 
     def first_fails_others_slow(source: Any, chunk: Any, out: memoryview, *, tensor: str = "?") -> None:
-        calls.append(chunk)
-        if len(calls) == 1:
+        with calls_lock:
+            calls.append(chunk)
+            first = len(calls) == 1
+        if first:
+            another_started.wait(60)  # the failure comes while another read of the tensor runs, however slow
             raise IntegrityError("injected", path="x")
-        time.sleep(0.3)
+        another_started.set()
+        time.sleep(0.3)  # only paces: a correct reader waits for this read whenever the failure reaches it
         real_read(source, chunk, out, tensor=tensor)
         late.set()
 
     monkeypatch.setattr(step_reader, "read_chunk", first_fails_others_slow)
-    with pytest.raises(IntegrityError, match="injected"):
+    with override(read_threads=4), pytest.raises(IntegrityError, match="injected"):
         reader.read_tensor("big", torch.zeros_like(state["big"]))
     assert len(calls) > 1 and late.is_set(), "no read of the tensor may still be running after the error"

@@ -58,10 +58,13 @@ class Run:
 def run_with_kills(root: Path, script: str, kills: list[tuple[int, int]], *, launcher: tuple[str, ...] = CKPTD,
                    max_restarts: int = 3, step_sleep: float = 0.05, timeout_s: float = 240.0) -> Run:
     """Run ``script`` under ``launcher`` with 2 ranks and SIGKILL rank r once it completed step s, for each
-    (r, s) of ``kills`` in turn (each after the previous one's recovery)."""
+    (r, s) of ``kills`` in turn (each after the previous one's recovery). Rank r holds after step s until it
+    is killed, so that the kill lands there however fast the job runs."""
     name, arguments, _ = SCRIPTS[script]
     out = root / "out"
     out.mkdir(parents=True)
+    for victim, step in kills:
+        (out / f"hold-rank{victim}-step{step}").touch()
     log = root / "launch.log"
     environment = dict(os.environ, OMP_NUM_THREADS="1", STEP_SLEEP=str(step_sleep))
     with log.open("wb") as sink:
@@ -80,6 +83,7 @@ def run_with_kills(root: Path, script: str, kills: list[tuple[int, int]], *, lau
             pid, _ = wait_until(reached, f"rank {victim} to complete step {step}", timeout_s)
             os.kill(pid, signal.SIGKILL)
             killed_at = time.time()
+            (out / f"hold-rank{victim}-step{step}").unlink()  # its replacement goes on past the step
             killed_pids.add(pid)
             before = {seen for rank in range(2) for seen, _, _ in _progress(out, rank)}
 

@@ -30,6 +30,7 @@ from ckptd.tiers import open_tier
 from ckptd.tiers import peer as peer_module
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.peer import PeerTier, peer_token
+from time_limit import load_per_core
 
 TOKEN = "peer-tier-test-token-42"
 HANG_GUARD_S = 15.0  # a hang guard, not a speed claim
@@ -125,7 +126,7 @@ def test_unreachable_peer_raises_quickly_and_restore_skips_it(tmp_path: Path,
         with pytest.raises(TierUnreachableError) as caught:
             call()
         assert url in str(caught.value) and TOKEN not in str(caught.value)
-    assert time.monotonic() - started < HANG_GUARD_S
+    assert time.monotonic() - started < HANG_GUARD_S * load_per_core()
 
     saved = _state(3)
     with ckptd.CheckpointManager(tmp_path / "other", capture_rng=False) as manager:  # the next tier holds it

@@ -153,12 +153,18 @@ def test_restore_into_an_empty_state_allocates_and_returns_every_value(
                              "object": set(range(50_000))}  # pickled
     save(manager_factory, saved, allow_pickle=True)
     real_read_chunk, lock, running, peak = step_reader.read_chunk, threading.Lock(), [0], [0]
+    overlapped, first = threading.Event(), [True]
 
     def slow_read_chunk(*args: Any, **kwargs: Any) -> None:
         with lock:
             running[0] += 1
             peak[0] = max(peak[0], running[0])
+            if running[0] >= 2:
+                overlapped.set()
+            waits, first[0] = first[0], False
         try:
+            if waits:  # the first read runs until a second one starts, however slowly the others are handed out
+                overlapped.wait(60)
             threading.Event().wait(0.05)
             real_read_chunk(*args, **kwargs)
         finally:

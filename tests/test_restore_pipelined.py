@@ -34,6 +34,7 @@ class SlowReads:
         self.lock = threading.Lock()
         self.running = self.peak = self.calls = 0
         self.spans: list[tuple[int, int, float, float]] = []  # memory from, to; time from, to
+        self.overlapped, self.hold_first = threading.Event(), False
         monkeypatch.setattr(step_reader, "read_chunk", self)
 
     def __call__(self, source: Any, chunk: Any, out: memoryview, *, tensor: str = "?") -> None:
@@ -41,14 +42,24 @@ class SlowReads:
             self.running += 1
             self.calls += 1
             self.peak = max(self.peak, self.running)
+            if self.running >= 2:
+                self.overlapped.set()
+            holds = self.hold_first and self.calls == 1
         started = time.monotonic()
         try:
+            if holds:
+                self.overlapped.wait(60)
             time.sleep(self.delay)
             self.real(source, chunk, out, tensor=tensor)
         finally:
             with self.lock:
                 self.running -= 1
                 self.spans.append((address(out), address(out) + len(out), started, time.monotonic()))
+
+    def hold_the_first_read_until_another_runs(self) -> None:
+        """The first read goes on only once a second one runs (or after 60 s): reads that overlap show
+        however slowly they are handed out, reads run one by one fail the peak check after the 60 s."""
+        self.hold_first = True
 
     def wait_for_each_read_to_start(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Make a restore's walk go on only once the read it just started is running."""
@@ -99,6 +110,7 @@ def test_reads_of_different_tensors_run_at_the_same_time(manager_factory: Manage
     save(manager_factory, saved)
     live = {name: torch.zeros_like(tensor) for name, tensor in saved.items()}
     slow = SlowReads(monkeypatch, delay=0.05)
+    slow.hold_the_first_read_until_another_runs()
     with override(read_threads=4):
         assert manager_factory().restore(live) == 1
     assert_same_state(live, saved)
@@ -210,6 +222,7 @@ def test_dcp_load_through_ckptd_overlaps_reads_and_waits_for_all_before_failing(
         dcp.save(saved, storage_writer=CkptdStorageWriter(tmp_path, step=1))
     live = {name: torch.zeros_like(tensor) for name, tensor in saved.items()}
     slow = SlowReads(monkeypatch, delay=0.05)
+    slow.hold_the_first_read_until_another_runs()
     with override(read_threads=4):
         dcp.load(live, storage_reader=CkptdStorageReader(tmp_path, step=1))
     assert_same_state(live, saved)

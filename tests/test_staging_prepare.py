@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,12 @@ def state_of(seed: int, sizes: tuple[int, ...] = (300_000, 70_001, 1_000_000, 17
 
 class SlowPreparation:
     """Wraps the real pre-faulting allocation of the preparing thread: each buffer takes ``delay``
-    longer, and the test can see how many were made and on which thread."""
+    longer, and the test can see how many were made and on which thread. ``held``: each buffer is made
+    only once ``release_when`` (set by the test once it has the stager) returns true, at most 60 s later."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
-        self.real, self.delay = direct_io.prefaulted_empty, delay
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, delay: float, *, held: bool = False) -> None:
+        self.real, self.delay, self.held = direct_io.prefaulted_empty, delay, held
+        self.release_when: Callable[[], bool] | None = None
         self.made = 0
         self.threads: set[str] = set()
         self.started = threading.Event()
@@ -41,8 +44,15 @@ class SlowPreparation:
         self.started.set()
         self.threads.add(threading.current_thread().name)
         time.sleep(self.delay)
+        deadline = time.monotonic() + 60
+        while self.held and not (self.release_when and self.release_when()) and time.monotonic() < deadline:
+            time.sleep(0.005)
         self.made += 1
         return self.real(shape, dtype)
+
+    def hold_until_told_to_stop(self, stager: Stager) -> None:
+        """Hold each buffer until someone asks ``stager`` to stop preparing (a save or a release does)."""
+        self.release_when = stager._stop_preparing.is_set
 
 
 def test_prepared_buffers_are_the_ones_a_save_stages_into(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -63,9 +73,10 @@ def test_prepared_buffers_are_the_ones_a_save_stages_into(monkeypatch: pytest.Mo
 
 def test_a_stage_while_preparing_stops_the_preparation_and_stages_every_byte(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    slow = SlowPreparation(monkeypatch, delay=0.3)
+    slow = SlowPreparation(monkeypatch, delay=0.0, held=True)
     source = state_of(2, sizes=(200_000,) * 6)
     stager = Stager(pin=False)
+    slow.hold_until_told_to_stop(stager)
     assert stager.prepare(source) == 6
     assert slow.started.wait(10)
     staged = stager.stage(source)  # the preparing thread is busy with its first buffer
@@ -101,8 +112,9 @@ def test_a_state_over_the_staging_budget_prepares_nothing() -> None:
 
 
 def test_release_stops_a_running_preparation(monkeypatch: pytest.MonkeyPatch) -> None:
-    slow = SlowPreparation(monkeypatch, delay=0.2)
+    slow = SlowPreparation(monkeypatch, delay=0.0, held=True)
     stager = Stager(pin=False)
+    slow.hold_until_told_to_stop(stager)
     stager.prepare(state_of(5, sizes=(100_000,) * 5))
     assert slow.started.wait(10)
     stager.release()
@@ -113,14 +125,15 @@ def test_manager_prepares_after_restore_and_the_save_stages_the_saved_bytes(
         manager_factory: ManagerFactory, checkpoint_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A fresh run: ``restore`` finds nothing and starts preparing; the first save comes while the
     preparation is still running (no race), and the step restores to the saved bytes."""
-    slow = SlowPreparation(monkeypatch, delay=0.2)
+    slow = SlowPreparation(monkeypatch, delay=0.0, held=True)
     torch.manual_seed(6)
     model = torch.nn.Sequential(torch.nn.Linear(400, 300), torch.nn.Linear(300, 200))
     state: dict[str, Any] = {"model": model}
     manager = manager_factory()
     assert manager.restore(state) is None
     stager = manager._saver.stager
-    assert stager.preparing and slow.started.wait(10)
+    slow.hold_until_told_to_stop(stager)
+    assert stager.preparing and slow.started.wait(60)
     assert manager.save(1, state, force=True)
     assert not stager.preparing
     expected = {name: value.clone() for name, value in model.state_dict().items()}

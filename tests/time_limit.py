@@ -23,6 +23,13 @@ DEFAULT_LIMIT_S = 60.0
 UNCHECKED_MARKERS = ("slow", "bench", "gpu", "integrations")
 
 
+def load_per_core() -> float:
+    """The one-minute load average per core now, never below 1: about how many times slower than on an idle
+    machine a test runs here. The hang guards of single calls (``elapsed < GUARD_S * load_per_core()``) scale
+    by it, so that a loaded machine never trips them while an idle one still catches a call that hangs."""
+    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
 @dataclass
 class RunTimes:
     """Each checked test's seconds so far, and the load samples of the run."""

@@ -5,7 +5,8 @@ and every rank loads at start.
 ``python torchrun_ddp_snapshot.py OUT TOTAL EVERY``: trains TOTAL steps; every rank appends
 ``<pid> <step> <unix time>`` to ``OUT/progress-rank<r>`` after each step; rank 0 writes the final weights
 and optimizer state as hex bytes to ``OUT/final.json``.
-``STEP_SLEEP`` (seconds) paces each step for the tests.
+``STEP_SLEEP`` (seconds) paces each step for the tests, and a file ``OUT/hold-rank<r>-step<s>`` holds rank r
+after step s while it exists.
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ def _hex(state: dict) -> dict:
         elif isinstance(value, dict):
             flat.update({f"{name}.{key}": item for key, item in _hex(value).items()})
     return flat
+
+
+def _pace(out: str, rank: int, step: int) -> None:
+    """The tests' pace after each step: ``STEP_SLEEP`` seconds, then a hold while ``OUT/hold-rank<r>-step<s>``
+    exists (a test that kills this rank after that step removes the file once it killed it)."""
+    time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+    hold = os.path.join(out, f"hold-rank{rank}-step{step}")
+    while os.path.exists(hold):
+        time.sleep(0.01)
 
 
 def main() -> None:
@@ -55,7 +65,7 @@ def main() -> None:
         optimizer.step()
         with open(os.path.join(out, f"progress-rank{rank}"), "a") as progress:
             progress.write(f"{os.getpid()} {step} {time.time():.6f}\n")
-        time.sleep(float(os.environ.get("STEP_SLEEP", "0")))  # the tests' pace
+        _pace(out, rank, step)
         if rank == 0 and step % every == 0:
             torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step},
                        snapshot_path + ".tmp")

@@ -5,7 +5,8 @@ by rank 0 after each epoch (then a barrier) and loaded at start.
 ``python torchrun_epochs_snapshot.py OUT EPOCHS``: every rank appends ``<pid> <step> <unix time>`` to
 ``OUT/progress-rank<r>`` after each step (steps counted over all epochs); rank 0 writes the final weights and
 optimizer state as hex bytes to ``OUT/final.json``.
-``STEP_SLEEP`` (seconds) paces each step for the tests.
+``STEP_SLEEP`` (seconds) paces each step for the tests, and a file ``OUT/hold-rank<r>-step<s>`` holds rank r
+after step s while it exists.
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def _pace(out: str, rank: int, step: int) -> None:
+    """The tests' pace after each step: ``STEP_SLEEP`` seconds, then a hold while ``OUT/hold-rank<r>-step<s>``
+    exists (a test that kills this rank after that step removes the file once it killed it)."""
+    time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+    hold = os.path.join(out, f"hold-rank{rank}-step{step}")
+    while os.path.exists(hold):
+        time.sleep(0.01)
 
 
 def main() -> None:
@@ -52,7 +62,7 @@ def main() -> None:
             optimizer.step()
             with open(os.path.join(out, f"progress-rank{rank}"), "a") as progress:
                 progress.write(f"{os.getpid()} {epoch * steps_per_epoch + index + 1} {time.time():.6f}\n")
-            time.sleep(float(os.environ.get("STEP_SLEEP", "0")))  # the tests' pace
+            _pace(out, rank, epoch * steps_per_epoch + index + 1)
         if local_rank == 0 and rank == 0:
             torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                         "epochs_run": epoch + 1}, snapshot_path + ".tmp")
