@@ -266,6 +266,18 @@ class Cluster:
             self.network.heal(self.node(index), self._role(index, role))
 
     # --- reading -----------------------------------------------------------------------------------
+    def daemon_counters(self, index: int) -> dict[str, float]:
+        """The byte counters of ``index``'s daemon since it started (``/metrics``, summed over its roots):
+        ``ckptd_promoted_bytes_total`` (uploaded to S3), ``ckptd_replicated_bytes_total`` (sent to its buddy),
+        ``ckptd_peer_served_bytes_total`` (served to peers: replicas read by restores); {} when it does not
+        answer."""
+        url = f"http://{self.daemon_addresses[index]}:{DAEMON_PORT}/metrics"
+        script = ("import sys, urllib.request\n"
+                  "request = urllib.request.Request(sys.argv[1], headers={'Authorization': 'Bearer ' + sys.argv[2]})\n"
+                  "print(urllib.request.urlopen(request, timeout=30).read().decode())\n")
+        result = self.network.run(self.node(index), [sys.executable, "-c", script, url, self.token], timeout_s=90)
+        return parse_byte_counters(result.stdout) if result.returncode == 0 else {}
+
     def log(self, prefix: str) -> str:
         """Every log whose name starts with ``prefix``, in name order."""
         return "".join(path.read_text(errors="replace") for path in sorted(self.logs.glob(f"{prefix}*.log")))
@@ -301,3 +313,14 @@ def progress(out: Path, rank: int) -> list[tuple[float, int, int, str]]:
         at, _incarnation, generation, step, digest = line.split()
         lines.append((float(at), int(generation), int(step), digest))
     return lines
+
+
+def parse_byte_counters(metrics: str) -> dict[str, float]:
+    """The ``*_bytes_total`` counters of a Prometheus text, each summed over its labels."""
+    counters: dict[str, float] = {}
+    for line in metrics.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if line.startswith("#") or not name.endswith("_bytes_total"):
+            continue
+        counters[name] = counters.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return counters

@@ -177,3 +177,18 @@ def test_the_reason_to_skip_names_root_for_an_unprivileged_user() -> None:
     assert result.returncode == 0, result.stderr
     assert "root" in result.stdout
     assert unavailable_reason() is None  # this run could make them
+
+
+def test_byte_counters_are_read_from_a_daemons_metrics() -> None:
+    from ckptd.daemon.metrics import DaemonMetrics
+
+    from cluster import parse_byte_counters
+
+    metrics = DaemonMetrics()
+    metrics.promoted("rank0", 100, 1.0)
+    metrics.promoted("rank1", 50, 1.0)
+    metrics.replicated("rank0", 30, 1.0)
+    metrics.peer_served(7)
+    counters = parse_byte_counters(metrics.render()[0].decode())
+    assert counters == {"ckptd_promoted_bytes_total": 150.0, "ckptd_replicated_bytes_total": 30.0,
+                        "ckptd_peer_served_bytes_total": 7.0}
