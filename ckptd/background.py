@@ -24,7 +24,9 @@ here, so that each of them behaves the same way:
 Thread rules: :class:`BackgroundWorker` methods other than the job itself are called from the owning
 (training) thread; :class:`SharedPools`, :class:`TaskPool` and :class:`OwnedThread` are thread-safe.
 
-No other module of ckptd starts a thread or a pool itself (``tests/test_thread_ownership.py`` checks it).
+No other module of ckptd starts a thread or a pool itself (``tests/test_thread_ownership.py`` checks it): an
+asyncio loop's executor is a :class:`TaskPool` (:attr:`TaskPool.executor`). The one thread a library starts for
+ckptd is watchdog's observer (``daemon/watcher.py``), which its owner stops and joins with a deadline.
 """
 
 from __future__ import annotations
@@ -359,6 +361,12 @@ class TaskPool:
         self._closed = False
         self._executor = concurrent.futures.ThreadPoolExecutor(self.threads, thread_name_prefix=name,
                                                                initializer=initializer)
+
+    @property
+    def executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The pool as an executor, for an API that takes one (an asyncio loop's default executor); its
+        tasks run on this pool's threads, unnamed, and :meth:`close` still waits for them."""
+        return self._executor
 
     def live_threads(self) -> list[threading.Thread]:
         """The pool's threads that have not ended."""

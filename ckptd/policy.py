@@ -21,9 +21,9 @@ from ckptd.errors import ConfigError
 class RetentionPolicy(Protocol):
     """Chooses which committed steps of a tier may be deleted.
 
-    Called by the owner of a tier's directory after each commit (and by ``ckptd gc``) with every
-    committed step of that tier. Implementations must be pure functions of their argument and must
-    never return the newest step.
+    Called by the owner of a tier's directory after each commit, once more when its manager closes (and
+    by ``ckptd gc``) with every committed step of that tier. An answer may change between calls (a
+    framework's pointer removed after the last save), but must never include the newest step.
     """
 
     def deletable(self, committed: list[int]) -> list[int]:

@@ -86,3 +86,31 @@ def test_an_uncommitted_newer_directory_does_not_count_as_newest(manager_factory
     live = synthetic_template(NBYTES)
     assert manager_factory(policy=Policy(keep_local=1)).restore(live) == 3
     assert_same_state(live, synthetic_state(3, NBYTES))
+
+
+class _Released:
+    """A retention policy whose answer changes after the saves: steps are let go when the test says."""
+
+    def __init__(self) -> None:
+        self.released: set[int] = set()
+
+    def deletable(self, committed: list[int]) -> list[int]:
+        return [step for step in committed if step in self.released and step != max(committed)]
+
+
+def test_a_step_let_go_after_the_last_commit_leaves_at_close(manager_factory: ManagerFactory,
+                                                              checkpoint_dir: Path) -> None:
+    """Lightning's save_top_k removes the older checkpoint after the newest is saved: no commit follows."""
+    retention = _Released()
+    manager = manager_factory(policy=Policy(keep_local=retention))
+    for step in (1, 2, 3):
+        manager.save(step, synthetic_state(step, NBYTES), force=True)
+    manager.wait()
+    retention.released.update({2, 3})  # 3 is the newest: kept whatever the policy says
+    assert manager.committed_steps() == [1, 2, 3], "nothing is deleted before close"
+    manager.close()
+    assert sorted(int(path.name.split("-")[1]) for path in checkpoint_dir.glob("step-*")) == [1, 3]
+    restored = synthetic_template(NBYTES)
+    reader = manager_factory(policy=Policy(keep_local=None))
+    assert reader.restore(restored) == 3
+    assert_same_state(restored, synthetic_state(3, NBYTES))

@@ -35,10 +35,10 @@ from typing import Any, Protocol
 from aiohttp import web
 from aiohttp.abc import AbstractAccessLogger
 
-from ckptd.background import OwnedThread, start_thread
+from ckptd.background import OwnedThread, TaskPool, start_thread
 from ckptd.daemon.auth import Access, Authenticator, is_loopback
 from ckptd.daemon.metrics import DaemonMetrics
-from ckptd.errors import CkptdError, ConfigError
+from ckptd.errors import CkptdError, ConfigError, StillRunningError
 
 log = logging.getLogger("ckptd.daemon.http")
 #: Largest request body the app reads (the peer routes stream larger uploads themselves).
@@ -119,6 +119,9 @@ class HttpServer:
         loop = asyncio.new_event_loop()
         self._loop = loop
         asyncio.set_event_loop(loop)
+        # run_in_executor(None, ...) and asyncio.to_thread (status answers, peer file reads) run here
+        work = TaskPool("ckptd-http-work", min(32, (os.cpu_count() or 1) + 4))
+        loop.set_default_executor(work.executor)
         try:
             try:
                 loop.run_until_complete(self._bind())
@@ -133,6 +136,10 @@ class HttpServer:
         finally:
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
+            try:
+                work.close(_STOP_TIMEOUT_S)
+            except StillRunningError as error:
+                log.warning("the HTTP server's work did not end: %s", error)
 
     async def _bind(self) -> None:
         app = self.application()

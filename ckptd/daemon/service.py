@@ -42,7 +42,7 @@ from typing import Any
 
 from ckptd.background import BackgroundWorker, OwnedThread, start_thread
 from ckptd.config import settings
-from ckptd.daemon.buddy import BuddyDiscovery, Resolver
+from ckptd.daemon.buddy import STOP_WAIT_S, BuddyDiscovery, Resolver
 from ckptd.daemon.config import DaemonConfig, RootConfig
 from ckptd.daemon.journal import Journal, Task
 from ckptd.daemon.roots import DAEMON_PIN_DIRECTORY, RootRuntime, exclusive_lock
@@ -289,14 +289,14 @@ class Daemon:
         stop the servers and remove the state files. Returns the tasks still running at the deadline (they
         stay journaled and run again at the next start)."""
         drain = self.config.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        deadline = time.monotonic() + drain
         self._ready = False
         self._stopping.set()
-        self.buddy.stop()
+        self.buddy.stop(min(STOP_WAIT_S, drain))
         for event in self._wake.values():
             event.set()
         if self.watcher is not None:
             self.watcher.stop()
-        deadline = time.monotonic() + drain
         with self._state_lock:
             announcing = list(self._announcing)
         for thread in [*self._workers, *announcing]:

@@ -19,17 +19,34 @@ from contextlib import contextmanager
 _this_thread = threading.local()
 
 
+def _hold_the_collector() -> None:
+    # "before" hooks run in the reverse order of registration, so this one runs ahead of the hooks other
+    # modules registered earlier (threading, logging, random); the child's "after" hooks then run their Python
+    # code with the collector off, until the inherited objects are frozen
+    if getattr(_this_thread, "starting_workers", False):
+        _this_thread.collector_was_on = gc.isenabled()
+        gc.disable()
+
+
+def _release_the_collector_in_the_parent() -> None:
+    if getattr(_this_thread, "starting_workers", False) and _this_thread.collector_was_on:
+        gc.enable()
+
+
 def _freeze_what_the_worker_inherited() -> None:
     if getattr(_this_thread, "starting_workers", False):
         gc.freeze()
+        if _this_thread.collector_was_on:
+            gc.enable()
 
 
-os.register_at_fork(after_in_child=_freeze_what_the_worker_inherited)
+os.register_at_fork(before=_hold_the_collector, after_in_parent=_release_the_collector_in_the_parent,
+                    after_in_child=_freeze_what_the_worker_inherited)
 
 
 @contextmanager
 def workers_leave_inherited_objects_alone() -> Iterator[None]:
-    """While inside, a process this thread forks freezes what it inherited before it runs any Python code."""
+    """While inside, a process this thread forks freezes what it inherited before its collector can run."""
     _this_thread.starting_workers = True
     try:
         yield

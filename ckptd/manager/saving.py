@@ -326,6 +326,14 @@ class Saver:
                            hint="the checkpoint directory stays locked; call close() again once the write "
                                 "ends, or raise CKPTD_CLOSE_TIMEOUT_S")
         self._closed = True
+        if self.sharing.is_owner:
+            # a retention policy may let a step go after the last commit (Lightning's save_top_k removes the
+            # older checkpoint once the newest is saved): the writer has stopped, so this runs alone
+            try:
+                self._apply_retention()
+            except CkptdError as error:
+                log.warning("rank %d: the retention pass at close failed (the steps stay; the next run's first "
+                            "commit deletes them): %s", self.rank, error)
         if self._process is not None:  # the writer thread has stopped: nothing waits on the process any more
             self._process.close(settings().writer_stop_timeout_s)
         lease, self._pool_lease = self._pool_lease, None
