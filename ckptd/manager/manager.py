@@ -505,8 +505,9 @@ class CheckpointManager:
 
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for pending writes and uploads, then release the tiers. Safe to call twice. Once the writes
-        are done, the local retention runs once more: a step the policy let go after the last commit (a
-        pointer removed since) leaves then, not at the next run's first commit.
+        are done, the local retention runs once more if this manager committed a step: a step the policy
+        let go after the last commit (a pointer removed since) leaves then, not at the next run's first
+        commit.
 
         Writes and uploads together get at most ``timeout_s`` seconds (default ``CKPTD_CLOSE_TIMEOUT_S``):
         uploads get what the writes left. A save still being

@@ -326,9 +326,11 @@ class Saver:
                            hint="the checkpoint directory stays locked; call close() again once the write "
                                 "ends, or raise CKPTD_CLOSE_TIMEOUT_S")
         self._closed = True
-        if self.sharing.is_owner:
+        if self.sharing.is_owner and self._committed_steps:
             # a retention policy may let a step go after the last commit (Lightning's save_top_k removes the
-            # older checkpoint once the newest is saved): the writer has stopped, so this runs alone
+            # older checkpoint once the newest is saved): the writer has stopped, so this runs alone. Only
+            # after a commit of this saver: a manager that only restored after a crash must not delete what a
+            # step whose commit never finished (its directory entry not yet durable) would supersede
             try:
                 self._apply_retention()
             except CkptdError as error:

@@ -22,14 +22,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-
-def _pace(out: str, rank: int, step: int) -> None:
-    """The tests' pace after each step: ``STEP_SLEEP`` seconds, then a hold while ``OUT/hold-rank<r>-step<s>``
-    exists (a test that kills this rank after that step removes the file once it killed it)."""
-    time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
-    hold = os.path.join(out, f"hold-rank{rank}-step{step}")
-    while os.path.exists(hold):
-        time.sleep(0.01)
+from script_pacing import pace  # the tests' hook (this folder)
 
 
 def main() -> None:
@@ -62,7 +55,7 @@ def main() -> None:
             optimizer.step()
             with open(os.path.join(out, f"progress-rank{rank}"), "a") as progress:
                 progress.write(f"{os.getpid()} {epoch * steps_per_epoch + index + 1} {time.time():.6f}\n")
-            _pace(out, rank, epoch * steps_per_epoch + index + 1)
+            pace(out, rank, epoch * steps_per_epoch + index + 1)
         if local_rank == 0 and rank == 0:
             torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
                         "epochs_run": epoch + 1}, snapshot_path + ".tmp")
