@@ -23,11 +23,15 @@ DEFAULT_LIMIT_S = 60.0
 UNCHECKED_MARKERS = ("slow", "bench", "gpu", "integrations")
 
 
+def _load_average_per_core() -> float:
+    return os.getloadavg()[0] / (os.cpu_count() or 1)
+
+
 def load_per_core() -> float:
     """The one-minute load average per core now, never below 1: about how many times slower than on an idle
     machine a test runs here. The hang guards of single calls (``elapsed < GUARD_S * load_per_core()``) scale
     by it, so that a loaded machine never trips them while an idle one still catches a call that hangs."""
-    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    return max(1.0, _load_average_per_core())
 
 
 @dataclass
@@ -39,7 +43,7 @@ class RunTimes:
 
     def add(self, nodeid: str, seconds: float) -> None:
         self.seconds[nodeid] = self.seconds.get(nodeid, 0.0) + seconds
-        self.load_per_core.append(os.getloadavg()[0] / (os.cpu_count() or 1))
+        self.load_per_core.append(_load_average_per_core())
 
     def load_factor(self) -> float:
         if not self.load_per_core:

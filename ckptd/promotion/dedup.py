@@ -105,7 +105,8 @@ def _in_parallel(function: Callable[[T], R], items: list[T]) -> list[R]:
         return []
     workers = max(1, min(settings().s3_concurrency, len(items)))
     with TaskPool("ckptd-dedup", workers) as pool:
-        return [future.result() for future in [pool.submit(function, item) for item in items]]
+        futures = [pool.submit(function, item) for item in items]
+        return [future.result() for future in futures]
 
 
 def _look_up(remote: ObjectTier, paths: list[str]) -> dict[str, _Stored]:
