@@ -2,7 +2,8 @@
 
 A state is a mapping whose values are tensors, numpy arrays, nested dicts/lists/tuples, JSON scalars,
 ``bytes``, or objects with ``state_dict()``/``load_state_dict()`` (modules, optimizers, schedulers,
-ckptd's data loader). :func:`flatten` walks it once and returns every tensor under a readable path
+ckptd's data loader, torchdata's ``StatefulDataLoader``). A plain torch ``DataLoader`` keeps no position: it
+is saved as a marker, with a warning naming it and the fix (:mod:`ckptd.state.loaders`). :func:`flatten` walks it once and returns every tensor under a readable path
 name plus a JSON *skeleton* that records the structure. Nothing is pickled unless the caller passes
 ``allow_pickle=True``; then values of any other type are pickled, and loading them again needs the
 same opt-in.
@@ -35,6 +36,7 @@ import torch
 
 from ckptd.errors import CkptdError, FormatError, PickleRefusedError, ResumeMismatchError
 from ckptd.format.records import DTYPE_NAMES, DTYPES
+from ckptd.state.loaders import describe_loader, is_unresumable_loader, warn_unresumable_loader
 
 #: Reads the tensor saved under a name, into ``out`` when given (same shape and dtype), else fresh.
 TensorSource = Callable[[str, "torch.Tensor | None"], torch.Tensor]
@@ -112,6 +114,9 @@ class _Flattener:
             return {kind: [self.node(child, f"{path}/{i}") for i, child in enumerate(value)]}
         if _has_state_dict(value):
             return {"stateful": self.node(_saved_state(value, self.step), path)}
+        if is_unresumable_loader(value):
+            warn_unresumable_loader(value, path)
+            return {"unsaved_loader": describe_loader(value)}
         return self._pickle(value, path, f"a value of type {type(value).__name__}")
 
     def _pickle(self, value: Any, path: str, what: str) -> Any:
@@ -180,6 +185,8 @@ class _Loader:
         if not isinstance(node, dict) or not node:
             raise CkptdError(f"malformed state skeleton at {path!r}")
         kind = next(iter(node))
+        if kind == "unsaved_loader":  # a plain DataLoader: nothing was saved, the live loader stays as it is
+            return target
         if kind != "stateful" and _has_state_dict(target):  # replacing the object would drop it silently
             raise ResumeMismatchError(
                 f"the live state has an object with load_state_dict() ({type(target).__name__}) under key "
