@@ -25,6 +25,7 @@ def _save_two_steps(rank: int, world_size: int, local: str, remote: str, options
     state = _rank_state(rank)
     with ckptd.CheckpointManager(local, remote=remote, storage_options=options, policy=POLICY) as manager:
         assert manager.save(1, state)
+        manager.wait_uploads()  # else step 2's commit supersedes step 1 before its upload starts (by design)
         with torch.no_grad():
             for parameter in state["model"].parameters():
                 parameter.mul_(-2.0)
