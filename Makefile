@@ -65,13 +65,13 @@ test-under-load: setup
 	$(PY) tests/run_under_load.py --burners $(LOAD_BURNERS) --report reports/load/$$(date -u +%Y-%m-%d).json -- $(MAKE) test
 
 # PyTorch's own DCP test files (a copy kept outside this repository) with ckptd's storage plugins in
-# place of FileSystemWriter/FileSystemReader (ckptd.testing.dcp_swap); CKPTD_DCP_SWAP=0 runs them
+# place of FileSystemWriter/FileSystemReader (harness.dcp_swap); CKPTD_DCP_SWAP=0 runs them
 # against DCP's own classes. PYTORCH_TEST_ARGS: more pytest arguments (-k, -x, file names).
 .PHONY: test-pytorch-dcp
 test-pytorch-dcp: setup
 	@test -n "$(PYTORCH_TESTS)" || { echo "usage: make test-pytorch-dcp PYTORCH_TESTS=<dir with PyTorch's test/distributed/checkpoint files>"; exit 2; }
 	$(PY) -m pip install --quiet expecttest $(TORCH_PIN)
-	cd "$(PYTORCH_TESTS)" && "$(abspath $(PY))" -m pytest -p ckptd.testing.dcp_swap -p no:cacheprovider -o addopts="" -rs $(or $(PYTORCH_TEST_ARGS),.)
+	cd "$(PYTORCH_TESTS)" && PYTHONPATH="$(abspath tests)" "$(abspath $(PY))" -m pytest -p harness.dcp_swap -p no:cacheprovider -o addopts="" -rs $(or $(PYTORCH_TEST_ARGS),.)
 
 bench: setup
 	$(VENV)/bin/ckptd bench

@@ -37,6 +37,8 @@ Usage: ``python benchmarks/bench_daemon.py [--steps 6] [--mib 8] [--rounds 3] [-
 
 from __future__ import annotations
 
+import harness_path  # noqa: F401  (tests/harness)
+
 import argparse
 import json
 import os
@@ -54,7 +56,7 @@ import torch
 import ckptd
 from ckptd.embedded_s3 import EmbeddedS3
 from ckptd.promotion.promoter import Promoter
-from ckptd.testing.daemon_process import DaemonProcess, write_config
+from harness.daemon_process import DaemonProcess, write_config
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
 

@@ -7,7 +7,7 @@ and the same 2-rank gloo job.
 torchrun runs with ``--standalone``: with torch 2.13's default static rendezvous, a restarted gloo job
 failed to reconnect (``connectFullMesh`` timed out against the dead attempt's addresses), while
 ``--standalone`` (c10d rendezvous on a local store) restarts cleanly. Under torchrun the script forms its
-process group over ``PrefixStore("attempt-<n>/", agent store)`` (see :mod:`ckptd.testing.launched_training`).
+process group over ``PrefixStore("attempt-<n>/", agent store)`` (see :mod:`harness.launched_training`).
 
 The job trains a small MLP for ``--steps`` steps, saving every ``--every`` steps (local tier), each step
 ``--step-time`` seconds long; rank 1 SIGKILLs itself right after its save of step ``--kill-step``. Time to

@@ -1,7 +1,7 @@
 """Benchmark of the peer tier (not part of the test run): replication to a buddy's peer endpoints, and restore
 from the peer tier against restore from the object tier (moto's S3 server) and from the local tier.
 
-The buddy is a real peer server (:class:`ckptd.testing.peer_server.PeerServer`, the daemon's routes) in a
+The buddy is a real peer server (:class:`harness.peer_server.PeerServer`, the daemon's routes) in a
 child process, on loopback; the object tier is moto's server in another child process. The same committed
 step (``--mib`` MiB of float32 tensors in 16 MiB chunks, plus a few small ones in the pack) is replicated to
 the peer and promoted to S3, then restored ``--repeats`` times from each tier, rounds interleaved so that a
@@ -12,6 +12,8 @@ Usage: ``python benchmarks/bench_peer.py [--mib 256] [--repeats 3] [--json]``.
 """
 
 from __future__ import annotations
+
+import harness_path  # noqa: F401  (tests/harness)
 
 import argparse
 import json
@@ -41,7 +43,7 @@ TOKEN = "bench-peer-token"
 
 def _serve(replicas: str, ports: Any) -> None:
     from ckptd.daemon.peer_store import PeerNamespaces
-    from ckptd.testing.peer_server import PeerServer
+    from harness.peer_server import PeerServer
 
     server = PeerServer(PeerNamespaces({}, Path(replicas)), token=TOKEN)
     ports.put(server.start())

@@ -5,10 +5,10 @@ Usage::
 
     python benchmarks/soak.py --minutes 60 --seed 1 --report reports/soak/<date>.json     # or: make soak
 
-Two nodes stand in for two machines on this one (:mod:`ckptd.testing.soak_cluster`): each with its own
+Two nodes stand in for two machines on this one (:mod:`harness.soak_cluster`): each with its own
 directory (local checkpoint root, daemon state), its own ``ckptd daemon`` (promotion to one S3 prefix on
 moto's server, behind the fault proxy; replication to the other node's daemon) and its own ``ckptd launch``
-supervisor of ``--ranks-per-node`` gloo ranks of :mod:`ckptd.testing.soak_job` (a small MLP fed by the
+supervisor of ``--ranks-per-node`` gloo ranks of :mod:`harness.soak_job` (a small MLP fed by the
 verified shard loader, checkpointed every ``--every`` steps). During ``--minutes`` of training the driver
 injects, at seeded times (each once the job has completed a step since the previous fault):
 
@@ -34,6 +34,8 @@ status: 0 when EQUAL with nothing lost, 1 otherwise.
 
 from __future__ import annotations
 
+import harness_path  # noqa: F401  (tests/harness)
+
 import argparse
 import bisect
 import json
@@ -52,8 +54,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckptd.testing.invariants import Check, check_nothing_lost, check_nothing_partial, record_committed
-from ckptd.testing.soak_cluster import JobOptions, SoakCluster, SoakNode
+from harness.invariants import Check, check_nothing_lost, check_nothing_partial, record_committed
+from harness.soak_cluster import JobOptions, SoakCluster, SoakNode
 
 #: The proxy's fault modes of an S3 window: (name, fault kinds, fraction of requests).
 S3_MODES: tuple[tuple[str, tuple[str, ...], float], ...] = (
@@ -463,7 +465,7 @@ def run_golden(workdir: Path, cluster: SoakCluster, steps: int, world: int, args
     """The same job, uninterrupted: one supervisor with every rank, no daemon, no S3, no saves."""
     root, out = workdir / "golden", workdir / "golden" / "out"
     command = [sys.executable, "-m", "ckptd.cli.main", "launch", "--nproc-per-node", str(world), "--max-restarts", "0",
-               "-m", "ckptd.testing.soak_job", "--root", str(root / "ckpt"), "--out", str(out),
+               "-m", "harness.soak_job", "--root", str(root / "ckpt"), "--out", str(out),
                "--data", str(cluster.manifest), "--cache", str(root / "cache"), "--steps", str(steps),
                "--every", str(10**12), "--seed", str(args.seed), "--daemon", "off"]
     environment = dict(os.environ, OMP_NUM_THREADS="1")

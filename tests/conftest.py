@@ -14,9 +14,12 @@ from typing import Any
 
 import pytest
 
+import harness
 from ckptd.embedded_s3 import EmbeddedS3
 from slow_group import pytest_collection_modifyitems  # noqa: F401  (tests/slow_tests.txt)
 from time_limit import pytest_configure, pytest_runtest_logreport, pytest_sessionfinish  # noqa: F401  (the 60 s rule)
+
+harness.reach_from_subprocesses()  # jobs the tests start run harness modules
 
 
 class _RunningS3(EmbeddedS3):
@@ -58,11 +61,11 @@ def s3_options(s3_server: EmbeddedS3) -> dict[str, Any]:
 
 
 def _uninterrupted_run(tmp_path_factory: pytest.TempPathFactory, world: int) -> list[bytes]:
-    """Each rank's final bytes of the elastic test job (:mod:`ckptd.testing.elastic_training`, default
+    """Each rank's final bytes of the elastic test job (:mod:`harness.elastic_training`, default
     arguments) run uninterrupted under ``ckptd launch`` with ``world`` ranks: run once per test session and
     shared by the pytest-xdist workers (under a lock in their common temporary directory), since it is the
     same run."""
-    from ckptd.testing.elastic_runs import finals, launch_job
+    from harness.elastic_runs import finals, launch_job
 
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
@@ -82,7 +85,7 @@ def _uninterrupted_run(tmp_path_factory: pytest.TempPathFactory, world: int) -> 
 @pytest.fixture(scope="session")
 def elastic_reference(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
     """The uninterrupted run of the elastic test job with its usual WORLD (2) ranks (:func:`_uninterrupted_run`)."""
-    from ckptd.testing.elastic_runs import WORLD
+    from harness.elastic_runs import WORLD
 
     return _uninterrupted_run(tmp_path_factory, WORLD)
 

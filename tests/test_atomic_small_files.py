@@ -30,7 +30,7 @@ from ckptd.daemon.service import ROOT_FILE, STATE_FILE, Daemon
 from ckptd.data import index_dataset, load_dataset_manifest, save_dataset_manifest
 from ckptd.errors import DiskFullError, StorageError
 from ckptd.format.layout import TEMP_MARKER
-from ckptd.testing.daemon_process import write_config
+from harness.daemon_process import write_config
 
 CHECKPOINT_WORDS = ("keep_local", "committed steps", "tier local")
 

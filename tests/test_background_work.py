@@ -28,7 +28,7 @@ from ckptd.format.layout import rank_data_name, step_dir
 from ckptd.stepio.rank_writer import RankWriter
 from ckptd.testing.compare import assert_same_state
 from ckptd.testing.multirank import run_multirank
-from ckptd.testing.write_faults import WriteFaults
+from harness.write_faults import WriteFaults
 from ckptd.tiers.local import LocalTier
 
 

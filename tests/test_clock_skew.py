@@ -6,7 +6,7 @@ names the tier and its URL and says to check the clock, after one refused reques
 a 403), and commits nothing.
 
 (b) GC and leases never act on a wall clock alone: with this process's ``time.time`` shifted by +-20
-minutes (:func:`ckptd.testing.clock_skew.skewed_clock`; libfaketime is not installed here), a collector
+minutes (:func:`harness.clock_skew.skewed_clock`; libfaketime is not installed here), a collector
 does not abort a live multipart upload, does not delete an in-flight step, never deletes a committed step,
 and a lease taken by a collector whose clock runs behind still holds promoters back. Ages are the store's
 clock (its ``Date``) minus times the store stamped (``LastModified``); the control case shows that a
@@ -29,9 +29,9 @@ from ckptd.policy import Policy
 from ckptd.promotion import promote_step
 from ckptd.promotion.gc import collect_garbage
 from ckptd.promotion.lease import gc_lease, lease_is_fresh
-from ckptd.testing.clock_skew import skewed_clock
+from harness.clock_skew import skewed_clock
 from ckptd.testing.fault_proxy import FaultProxy
-from ckptd.testing.workloads import synthetic_state
+from harness.workloads import synthetic_state
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
 from ckptd.tiers.upload_owners import UploadOwner, new_record_path

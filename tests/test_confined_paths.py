@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.errors import StorageError
-from ckptd.testing.write_faults import ErrnoRule, FaultyDisk
+from harness.write_faults import ErrnoRule, FaultyDisk
 from ckptd.tiers.local import LocalTier
 
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.testing import crash_replay
-from ckptd.testing.crash_replay import (FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION, LEFTOVER_STEP_DIRECTORY,
+from harness import crash_replay
+from harness.crash_replay import (FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION, LEFTOVER_STEP_DIRECTORY,
                                         PACKED_AND_DIRECT, TWO_RANKS, check_state, record_save, replay)
-from ckptd.testing.crash_states import SECTOR, CrashModel, CrashState, replay_everything, tree_differences, tree_of
-from ckptd.testing.fs_recorder import Trace, record
+from harness.crash_states import SECTOR, CrashModel, CrashState, replay_everything, tree_differences, tree_of
+from harness.fs_recorder import Trace, record
 
 
 def _write_file(path: Path, data: bytes, *, sync: bool) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ckptd.testing.daemon_process import DaemonProcess, write_config
+from harness.daemon_process import DaemonProcess, write_config
 from ckptd.tiers.upload_owners import UploadOwner, new_record_path
 from test_promotion_support import s3_client
 

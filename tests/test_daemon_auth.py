@@ -24,7 +24,7 @@ import pytest
 from ckptd.daemon.auth import MIN_TOKEN_CHARS, Authenticator, check_token_strength, derive_token
 from ckptd.errors import ConfigError
 from ckptd.format.layout import step_dir
-from ckptd.testing.daemon_process import DaemonProcess, write_config
+from harness.daemon_process import DaemonProcess, write_config
 
 TOKEN = "auth-test-peer-token-" + secrets.token_hex(12)
 NOBODY = 65534

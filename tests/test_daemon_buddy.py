@@ -26,7 +26,7 @@ from ckptd.daemon.service import Daemon
 from ckptd.errors import ConfigError
 from ckptd.format.layout import step_dir
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.daemon_process import DaemonProcess, trainer_state, wait_until, write_config
+from harness.daemon_process import DaemonProcess, trainer_state, wait_until, write_config
 from ckptd.tiers.local import LocalTier
 
 NAME = "ckptd-peer.ckptd.svc"

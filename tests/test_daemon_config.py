@@ -15,7 +15,7 @@ import pytest
 
 from ckptd.daemon.config import load_config
 from ckptd.errors import ConfigError
-from ckptd.testing.daemon_process import write_config
+from harness.daemon_process import write_config
 
 _CLEAN_ENV = {key: value for key, value in os.environ.items()
               if not key.startswith(("CKPTD_DAEMON_", "CKPTD_PEER_TOKEN"))}
@@ -207,7 +207,7 @@ def test_token_is_never_in_a_repr(dirs):
 
 
 def test_a_second_daemon_on_the_same_state_dir_or_root_is_refused(dirs, tmp_path):
-    from ckptd.testing.daemon_process import DaemonProcess
+    from harness.daemon_process import DaemonProcess
 
     config = write_config(dirs["config"], [{"name": "run1", "local": str(dirs["root"])}],
                           state_dir=str(dirs["state"]), listen="127.0.0.1:0")

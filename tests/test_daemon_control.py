@@ -25,7 +25,7 @@ import torch
 
 from ckptd.manager.daemon_link import DaemonLink
 from ckptd.stepio.step_reader import verify_step
-from ckptd.testing.daemon_process import DaemonProcess, run_trainer, wait_until, write_config
+from harness.daemon_process import DaemonProcess, run_trainer, wait_until, write_config
 from ckptd.tiers import open_tier
 from ckptd.tiers.local import LocalTier
 
@@ -329,7 +329,7 @@ def test_a_wiped_local_root_restores_from_the_buddy_the_daemon_names(tmp_path, s
                 assert manager.tiers[1].label.endswith(f"peer://{buddy_address}/replicas/node-a/run1")
                 assert manager.restore(state) == 2
                 assert manager.last_restore.tier == manager.tiers[1].label
-    generator = torch.Generator().manual_seed(2)  # the seeds of ckptd.testing.daemon_process.TRAINER (seed 0)
+    generator = torch.Generator().manual_seed(2)  # the seeds of harness.daemon_process.TRAINER (seed 0)
     assert state["weights"].equal(torch.randn(256 * 1024, generator=generator))
     assert state["bias"].equal(torch.randn(1024, generator=generator)) and int(state["step"]) == 2
 

@@ -11,7 +11,7 @@ import pytest
 
 from ckptd.daemon.config import load_config
 from ckptd.errors import ConfigError
-from ckptd.testing.daemon_process import DaemonProcess, write_config
+from harness.daemon_process import DaemonProcess, write_config
 
 SCHED_IDLE = 5
 

@@ -1,5 +1,5 @@
 """The daemon SIGKILLed in the middle of a promotion or a replication (its copies slowed by
-``ckptd.testing.slow_daemon`` so that the kill lands mid-copy, at a point drawn from a seed), then started
+``harness.slow_daemon`` so that the kill lands mid-copy, at a point drawn from a seed), then started
 again: every step ends committed exactly once on each tier (one journal row done per step and tier, one
 manifest version in a versioned bucket, the tier holds exactly the committed steps), each verifies, its
 files equal the local copy, no pin is left. SIGTERM drains: the copy in flight completes, exit 0, the rest
@@ -22,7 +22,7 @@ from ckptd.promotion.pinning import PIN_DIRECTORY
 from ckptd.stepio.step_reader import verify_step
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
-from ckptd.testing.daemon_process import DaemonProcess, run_trainer, wait_until, write_config
+from harness.daemon_process import DaemonProcess, run_trainer, wait_until, write_config
 from test_promotion_support import s3_client
 
 pytestmark = pytest.mark.s3

@@ -1,6 +1,6 @@
 """A daemon reports a root whose local tier cannot take a save (read-only, full, quota, I/O errors) as
 degraded, in its status document and in ``ckptd_tier_degraded``, and as healthy again once it recovers
-(fault matrix row 7). The disk fails through :class:`ckptd.testing.write_faults.FaultyDisk` (the real
+(fault matrix row 7). The disk fails through :class:`harness.write_faults.FaultyDisk` (the real
 system calls of the local tier, failed with an errno: no root needed)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from ckptd.daemon.config import load_config
 from ckptd.daemon.service import Daemon
-from ckptd.testing.write_faults import ErrnoRule, FaultyDisk
+from harness.write_faults import ErrnoRule, FaultyDisk
 
 
 @pytest.fixture

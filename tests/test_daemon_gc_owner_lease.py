@@ -1,7 +1,7 @@
 """GC never takes a step a live promoter is promoting (the step owner lease, ckptd.promotion.lease).
 
 Against a real daemon subprocess (whose object-tier writes are slowed and announced by
-``ckptd.testing.slow_daemon``) and moto's S3 server: the daemon is frozen (SIGSTOP) right before it writes
+``harness.slow_daemon``) and moto's S3 server: the daemon is frozen (SIGSTOP) right before it writes
 the manifest of the step it promotes, with every chunk already uploaded; ``ckptd gc --abandoned-after 0``
 runs as its own process; the daemon goes on (SIGCONT) and the step commits and verifies. A record whose
 owner is dead protects nothing, so leftovers of a killed promoter still go.
@@ -23,7 +23,7 @@ from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
 from ckptd.promotion.gc import collect_garbage
 from ckptd.promotion.lease import STEP_OWNERS_PREFIX, live_step_owners, step_owner_lease
 from ckptd.stepio.step_reader import verify_step
-from ckptd.testing.daemon_process import DaemonProcess, run_trainer, write_config
+from harness.daemon_process import DaemonProcess, run_trainer, write_config
 from ckptd.tiers.object import ObjectTier
 from ckptd.tiers.upload_owners import UploadOwner
 

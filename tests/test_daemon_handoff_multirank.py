@@ -19,7 +19,7 @@ import torch
 from ckptd.promotion.pinning import PinnedSteps
 from ckptd.stepio.step_reader import load_step_manifest, verify_step
 from ckptd.testing import run_multirank
-from ckptd.testing.daemon_process import DaemonProcess, wait_until, write_config
+from harness.daemon_process import DaemonProcess, wait_until, write_config
 from ckptd.tiers import open_tier
 from ckptd.tiers.atomicity import ranks_held
 from ckptd.tiers.local import LocalTier

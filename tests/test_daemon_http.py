@@ -23,7 +23,7 @@ from aiohttp import web
 from ckptd.daemon.http_server import HttpServer
 from ckptd.daemon.metrics import DaemonMetrics
 from ckptd.errors import ConfigError
-from ckptd.testing.daemon_process import DaemonProcess, metric_samples, run_trainer, wait_until, write_config
+from harness.daemon_process import DaemonProcess, metric_samples, run_trainer, wait_until, write_config
 
 
 def _get(url: str, *, data: bytes | None = None) -> tuple[int, bytes, str]:

@@ -14,7 +14,7 @@ import pytest
 from ckptd.daemon.journal import Journal
 from ckptd.daemon.watcher import CommitWatcher
 from ckptd.format.layout import MANIFEST_NAME, step_dir
-from ckptd.testing.daemon_process import wait_until
+from harness.daemon_process import wait_until
 
 
 def test_tasks_are_unique_and_survive_reopening(tmp_path):

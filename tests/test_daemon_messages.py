@@ -23,8 +23,8 @@ from ckptd.daemon.auth import derive_token
 from ckptd.daemon.peer_store import PeerNamespaces
 from ckptd.errors import TierMisconfiguredError
 from ckptd.format.layout import step_dir
-from ckptd.testing.daemon_process import DaemonProcess, write_config
-from ckptd.testing.peer_server import PeerServer
+from harness.daemon_process import DaemonProcess, write_config
+from harness.peer_server import PeerServer
 from ckptd.tiers.peer import PeerTier
 
 TOKEN = "messages-test-peer-token-0123456789abcdef"

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from ckptd.testing.daemon_process import DaemonProcess, run_trainer, write_config
+from harness.daemon_process import DaemonProcess, run_trainer, write_config
 from ckptd.testing.tamper import chunk_location, flip_bit
 from ckptd.tiers.object import ObjectTier
 

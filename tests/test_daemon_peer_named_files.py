@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from ckptd.format.layout import MANIFEST_NAME, step_dir
-from ckptd.testing.daemon_process import DaemonProcess, run_trainer, write_config
+from harness.daemon_process import DaemonProcess, run_trainer, write_config
 
 TOKEN = "named-files-test-peer-token-0123456789abcdef"
 SECRET = b"SECRET-" + os.urandom(24).hex().encode()

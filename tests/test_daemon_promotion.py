@@ -20,7 +20,7 @@ from ckptd.daemon.roots import DAEMON_PIN_DIRECTORY
 from ckptd.format.layout import MANIFEST_NAME, step_dir
 from ckptd.stepio.step_reader import verify_step
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.daemon_process import DaemonProcess, run_trainer, trainer_state, wait_until, write_config
+from harness.daemon_process import DaemonProcess, run_trainer, trainer_state, wait_until, write_config
 
 pytestmark = pytest.mark.s3
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from ckptd.daemon.redaction import REDACTED, RedactingFilter, known_secrets, redact
-from ckptd.testing.daemon_process import DaemonProcess, run_trainer, write_config
+from harness.daemon_process import DaemonProcess, run_trainer, write_config
 
 KEY_ID = "AKIDCKPTDREDACTION01"
 SECRET_KEY = "ckptdRedactionSecretKey0123456789abcdefXY"

@@ -26,7 +26,7 @@ from ckptd.format.layout import MANIFEST_NAME, step_dir
 from ckptd.promotion.pinning import PIN_DIRECTORY, PinnedSteps
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
-from ckptd.testing.daemon_process import trainer_state, wait_until
+from harness.daemon_process import trainer_state, wait_until
 
 pytestmark = pytest.mark.s3
 
@@ -204,7 +204,7 @@ def test_a_pin_no_tier_wants_any_more_is_dropped_at_start(tmp_path, running):
 
 def test_a_trainer_after_a_daemon_was_sigkilled_promotes_in_process(tmp_path, s3_bucket, s3_options):
     from ckptd.manager.daemon_link import DaemonLink
-    from ckptd.testing.daemon_process import DaemonProcess, write_config
+    from harness.daemon_process import DaemonProcess, write_config
 
     root, state = tmp_path / "root", tmp_path / "state"
     config = write_config(tmp_path / "daemon.toml", [{"name": "run1", "local": str(root),
@@ -257,7 +257,7 @@ def test_daemon_json_names_the_daemon_only_once_every_root_does(tmp_path, runnin
     ``.ckptd-daemon.json`` names this daemon, so it is written after all of them; a root whose file still named
     a daemon killed before (pid 1 here) at that moment sent its trainer to a socket nobody serves."""
     from ckptd.daemon import service
-    from ckptd.testing.daemon_process import write_config
+    from harness.daemon_process import write_config
 
     roots = [tmp_path / "root-a", tmp_path / "root-b"]
     for root in roots:

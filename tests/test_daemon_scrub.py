@@ -22,7 +22,7 @@ from ckptd.errors import ConfigError, StorageError
 from ckptd.format.layout import step_dir
 from ckptd.promotion import promote_step
 from ckptd.stepio.step_reader import load_rank_index, load_step_manifest, verify_step
-from ckptd.testing.daemon_process import DaemonProcess, run_trainer, write_config
+from harness.daemon_process import DaemonProcess, run_trainer, write_config
 from ckptd.testing.tamper import chunk_location, flip_bit
 from ckptd.tiers.chunk_health import bad_chunk_paths
 from ckptd.tiers.local import LocalTier

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ckptd.tiers.local import LocalTier
-from ckptd.testing.daemon_process import DaemonProcess, run_trainer, write_config
+from harness.daemon_process import DaemonProcess, run_trainer, write_config
 
 
 def test_retention_probes_and_gauges_keep_their_interval_while_a_throttled_scrub_runs(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ import torch
 import ckptd
 from ckptd.daemon.watcher import CommitWatcher
 from ckptd.format.layout import MANIFEST_NAME, step_dir
-from ckptd.testing.daemon_process import wait_until
+from harness.daemon_process import wait_until
 
 pytest.importorskip("watchdog")
 

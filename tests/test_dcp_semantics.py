@@ -87,7 +87,7 @@ def test_the_reader_accepts_paths_and_registered_schemes_only(tmp_path: Path) ->
 
 
 def test_dcp_auto_detection_picks_file_system_storage_and_ckptd_only_where_swapped_in(tmp_path: Path) -> None:
-    from ckptd.testing import dcp_swap
+    from harness import dcp_swap
 
     plain = tmp_path / "plain"
     dcp.save({"w": torch.ones(2)}, checkpoint_id=str(plain))

@@ -1,4 +1,4 @@
-"""ckptd.testing.dcp_swap: test files written for DCP's FileSystemWriter/FileSystemReader run against
+"""harness.dcp_swap: test files written for DCP's FileSystemWriter/FileSystemReader run against
 ckptd's plugins, in the pytest process and in the processes it spawns (as PyTorch's multi-process test
 cases start their ranks). The inner test below is ckptd's own, in the style of PyTorch's DCP tests."""
 
@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import harness
+
 INNER_TEST = textwrap.dedent('''
     import multiprocessing
     import os
@@ -21,7 +23,7 @@ INNER_TEST = textwrap.dedent('''
 
 
     def _spawned(path):
-        assert type(FileSystemWriter(path)).__module__ == "ckptd.testing.dcp_swap"
+        assert type(FileSystemWriter(path)).__module__ == "harness.dcp_swap"
         dcp.save({"w": torch.full((3,), 7.0)}, storage_writer=FileSystemWriter(path, thread_count=2))
 
 
@@ -54,8 +56,9 @@ INNER_TEST = textwrap.dedent('''
 def _run_inner(tmp_path: Path, swap: str, text: str = INNER_TEST) -> subprocess.CompletedProcess[str]:
     (tmp_path / "inner").mkdir(exist_ok=True)
     (tmp_path / "inner" / "test_inner.py").write_text(text)
-    env = {"OUT": str(tmp_path / "out"), "CKPTD_DCP_SWAP": swap, "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "ckptd.testing.dcp_swap", "-p", "no:cacheprovider",
+    env = {"OUT": str(tmp_path / "out"), "CKPTD_DCP_SWAP": swap, "PATH": "/usr/bin:/bin",
+           "PYTHONPATH": str(harness.TESTS_DIR)}
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "harness.dcp_swap", "-p", "no:cacheprovider",
                            "-o", "addopts=", "-q", "test_inner.py", "--basetemp", str(tmp_path / "base")],
                           cwd=tmp_path / "inner", env=env, capture_output=True, text=True, timeout=240)
 

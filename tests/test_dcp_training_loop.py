@@ -1,5 +1,5 @@
 """A torchtitan-like loop (FSDP2 on a CPU gloo mesh of 2 real processes) that checkpoints with plain
-``dcp.save``/``dcp.async_save`` and ckptd's plugins (:mod:`ckptd.testing.dcp_training`): SIGKILL after a
+``dcp.save``/``dcp.async_save`` and ckptd's plugins (:mod:`harness.dcp_training`): SIGKILL after a
 committed save, resume in fresh processes, final weights equal to an uninterrupted run bit for bit;
 the last step loads at world size 1, from the local root and, once promoted, from moto's S3 server."""
 
@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from ckptd.dcp import CkptdStorageReader
 from ckptd.format.layout import step_dir
 from ckptd.promotion.promoter import promote_step
-from ckptd.testing.dcp_training import build_model, launch_ranks
+from harness.dcp_training import build_model, launch_ranks
 from ckptd.tiers import open_tier
 from ckptd.tiers.local import LocalTier
 

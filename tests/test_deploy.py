@@ -44,7 +44,7 @@ import kubernetes_validate.utils
 import pytest
 import yaml  # PyYAML, a dependency of kubernetes-validate
 
-from ckptd.testing.daemon_process import wait_until
+from harness.daemon_process import wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

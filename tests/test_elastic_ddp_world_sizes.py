@@ -2,7 +2,7 @@
 steps and phases, each failed rank restarted alone while its peers keep their processes, and the run ends
 with the weights and optimizer state of an uninterrupted run of the same script, byte for byte.
 
-The job (:mod:`ckptd.testing.elastic_ddp_training`) builds its DDP in every generation with
+The job (:mod:`harness.elastic_ddp_training`) builds its DDP in every generation with
 ``find_unused_parameters=True``, which keeps DDP's bucket layout from the first step on. With torch's
 defaults DDP lays its buckets out again after its first step, so the first step after a recovery reduces
 the gradients in another layout than the uninterrupted run did at that step; from 3 ranks on gloo's sums
@@ -24,11 +24,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ckptd.testing.elastic_runs import finals, launch_job
+from harness.elastic_runs import finals, launch_job
 
 pytestmark = pytest.mark.multirank
 
-JOB = "ckptd.testing.elastic_ddp_training"
+JOB = "harness.elastic_ddp_training"
 STEPS = 10
 EVERY = 3
 HANG_TIMEOUT_S = 5.0

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.testing.elastic_runs import WORLD, finals, generations, record, start_job, wait_until
+from harness.elastic_runs import WORLD, finals, generations, record, start_job, wait_until
 from ckptd.tiers.local import LocalTier
-from ckptd.testing.processes import process_state
+from harness.processes import process_state
 
 pytestmark = pytest.mark.multirank
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.testing.elastic_runs import Job
+from harness.elastic_runs import Job
 
 pytestmark = pytest.mark.multirank
 

@@ -1,6 +1,6 @@
 """A rank that dies after a save is agreed but before it commits the step in its own directory.
 
-Real ``ckptd launch`` runs of the 2-rank gloo test job (:mod:`ckptd.testing.elastic_training`): rank 1's
+Real ``ckptd launch`` runs of the 2-rank gloo test job (:mod:`harness.elastic_training`): rank 1's
 writer SIGKILLs its process once step S is agreed and committed in rank 0's directory, just before it
 writes its own commit marker (``--kill-phase before-commit-marker``). Its files of step S are complete;
 the replacement finishes the commit with the agreed manifest, and every rank restores step S (the survivor
@@ -18,7 +18,7 @@ import torch
 
 import ckptd
 from ckptd.format.layout import MANIFEST_NAME, RANKS_HERE_NAME, step_dir
-from ckptd.testing.elastic_runs import WORLD, finals, generations, launch_job
+from harness.elastic_runs import WORLD, finals, generations, launch_job
 from ckptd.testing.multirank import run_multirank
 from ckptd.tiers.local import LocalTier
 

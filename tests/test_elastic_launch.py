@@ -1,7 +1,7 @@
 """``ckptd launch`` restarts only the rank that failed; the others rejoin in-process and the job ends with the
 weights, optimizer state and sample ids of an uninterrupted run, byte for byte.
 
-Every run is a real ``ckptd launch`` subprocess with 2 gloo ranks (:mod:`ckptd.testing.elastic_training`), or
+Every run is a real ``ckptd launch`` subprocess with 2 gloo ranks (:mod:`harness.elastic_training`), or
 two supervisors of one rank each standing in for two nodes; the failed rank really gets SIGKILL, or SIGSTOP
 (a hang the supervisor finds by its heartbeat and kills).
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.testing.elastic_runs import WORLD, finals, generations, launch_job
+from harness.elastic_runs import WORLD, finals, generations, launch_job
 
 pytestmark = pytest.mark.multirank
 

@@ -6,7 +6,7 @@ the buddy gone too, from S3 (moto's server).
 Two supervisors (``--nnodes 2``, one rank each, each with its own local root) stand in for two nodes. The
 launcher replaces failed ranks, not a lost supervisor: the node's loss ends the job, and the job is
 started again (new supervisors, a new job store) on the same checkpoints, node 1 on an empty root. The
-buddy is the daemon's real peer endpoints (:class:`~ckptd.testing.peer_server.PeerServer`). The ranks
+buddy is the daemon's real peer endpoints (:class:`~harness.peer_server.PeerServer`). The ranks
 promote in-process to one S3 prefix shared by the job (rank 0 commits each step once both shares are
 there). Standing in for node 1's daemon, this test copies node 1's committed steps, while node 1 is still
 up, to the buddy with :func:`~ckptd.promotion.replicate.replicate_step` (the daemon's replication) and
@@ -36,16 +36,16 @@ from ckptd.embedded_s3 import EmbeddedS3
 from ckptd.promotion.promoter import Promoter
 from ckptd.promotion.replicate import replicate_step
 from ckptd.testing.multirank import free_port
-from ckptd.testing.peer_server import PeerServer
+from harness.peer_server import PeerServer
 from ckptd.tiers import open_tier
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.peer import PeerTier
-from ckptd.testing.processes import process_state
+from harness.processes import process_state
 
 pytestmark = [pytest.mark.multirank, pytest.mark.s3, pytest.mark.slow]
 
 NODES, TOKEN, KILL_STEP, STEPS = 2, "node-loss-test-token", 6, 12
-JOB = "ckptd.testing.elastic_tiered_training"
+JOB = "harness.elastic_tiered_training"
 
 
 def _start_job(root: Path, out: Path, *job_args: str, environment: dict[str, str]) -> list[subprocess.Popen[str]]:

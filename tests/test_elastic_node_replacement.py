@@ -6,7 +6,7 @@ its local disk, and the job ends with the weights, optimizer state and sample id
 byte for byte.
 
 Two supervisors (``--nnodes 2``, one rank each, each with its own root) stand in for two nodes. The buddy
-is the daemon's real peer endpoints (:class:`~ckptd.testing.peer_server.PeerServer`); standing in for node
+is the daemon's real peer endpoints (:class:`~harness.peer_server.PeerServer`); standing in for node
 1's daemon, a thread of this test copies node 1's committed steps to it while node 1 runs
 (:func:`~ckptd.promotion.replicate.replicate_step`, the daemon's replication). Node 0's supervisor finds the
 loss by node 1's missing supervisor heartbeat (``--node-timeout``), before the replacement is started.
@@ -24,15 +24,15 @@ import pytest
 from ckptd.daemon.peer_store import PeerNamespaces
 from ckptd.errors import CkptdError
 from ckptd.promotion.replicate import replicate_step
-from ckptd.testing.elastic_runs import WORLD, finals, generations, record, start_job, wait_until
-from ckptd.testing.peer_server import PeerServer
+from harness.elastic_runs import WORLD, finals, generations, record, start_job, wait_until
+from harness.peer_server import PeerServer
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.peer import PeerTier
-from ckptd.testing.processes import process_alive
+from harness.processes import process_alive
 
 pytestmark = pytest.mark.multirank
 
-JOB, TOKEN, STEPS = "ckptd.testing.elastic_tiered_training", "node-replacement-test-token", "24"
+JOB, TOKEN, STEPS = "harness.elastic_tiered_training", "node-replacement-test-token", "24"
 
 
 class _Replicator(threading.Thread):

@@ -26,13 +26,13 @@ from ckptd.embedded_s3 import EmbeddedS3
 from ckptd.format.layout import step_file
 from ckptd.promotion.promoter import promoted_marker_name
 from ckptd.stepio.step_reader import verify_step
-from ckptd.testing.elastic_runs import WORLD, finals, generations, record, start_job, wait_until
+from harness.elastic_runs import WORLD, finals, generations, record, start_job, wait_until
 from ckptd.tiers import open_tier
-from ckptd.testing.processes import process_state
+from harness.processes import process_state
 
 pytestmark = [pytest.mark.multirank, pytest.mark.s3]
 
-JOB, STEPS, KILL_STEP = "ckptd.testing.elastic_tiered_training", "20", 8
+JOB, STEPS, KILL_STEP = "harness.elastic_tiered_training", "20", 8
 
 
 def _waited_for(tier: Any) -> int | None:

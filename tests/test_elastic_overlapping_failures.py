@@ -3,7 +3,7 @@ SIGKILLed at once. The job recovers each time (the failed ranks are restarted al
 its process) and ends with the weights, optimizer state and sample ids of an uninterrupted run of the same
 world size, byte for byte.
 
-Real ``ckptd launch`` runs of the gloo test job (:mod:`ckptd.testing.elastic_training`), 2 ranks, or 3.
+Real ``ckptd launch`` runs of the gloo test job (:mod:`harness.elastic_training`), 2 ranks, or 3.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.testing.elastic_runs import finals, generations, launch_job
+from harness.elastic_runs import finals, generations, launch_job
 
 pytestmark = pytest.mark.multirank
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from ckptd.data import ShardDataset, ShardLoader, index_dataset, save_dataset_manifest
-from ckptd.testing.elastic_runs import Job, wait_until
+from harness.elastic_runs import Job, wait_until
 from ckptd.testing.multirank import free_port
-from ckptd.testing.processes import process_state
+from harness.processes import process_state
 from ckptd.tiers.local import LocalTier
 
 pytestmark = pytest.mark.multirank

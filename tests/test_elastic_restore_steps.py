@@ -1,6 +1,6 @@
 """Which step a recovery restores, and from where: two saves in memory, and the restore check's rollback.
 
-Real ``ckptd launch`` runs of the 2-rank gloo test job (:mod:`ckptd.testing.elastic_training`), a real
+Real ``ckptd launch`` runs of the 2-rank gloo test job (:mod:`harness.elastic_training`), a real
 SIGKILL of rank 1; every run ends with the weights, optimizer state and sample ids of an uninterrupted run,
 byte for byte.
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.testing.elastic_runs import WORLD, finals, generations, launch_job, staged
+from harness.elastic_runs import WORLD, finals, generations, launch_job, staged
 
 pytestmark = pytest.mark.multirank
 

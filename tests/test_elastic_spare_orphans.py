@@ -2,7 +2,7 @@
 its ranks and its waiting warm spare with it (each dies with its parent), so none keeps training or waits
 on a store that is gone.
 
-A real ``ckptd launch --spares 1`` of the 2-rank gloo test job (:mod:`ckptd.testing.elastic_training`), long
+A real ``ckptd launch --spares 1`` of the 2-rank gloo test job (:mod:`harness.elastic_training`), long
 enough to be running when the supervisor gets the signal.
 """
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.testing.elastic_runs import WORLD
-from ckptd.testing.processes import process_alive
+from harness.elastic_runs import WORLD
+from harness.processes import process_alive
 
 pytestmark = pytest.mark.multirank
 
@@ -35,7 +35,7 @@ def _wait_for(condition, what: str, timeout_s: float = 90.0) -> None:  # type: i
 def test_a_stopped_supervisor_leaves_no_rank_and_no_spare_behind(tmp_path: Path, signal_name: str) -> None:
     out = tmp_path / "out"
     command = [sys.executable, "-m", "ckptd.cli.main", "launch", "--nproc-per-node", str(WORLD), "--spares", "1",
-               "-m", "ckptd.testing.elastic_training", "--root", str(tmp_path / "ckpt"), "--out", str(out),
+               "-m", "harness.elastic_training", "--root", str(tmp_path / "ckpt"), "--out", str(out),
                "--steps", "100000", "--every", "100000"]
     log = (tmp_path / "launch.log").open("wb")
     supervisor = subprocess.Popen(command, stdout=log, stderr=log, env=dict(os.environ, OMP_NUM_THREADS="1"))

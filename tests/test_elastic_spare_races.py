@@ -3,7 +3,7 @@ a spare that died while waiting is dropped and the failed rank gets a new proces
 process. Every run ends with the weights, optimizer state and sample ids of an uninterrupted run, byte for
 byte, and leaves no spare running.
 
-Real ``ckptd launch --spares 1`` runs of the 2-rank gloo test job (:mod:`ckptd.testing.elastic_training`).
+Real ``ckptd launch --spares 1`` runs of the 2-rank gloo test job (:mod:`harness.elastic_training`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.testing.elastic_runs import WORLD, finals, generations, launch_job
-from ckptd.testing.processes import process_alive
+from harness.elastic_runs import WORLD, finals, generations, launch_job
+from harness.processes import process_alive
 
 pytestmark = pytest.mark.multirank
 

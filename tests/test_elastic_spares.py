@@ -2,7 +2,7 @@
 SIGKILLed rank; its process becomes the rank's, the survivor stays in its process, a new spare starts, and
 the job ends with the weights, optimizer state and sample ids of an uninterrupted run, byte for byte.
 
-Real ``ckptd launch`` runs of the 2-rank gloo test job (:mod:`ckptd.testing.elastic_training`).
+Real ``ckptd launch`` runs of the 2-rank gloo test job (:mod:`harness.elastic_training`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.testing.elastic_runs import finals, generations, launch_job
+from harness.elastic_runs import finals, generations, launch_job
 
 pytestmark = pytest.mark.multirank
 

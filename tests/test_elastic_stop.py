@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.testing.elastic_runs import (WORLD, finals, launch_job, record, staged_steps,
+from harness.elastic_runs import (WORLD, finals, launch_job, record, staged_steps,
                                        start_job, wait_until)
-from ckptd.testing.processes import process_alive
+from harness.processes import process_alive
 from ckptd.tiers.local import LocalTier
 
 pytestmark = pytest.mark.multirank

@@ -17,13 +17,13 @@ import pytest
 
 from ckptd.embedded_s3 import EmbeddedS3
 from ckptd.stepio.step_reader import verify_step
-from ckptd.testing.elastic_runs import WORLD, finals, launch_job, record, start_job, wait_until
+from harness.elastic_runs import WORLD, finals, launch_job, record, start_job, wait_until
 from ckptd.tiers import open_tier
 from ckptd.tiers.local import LocalTier
 
 pytestmark = [pytest.mark.multirank, pytest.mark.s3]
 
-JOB, STEPS = "ckptd.testing.elastic_tiered_training", "40"
+JOB, STEPS = "harness.elastic_tiered_training", "40"
 
 
 def test_a_stop_with_checkpoint_saves_one_agreed_step_everywhere_and_the_next_launch_resumes_bit_for_bit(

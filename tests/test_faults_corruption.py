@@ -16,8 +16,8 @@ from ckptd.errors import CkptdError, IntegrityError
 from ckptd.format.hashing import chunk_digest
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
-from ckptd.testing.workloads import synthetic_state, synthetic_template
+from harness.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
+from harness.workloads import synthetic_state, synthetic_template
 
 STATE_BYTES = 64 * 1024
 CHUNK_BYTES = 4096

@@ -16,10 +16,10 @@ from ckptd.format.layout import TEMP_MARKER
 from ckptd.policy import Policy
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.crash import ChildResult, CrashInjector, KillAt
-from ckptd.testing.fixtures import (ManagerFactory, checkpoint_dir, crash_injector, manager_factory,  # noqa: F401
+from harness.crash import ChildResult, CrashInjector, KillAt
+from harness.fixtures import (ManagerFactory, checkpoint_dir, crash_injector, manager_factory,  # noqa: F401
                                     memory_backed_dir)
-from ckptd.testing.workloads import save_steps, synthetic_state, synthetic_template
+from harness.workloads import save_steps, synthetic_state, synthetic_template
 
 BIG_STATE = 100 * 1024 * 1024
 RANDOM_KILLS = 22

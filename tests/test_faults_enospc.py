@@ -12,9 +12,9 @@ from ckptd.format.layout import TEMP_MARKER
 from ckptd.policy import Policy
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory, mounted_tmpfs  # noqa: F401
-from ckptd.testing.workloads import synthetic_state, synthetic_template
-from ckptd.testing.write_faults import DiskWithBudget
+from harness.fixtures import ManagerFactory, checkpoint_dir, manager_factory, mounted_tmpfs  # noqa: F401
+from harness.workloads import synthetic_state, synthetic_template
+from harness.write_faults import DiskWithBudget
 from ckptd.tiers import direct_io, local
 
 SMALL, LARGE = 2 * 1024 * 1024, 12 * 1024 * 1024

@@ -20,8 +20,8 @@ from ckptd.format.layout import MANIFEST_NAME, rank_data_name, rank_index_name
 from ckptd.stepio.step_reader import load_step_manifest, load_rank_index
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
-from ckptd.testing.workloads import synthetic_state, synthetic_template
+from harness.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
+from harness.workloads import synthetic_state, synthetic_template
 from ckptd.tiers.local import LocalTier
 
 INDEX, MANIFEST, DATA = rank_index_name(0), MANIFEST_NAME, rank_data_name(0)

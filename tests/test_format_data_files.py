@@ -21,7 +21,7 @@ from ckptd.format.records import FORMAT_VERSION
 from ckptd.stepio.step_reader import ChunkSource, StepReader, load_step_manifest, load_rank_index, verify_step
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
+from harness.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
 from ckptd.tiers import direct_io
 from ckptd.tiers.direct_io import aligned_empty
 from ckptd.tiers.local import AtomicFile, LocalTier

@@ -16,8 +16,8 @@ from ckptd.format.hashing import chunk_digest
 from ckptd.stepio.step_reader import load_rank_index, load_step_manifest
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
-from ckptd.testing.workloads import synthetic_state, synthetic_template
+from harness.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
+from harness.workloads import synthetic_state, synthetic_template
 from ckptd.tiers.local import LocalTier
 
 STATE_BYTES = 16 * 1024

@@ -15,7 +15,7 @@ import torch
 
 from ckptd.format.codecs import CHECKPOINT_CODECS
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
+from harness.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16, torch.int32,
           torch.int64, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool, torch.complex64,

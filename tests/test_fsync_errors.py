@@ -4,7 +4,7 @@ failed fails with a typed error naming the file, step and tier, commits nothing,
 then trusted, leaves the previous step restorable bit for bit, and the next save works.
 
 The errors come from the real file layer's system calls, failed with an errno by
-:class:`ckptd.testing.write_faults.FaultyDisk` (no root needed); the injected fsync EIO also zeroes the
+:class:`harness.write_faults.FaultyDisk` (no root needed); the injected fsync EIO also zeroes the
 file's unsynced bytes, so a retry-then-trust would restore wrong bytes."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from ckptd.errors import StorageError
 from ckptd.format.layout import TEMP_MARKER, step_dir
 from ckptd.policy import Policy
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
-from ckptd.testing.write_faults import ErrnoRule, FaultyDisk
-from ckptd.testing.workloads import synthetic_state, synthetic_template
+from harness.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
+from harness.write_faults import ErrnoRule, FaultyDisk
+from harness.workloads import synthetic_state, synthetic_template
 
 NBYTES = 1024 * 1024
 
@@ -86,7 +86,7 @@ def test_fsync_eio_on_one_rank_fails_the_step_on_every_rank(tmp_path: Path) -> N
     1's data write) and draws a write or an fsync in its long mode; the fsync EIO itself is checked on one
     rank above."""
     from ckptd.testing.multirank import run_multirank
-    from ckptd.testing.rank_faults import save_through_a_fault
+    from harness.rank_faults import save_through_a_fault
 
     rule = ErrnoRule("fsync", errno.EIO, step=2, name="rank-00001.data")
     outcomes = run_multirank(save_through_a_fault, 2, str(tmp_path / "ckpt"), 1, rule, NBYTES, timeout_s=90)

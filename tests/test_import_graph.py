@@ -284,7 +284,7 @@ def test_a_bad_edge_is_reported(source, target, expected):
 @pytest.mark.parametrize(("source", "target"), [
     ("ckptd.cli.main", "ckptd.manager.manager"), ("ckptd.manager.saving", "ckptd.format.records"),
     ("ckptd.format.codecs", "ckptd.config"), ("ckptd.tiers.local", "ckptd.policy"),
-    ("ckptd.testing.fixtures", "ckptd.cli.main"), ("ckptd.plugins.shard_readers.jsonl", "ckptd.data.reader_api"),
+    ("ckptd.testing.tier_conformance", "ckptd.cli.main"), ("ckptd.plugins.shard_readers.jsonl", "ckptd.data.reader_api"),
     ("ckptd.demo.runner", "ckptd"), ("ckptd.manager.saving", "ckptd.manager.commit"),
     ("ckptd.dcp.writer", "ckptd.promotion.uploader"),
 ])

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.testing.elastic_runs import wait_until
+from harness.elastic_runs import wait_until
 
 pytestmark = pytest.mark.multirank
 

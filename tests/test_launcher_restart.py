@@ -2,7 +2,7 @@
 job on the same store (its keys from the first attempt still there), the restarted attempt restores the
 newest intact step and the job ends with the weights of an uninterrupted run, bit for bit.
 
-The job (:mod:`ckptd.testing.launched_training`) hands ckptd the launcher's unprefixed store, so ckptd meets
+The job (:mod:`harness.launched_training`) hands ckptd the launcher's unprefixed store, so ckptd meets
 the previous attempt's keys under the names it used then."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.multirank
 def _torchrun(root: Path, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "3", "--monitor-interval", "0.2",
-               "-m", "ckptd.testing.launched_training", "--root", str(root), "--out", str(out), *extra]
+               "-m", "harness.launched_training", "--root", str(root), "--out", str(out), *extra]
     environment = dict(os.environ, OMP_NUM_THREADS="1", CKPTD_COMMIT_TIMEOUT_S="20")
     return subprocess.run(command, capture_output=True, text=True, timeout=240, env=environment, check=False)
 

@@ -32,9 +32,9 @@ from ckptd import CheckpointManager, Policy
 from ckptd.data import DatasetManifest, ShardDataset, ShardLoader, index_dataset
 from ckptd.errors import LoaderPositionError
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing import crash
-from ckptd.testing.crash import Channel, CrashInjector, KillAt
-from ckptd.testing.fixtures import crash_injector  # noqa: F401
+from harness import crash
+from harness.crash import Channel, CrashInjector, KillAt
+from harness.fixtures import crash_injector  # noqa: F401
 
 # Building an optimizer imports torch._dynamo (about 4 s here); the injector's forkserver children
 # inherit what it preloaded, and it starts after collection, so preloading it here spares every child.

@@ -12,9 +12,9 @@ from ckptd.errors import LockedError
 from ckptd.format.layout import TEMP_MARKER
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.crash import CrashInjector, KillAt
-from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, crash_injector, manager_factory  # noqa: F401
-from ckptd.testing.workloads import open_manager, save_steps, synthetic_state, synthetic_template
+from harness.crash import CrashInjector, KillAt
+from harness.fixtures import ManagerFactory, checkpoint_dir, crash_injector, manager_factory  # noqa: F401
+from harness.workloads import open_manager, save_steps, synthetic_state, synthetic_template
 
 NBYTES = 256 * 1024
 

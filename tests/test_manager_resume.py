@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.crash import CrashInjector, KillAt
-from ckptd.testing.fixtures import crash_injector, memory_backed, memory_backed_dir  # noqa: F401
-from ckptd.testing.workloads import train
+from harness.crash import CrashInjector, KillAt
+from harness.fixtures import crash_injector, memory_backed, memory_backed_dir  # noqa: F401
+from harness.workloads import train
 
 TOTAL_STEPS = 12
 

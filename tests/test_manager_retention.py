@@ -12,8 +12,8 @@ from ckptd.format.layout import MANIFEST_NAME
 from ckptd.policy import Policy
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
-from ckptd.testing.workloads import synthetic_state, synthetic_template
+from harness.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
+from harness.workloads import synthetic_state, synthetic_template
 from ckptd.tiers.local import LocalTier
 
 NBYTES = 64 * 1024

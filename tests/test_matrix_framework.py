@@ -13,9 +13,9 @@ import pytest
 
 from ckptd.manager.manager import CheckpointManager
 from ckptd.policy import Policy
-from ckptd.testing import invariants as inv
-from ckptd.testing import matrix, matrix_report
-from ckptd.testing.matrix import Outcome, Row, RunContext
+from harness import invariants as inv
+from harness import matrix, matrix_report
+from harness.matrix import Outcome, Row, RunContext
 from ckptd.testing.tamper import data_path, step_path
 
 LONG_RUN = Path(__file__).parent / "matrix" / "long_run.py"

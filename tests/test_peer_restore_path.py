@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from ckptd.testing.daemon_process import DaemonProcess, run_trainer, wait_until, write_config
+from harness.daemon_process import DaemonProcess, run_trainer, wait_until, write_config
 from ckptd.testing.tamper import chunk_location, flip_bit, index_path, read_json
 from ckptd.tiers import open_tier
 from ckptd.tiers.local import LocalTier
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.s3
 #: A fresh process restoring ``root`` with the given object tier and peer URL; prints what it restored.
 RESTORER = """
 import json, sys, ckptd
-from ckptd.testing.daemon_process import trainer_state
+from harness.daemon_process import trainer_state
 root, remote, peer, options = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 state = {key: value.new_zeros(value.shape) for key, value in trainer_state(0).items()}
 with ckptd.CheckpointManager(root, remote=remote, peer=peer, storage_options=options, daemon="off",

@@ -18,8 +18,8 @@ from ckptd.daemon.peer_api import PeerLimits
 from ckptd.daemon.peer_store import PeerNamespaces
 from ckptd.errors import ConfigError
 from ckptd.format.layout import MANIFEST_NAME, step_dir
-from ckptd.testing.daemon_process import wait_until
-from ckptd.testing.peer_server import PeerServer
+from harness.daemon_process import wait_until
+from harness.peer_server import PeerServer
 
 TOKEN = "the-right-token-0123456789"
 SECRET = b"SECRET-BYTES-" + os.urandom(16).hex().encode()

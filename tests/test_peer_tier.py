@@ -25,7 +25,7 @@ from ckptd.manager.restoring import restore_state
 from ckptd.config import override
 from ckptd.promotion.replicate import replicate_step
 from ckptd.testing.fault_proxy import FaultProxy
-from ckptd.testing.peer_server import PeerServer, served_replica_tier
+from harness.peer_server import PeerServer, served_replica_tier
 from ckptd.tiers import open_tier
 from ckptd.tiers import peer as peer_module
 from ckptd.tiers.local import LocalTier

@@ -180,7 +180,7 @@ def test_close_bounds_writes_and_uploads_together(tmp_path: Path, s3_server, s3_
     what the write left, not a deadline of their own."""
     import threading
 
-    from ckptd.testing.write_faults import WriteFaults
+    from harness.write_faults import WriteFaults
 
     url, timeout_s, write_held_s = f"s3://{s3_bucket}/run", 6.0, 4.0
     with override(**dict(FAIL_FAST, s3_read_timeout_s=60.0)), \

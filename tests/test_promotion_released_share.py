@@ -197,7 +197,7 @@ def test_a_daemon_skips_at_once_the_steps_another_node_dropped_and_commits_the_o
     fix it waited CKPTD_COMMIT_TIMEOUT_S for each dropped share, and S3 stayed behind)."""
     import shutil
 
-    from ckptd.testing.daemon_process import DaemonProcess, write_config
+    from harness.daemon_process import DaemonProcess, write_config
 
     base: Path = earlier_run[0]
     root, state = tmp_path / "node0", tmp_path / "state"

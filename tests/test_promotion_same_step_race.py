@@ -15,8 +15,8 @@ from ckptd.format.layout import MANIFEST_NAME, step_file
 from ckptd.promotion import Promoter
 from ckptd.stepio.step_reader import verify_step
 from ckptd.testing.fault_proxy import FaultProxy
-from ckptd.testing.invariants import SyntheticWorkload, check_newest_restores
-from ckptd.testing.s3_scenarios import look_behind, save_steps_locally
+from harness.invariants import SyntheticWorkload, check_newest_restores
+from harness.s3_scenarios import look_behind, save_steps_locally
 from ckptd.tiers.local import LocalTier
 from test_promotion_support import object_tier
 

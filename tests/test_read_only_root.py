@@ -1,7 +1,7 @@
 """A local root on a file system gone read-only (EROFS, e.g. remounted after errors): a restarted job can
 still open a manager on it and restore (nobody writes through a read-only mount, so the writer lock is
 skipped with a warning), and a save fails with a typed error naming the step, keeping every committed
-step. The read-only file system is :class:`ckptd.testing.write_faults.FaultyDisk` failing every call that
+step. The read-only file system is :class:`harness.write_faults.FaultyDisk` failing every call that
 writes with EROFS (no root needed); the matrix's row 7 also remounts a real tmpfs as root."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 
 from ckptd.errors import StorageError
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
-from ckptd.testing.workloads import synthetic_state, synthetic_template
-from ckptd.testing.write_faults import ErrnoRule, FaultyDisk
+from harness.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
+from harness.workloads import synthetic_state, synthetic_template
+from harness.write_faults import ErrnoRule, FaultyDisk
 
 NBYTES = 256 * 1024
 READ_ONLY = [ErrnoRule(operation, errno.EROFS, times=None) for operation in ("open", "write", "rename", "fsync")]

@@ -21,7 +21,7 @@ from ckptd.promotion.pinning import PinnedSteps
 from ckptd.promotion.replicate import replicate_step
 from ckptd.stepio.step_reader import verify_step
 from ckptd.testing import run_multirank
-from ckptd.testing.peer_server import PeerServer
+from harness.peer_server import PeerServer
 from ckptd.testing.tamper import chunk_location, flip_bit
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.peer import PeerTier

@@ -19,7 +19,7 @@ import torch
 from ckptd.config import override
 from ckptd.stepio import step_reader
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
+from harness.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
 from ckptd.tiers import direct_io
 
 PAGE = mmap.PAGESIZE

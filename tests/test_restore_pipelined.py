@@ -20,7 +20,7 @@ from ckptd.stepio import step_reader
 from ckptd.stepio.step_reader import StepReader
 from ckptd.testing import tamper
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
+from harness.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
 from ckptd.tiers.direct_io import address
 
 CHUNK = 1024 * 1024

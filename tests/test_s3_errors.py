@@ -12,7 +12,7 @@ from botocore.exceptions import ClientError, ConnectTimeoutError, EndpointConnec
 
 from ckptd.errors import (AlreadyCommittedError, NotFoundError, StorageError, TierMisconfiguredError,
                           TierUnreachableError)
-from ckptd.testing.broken_s3 import (UNKNOWN_HOST, auth_enforcing_s3, closed_port_options, offline_resolver,
+from harness.broken_s3 import (UNKNOWN_HOST, auth_enforcing_s3, closed_port_options, offline_resolver,
                                      options_without_credentials, unknown_host_options, without_credentials)
 from ckptd.tiers import s3_errors
 from ckptd.tiers.object import ObjectTier

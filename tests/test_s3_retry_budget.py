@@ -13,7 +13,7 @@ import pytest
 
 from ckptd.config import override
 from ckptd.errors import StorageError, TierUnreachableError
-from ckptd.testing.broken_s3 import closed_port_options
+from harness.broken_s3 import closed_port_options
 from ckptd.testing.fault_proxy import FaultProxy
 from ckptd.tiers.object import ObjectTier
 

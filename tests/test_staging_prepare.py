@@ -18,7 +18,7 @@ from ckptd.policy import Policy
 from ckptd.state import staging
 from ckptd.state.staging import Stager
 from ckptd.testing.compare import assert_same_state
-from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
+from harness.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
 from ckptd.tiers import direct_io
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 
 from ckptd.errors import LockedError
-from ckptd.testing.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
-from ckptd.testing.workloads import synthetic_state
-from ckptd.testing.write_faults import ErrnoRule, FaultyDisk
+from harness.fixtures import ManagerFactory, checkpoint_dir, manager_factory  # noqa: F401
+from harness.workloads import synthetic_state
+from harness.write_faults import ErrnoRule, FaultyDisk
 from ckptd.tiers.s3_errors import http_date
 
 STAMP = 784111777.0  # Sun, 06 Nov 1994 08:49:37 GMT

@@ -69,7 +69,7 @@ def _s3(prefix: str) -> Callable[[pytest.FixtureRequest, Path], StorageTier]:
 
 def _peer(request: pytest.FixtureRequest, tmp_path: Path) -> StorageTier:
     """A replica namespace of a peer server in this process (whose real writes _local_write_fault breaks)."""
-    from ckptd.testing.peer_server import served_replica_tier
+    from harness.peer_server import served_replica_tier
 
     stack = contextlib.ExitStack()
     request.addfinalizer(stack.close)

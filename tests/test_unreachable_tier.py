@@ -2,7 +2,7 @@
 misconfigured, saves keep committing locally and restore returns the saved bytes from the local tier
 within a bounded time, with one warning naming the failing tier and its URL.
 
-Every failure mode is real and stays on loopback (see :mod:`ckptd.testing.broken_s3`): a closed port,
+Every failure mode is real and stays on loopback (see :mod:`harness.broken_s3`): a closed port,
 a host under ``.invalid`` whose lookup fails in-process (the machine's DNS resolver may be remote, so
 no query is sent), a missing bucket and rejected or absent credentials on real moto servers. A wrong
 region cannot be produced by moto (it serves every region); its classification is tested in
@@ -26,7 +26,7 @@ import torch
 import ckptd
 from ckptd.errors import CkptdError, TierUnreachableError
 from ckptd.testing import run_multirank
-from ckptd.testing.broken_s3 import (auth_enforcing_s3, closed_port_options, offline_resolver,
+from harness.broken_s3 import (auth_enforcing_s3, closed_port_options, offline_resolver,
                                      options_without_credentials, unknown_host_options, without_credentials)
 from time_limit import load_per_core
 

@@ -79,7 +79,7 @@ class FaultProxy:
         self.check_skew, self.max_skew_s = check_skew, max_skew_s
         self.target = target
         #: The proxy's clock, taken when it is built: a test that then skews this process's ``time.time``
-        #: (:mod:`ckptd.testing.clock_skew`) skews its client, not the store's side.
+        #: skews its client, not the store's side.
         self.clock = time.time
         self._random = random.Random(seed)
         self._lock = threading.Lock()

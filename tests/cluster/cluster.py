@@ -7,7 +7,7 @@
   storage-network address, so that a fault can cut the daemons' traffic alone) with a peer token
   (promotion of every committed step to ``s3://cluster/run``, replication to the next node's daemon, its
   buddy), and, while the job runs, a ``ckptd launch`` supervisor of ``ranks_per_node`` ranks of the soak job
-  (:mod:`ckptd.testing.soak_job`: a data-parallel MLP on gloo over ``eth0``, verified shard loader, records in
+  (:mod:`harness.soak_job`: a data-parallel MLP on gloo over ``eth0``, verified shard loader, records in
   ``out``). Node 0's supervisor hosts the job's store (the **store host**).
 
 Faults (on top of the network's): :meth:`Cluster.lose_node` kills every process of a node (SIGKILL) and deletes
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckptd.testing.daemon_process import wait_until as daemon_wait_until
+from harness.daemon_process import wait_until as daemon_wait_until
 from netns import Network, NetworkError
 
 BUCKET, PREFIX = "cluster", "run"
@@ -42,7 +42,7 @@ _CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testin
 
 def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = 120.0, interval_s: float = 0.1) -> Any:
     """Poll ``condition`` until it returns something true and return that; AssertionError after ``timeout_s``
-    (:func:`ckptd.testing.daemon_process.wait_until` with the harness's argument order)."""
+    (:func:`harness.daemon_process.wait_until` with the harness's argument order)."""
     return daemon_wait_until(condition, timeout_s, what, interval_s=interval_s)
 
 
@@ -62,7 +62,7 @@ class Cluster:
     """The namespaces, S3, daemons and supervisors of one cluster (see the module docstring)."""
 
     def __init__(self, workdir: Path, *, nodes: int = 3, ranks_per_node: int = 1) -> None:
-        from ckptd.testing.soak_job import write_dataset
+        from harness.soak_job import write_dataset
 
         self.workdir, self.node_count, self.ranks_per_node = workdir, nodes, ranks_per_node
         self.logs = workdir / "logs"
@@ -147,7 +147,7 @@ class Cluster:
     # --- daemons -----------------------------------------------------------------------------------
     def start_daemon(self, index: int) -> None:
         """Start ``index``'s daemon bound to its address with the peer token, and wait until it is ready."""
-        from ckptd.testing.daemon_process import write_config
+        from harness.daemon_process import write_config
 
         disk, state = self.disk(index), self.disk(index) / "state"
         for rank in self.ranks(index):
@@ -196,7 +196,7 @@ class Cluster:
                 "--nnodes", str(self.node_count), "--node-rank", str(index),
                 "--rdzv-endpoint", f"{self.address(self.node(0))}:{STORE_PORT}", "--max-restarts", "100",
                 "--hang-timeout", str(options.hang_timeout_s), "--node-timeout", str(options.node_timeout_s),
-                "-m", "ckptd.testing.soak_job", "--root", str(disk / "ckpt"), "--out", str(out),
+                "-m", "harness.soak_job", "--root", str(disk / "ckpt"), "--out", str(out),
                 "--data", str(self.manifest), "--cache", str(disk / "cache"), "--steps", str(options.steps),
                 "--every", str(options.every), "--seed", str(options.seed), "--step-time", str(options.step_time_s),
                 "--remote", self.remote, "--endpoint-url", self.endpoint_url,

@@ -18,10 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parent.parent)]  # tests/cluster, tests/harness
+
+import harness  # noqa: E402
 
 from cluster import Cluster, JobOptions, finals, progress, records, wait_until  # noqa: E402
 from netns import sweep_stale, unavailable_reason  # noqa: E402
+
+harness.reach_from_subprocesses()
 
 NODES = 3
 

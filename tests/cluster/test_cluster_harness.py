@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.testing.daemon_process import wait_until as daemon_wait_until
+from harness.daemon_process import wait_until as daemon_wait_until
 
 from netns import SUBNET, Network, namespace_pids, namespaces, sweep_stale, unavailable_reason
 

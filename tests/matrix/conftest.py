@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptd.testing import matrix
+from harness import matrix
 
 matrix.discover(Path(__file__).parent)
 

@@ -36,10 +36,14 @@ from pathlib import Path
 
 ROWS_DIRECTORY = Path(__file__).resolve().parent
 REPO = ROWS_DIRECTORY.parent.parent
-if str(REPO) not in sys.path:  # run as a script from a checkout
-    sys.path.insert(0, str(REPO))
+for _directory in (REPO, REPO / "tests"):  # run as a script from a checkout: ckptd and tests/harness
+    if str(_directory) not in sys.path:
+        sys.path.insert(0, str(_directory))
 
-from ckptd.testing import matrix, matrix_report  # noqa: E402
+import harness  # noqa: E402
+from harness import matrix, matrix_report  # noqa: E402
+
+harness.reach_from_subprocesses()
 
 FINDINGS = REPO / "reports" / "fault-matrix" / "findings.json"
 MERGE_COMMAND = ("python tests/matrix/long_run.py --merge 'reports/fault-matrix/*.json' "

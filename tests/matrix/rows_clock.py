@@ -1,7 +1,7 @@
 """Fault-matrix row 30: clock skew of about 20 minutes on a promoter or on a collector (GC).
 
 The skew is injected inside this process (libfaketime is not installed here):
-:func:`ckptd.testing.clock_skew.skewed_clock` wraps ``time.time`` (every wall-clock read of ckptd) and, for
+:func:`harness.clock_skew.skewed_clock` wraps ``time.time`` (every wall-clock read of ckptd) and, for
 requests, botocore's signing clock. The object store (moto's server) runs in its own process on the true
 clock; in front of it, :class:`ckptd.testing.fault_proxy.FaultProxy` with ``check_skew=True`` refuses a
 request signed more than 15 minutes off with 403 RequestTimeTooSkewed, as AWS does (moto does not).
@@ -32,11 +32,11 @@ from ckptd.policy import Policy
 from ckptd.promotion import promote_step
 from ckptd.promotion.gc import collect_garbage
 from ckptd.promotion.lease import gc_lease, lease_is_fresh
-from ckptd.testing import invariants as inv
-from ckptd.testing.clock_skew import skewed_clock
+from harness import invariants as inv
+from harness.clock_skew import skewed_clock
 from ckptd.testing.fault_proxy import FaultProxy
-from ckptd.testing.matrix import Outcome, RunContext, S3Location, row
-from ckptd.testing.workloads import synthetic_state
+from harness.matrix import Outcome, RunContext, S3Location, row
+from harness.workloads import synthetic_state
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
 from ckptd.tiers.upload_owners import UploadOwner, new_record_path

@@ -25,13 +25,13 @@ from ckptd.config import override
 from ckptd.format.layout import MANIFEST_NAME, step_file
 from ckptd.manager.manager import CheckpointManager
 from ckptd.policy import KeepLatest, Policy
-from ckptd.testing.crash import CrashInjector
-from ckptd.testing.invariants import (Check, SyntheticWorkload, check_newest_restores, check_nothing_lost,
+from harness.crash import CrashInjector
+from harness.invariants import (Check, SyntheticWorkload, check_newest_restores, check_nothing_lost,
                                       check_nothing_partial, outcome, record_committed)
-from ckptd.testing.matrix import Outcome, RunContext, row
-from ckptd.testing.s3_scenarios import (look_behind, promote_when_released, release_racers, s3_client,
+from harness.matrix import Outcome, RunContext, row
+from harness.s3_scenarios import (look_behind, promote_when_released, release_racers, s3_client,
                                         save_steps_locally)
-from ckptd.testing.workloads import open_manager
+from harness.workloads import open_manager
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
 

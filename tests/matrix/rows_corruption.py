@@ -27,10 +27,10 @@ from ckptd.format.hashing import chunk_digest
 from ckptd.manager.manager import CheckpointManager
 from ckptd.policy import Policy
 from ckptd.promotion import promote_step
-from ckptd.testing import invariants as inv
+from harness import invariants as inv
 from ckptd.testing import tamper
-from ckptd.testing.matrix import Outcome, RunContext, S3Location, row
-from ckptd.testing.workloads import synthetic_state
+from harness.matrix import Outcome, RunContext, S3Location, row
+from harness.workloads import synthetic_state
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
 

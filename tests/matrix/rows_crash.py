@@ -1,9 +1,9 @@
 """Fault-matrix rows of process crashes around a save and of tiers that disagree: 1, 2, 3, 13, 16, 21, 22.
 
 Every crash is a real SIGKILL of a child process that saves through the real local tier
-(:mod:`ckptd.testing.crash`: at a named phase of the save, or after a random delay); the restart that
+(:mod:`harness.crash`: at a named phase of the save, or after a random delay); the restart that
 follows is a fresh process opening a :class:`~ckptd.CheckpointManager` on the same root, as a restarted
-job does. States are pure functions of their step (:class:`~ckptd.testing.invariants.SyntheticWorkload`),
+job does. States are pure functions of their step (:class:`~harness.invariants.SyntheticWorkload`),
 so every check compares the restored bytes with the bytes that were saved.
 """
 
@@ -14,10 +14,10 @@ from pathlib import Path
 from ckptd.config import override
 from ckptd.manager.manager import CheckpointManager
 from ckptd.policy import Policy
-from ckptd.testing import invariants as inv
-from ckptd.testing.crash import ChildResult, KillAt
-from ckptd.testing.matrix import Outcome, RunContext, crash_injector, row
-from ckptd.testing.workloads import save_steps, synthetic_state
+from harness import invariants as inv
+from harness.crash import ChildResult, KillAt
+from harness.matrix import Outcome, RunContext, crash_injector, row
+from harness.workloads import save_steps, synthetic_state
 
 SMALL = inv.SyntheticWorkload(1024 * 1024)
 #: 64 KiB chunks: a 1 MiB save writes its data file in 16 pieces, each a ``data-write`` kill point.

@@ -1,6 +1,6 @@
 """Fault-matrix rows 27, 29 and 38: the node daemon killed mid-upload, restarted mid-upload, and attacked.
 
-Every run starts a real ``ckptd daemon`` process (:class:`~ckptd.testing.daemon_process.DaemonProcess`) on a
+Every run starts a real ``ckptd daemon`` process (:class:`~harness.daemon_process.DaemonProcess`) on a
 copy of a local root in which steps 1 and 2 were committed (a 12 MiB tensor each, one chunk: a multipart
 upload of 3 parts of 5 MiB; the template is written once per process), promoting to a fresh bucket of moto's
 server on 127.0.0.1 (versioned, so that every PUT of a manifest stays countable).
@@ -10,7 +10,7 @@ server on 127.0.0.1 (versioned, so that every PUT of a manifest stays countable)
   uploaded and step k has no manifest on S3 (the manifest goes last); after a restart the upload is resumed
   (completed) or aborted (none left open, no dead owner record), each step is promoted once and restores
   bit-exact from S3 alone.
-- 29: SIGTERM during the k-th copy (the copies slowed by :mod:`ckptd.testing.slow_daemon`), with a drain
+- 29: SIGTERM during the k-th copy (the copies slowed by :mod:`harness.slow_daemon`), with a drain
   deadline drawn from the seed; the harness SIGKILLs the daemon if it still runs after a wait also drawn
   from the seed (as an init system does); restart: each step has one journal row, done, and exactly one
   version of its manifest on S3 (no double commit); nothing lost.
@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
-from ckptd.testing import invariants as inv
-from ckptd.testing.daemon_process import DaemonProcess, wait_until, write_config
-from ckptd.testing.matrix import Outcome, RunContext, S3Location, row
+from harness import invariants as inv
+from harness.daemon_process import DaemonProcess, wait_until, write_config
+from harness.matrix import Outcome, RunContext, S3Location, row
 
 MIB = 1024 * 1024
 #: 16 MiB: a 12 MiB tensor (one chunk, 3 multipart parts) and a 4 MiB one (one PUT).

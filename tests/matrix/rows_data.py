@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ckptd.testing import invariants as inv
-from ckptd.testing.matrix import Outcome, RunContext, crash_injector, row
+from harness import invariants as inv
+from harness.matrix import Outcome, RunContext, crash_injector, row
 
 SIZES = [17, 23, 19, 21, 20, 18]  # 118 samples: 14 global steps of 8 per epoch
 GLOBAL_BATCH = 8

@@ -1,7 +1,7 @@
 """Fault-matrix rows 19 and 20: a rank hangs in the save barrier, a rank dies mid-training, under ``ckptd launch``.
 
-Each run is a real ``ckptd launch`` of the 2-rank gloo job :mod:`ckptd.testing.elastic_training`
-(:func:`~ckptd.testing.elastic_runs.launch_job`), which checkpoints every 2 steps into one directory per rank
+Each run is a real ``ckptd launch`` of the 2-rank gloo job :mod:`harness.elastic_training`
+(:func:`~harness.elastic_runs.launch_job`), which checkpoints every 2 steps into one directory per rank
 and records, per generation, each rank's pid, restored step and tier and when it restored and completed its
 first step. The victim rank (drawn from the seed) signals itself at a step and phase drawn from the seed:
 
@@ -31,9 +31,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ckptd.testing import invariants as inv
-from ckptd.testing.elastic_runs import WORLD, finals, generations, launch_job
-from ckptd.testing.matrix import Outcome, RunContext, row
+from harness import invariants as inv
+from harness.elastic_runs import WORLD, finals, generations, launch_job
+from harness.matrix import Outcome, RunContext, row
 
 EVERY = 2  # the job's save interval (its default)
 STEPS = 12  # the job's length (its default)

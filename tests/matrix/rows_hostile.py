@@ -39,10 +39,10 @@ from ckptd.errors import CkptdError
 from ckptd.format.hashing import chunk_digest
 from ckptd.manager.manager import CheckpointManager
 from ckptd.policy import Policy
-from ckptd.testing import invariants as inv
+from harness import invariants as inv
 from ckptd.testing import tamper
-from ckptd.testing.matrix import Outcome, RunContext, crash_injector, row
-from ckptd.testing.workloads import synthetic_state
+from harness.matrix import Outcome, RunContext, crash_injector, row
+from harness.workloads import synthetic_state
 from ckptd.tiers.local import LocalTier
 
 STATE_BYTES = 64 * 1024

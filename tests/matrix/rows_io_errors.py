@@ -8,7 +8,7 @@ advertised or left behind (L3), that step 1 is still committed and intact (L2) a
 restored bit-exact.
 
 How the disk fails (all real system calls of the local tier, failed by
-:class:`ckptd.testing.write_faults.FaultyDisk` with an errno, no root needed; the ``tmpfs`` variants
+:class:`harness.write_faults.FaultyDisk` with an errno, no root needed; the ``tmpfs`` variants
 mount a real small tmpfs, as root only, and record ``not_runnable`` where mounting is refused):
 
 - row 5: ``fsync`` (or the directory's fsync) returns EIO on a data file, the index, the manifest or the
@@ -41,11 +41,11 @@ from ckptd.errors import CkptdError, DiskFullError, StorageError
 from ckptd.format.layout import step_dir
 from ckptd.manager.manager import CheckpointManager
 from ckptd.policy import Policy
-from ckptd.testing import invariants as inv
-from ckptd.testing.fixtures import mounted_tmpfs
-from ckptd.testing.matrix import Outcome, RunContext, not_runnable, row
-from ckptd.testing.workloads import synthetic_state
-from ckptd.testing.write_faults import DiskWithBudget, ErrnoRule, FaultyDisk
+from harness import invariants as inv
+from harness.fixtures import mounted_tmpfs
+from harness.matrix import Outcome, RunContext, not_runnable, row
+from harness.workloads import synthetic_state
+from harness.write_faults import DiskWithBudget, ErrnoRule, FaultyDisk
 
 STATE_BYTES = 192 * 1024
 CHUNK_BYTES = 16 * 1024
@@ -346,7 +346,7 @@ else:
      long_runs=20)
 def write_error_on_one_rank(ctx: RunContext) -> Outcome:
     from ckptd.testing.multirank import run_multirank
-    from ckptd.testing.rank_faults import save_through_a_fault
+    from harness.rank_faults import save_through_a_fault
 
     root = ctx.path("local")
     skip, codec, threads = ctx.rng.randrange(4), ctx.rng.choice(["raw", "zstd"]), ctx.rng.randint(1, 3)

@@ -1,8 +1,8 @@
 """Fault-matrix row 4: power loss, with writes not yet fsynced lost, torn or reordered.
 
-Each run records a real save of one shape (:mod:`ckptd.testing.crash_replay`: the manager writes through
+Each run records a real save of one shape (:mod:`harness.crash_replay`: the manager writes through
 ckptd's own file layer while the ``os``-level recorder logs every operation), then draws crash states
-from the ALICE model (:mod:`ckptd.testing.crash_states`): the run's generator picks the crash point (after
+from the ALICE model (:mod:`harness.crash_states`): the run's generator picks the crash point (after
 any operation of the save) and the subset of pending operations that reached the disk (per directory a
 prefix of its entry changes since its last fsync; per unsynced write keep, drop, zero-fill or a tear at
 a 4 KiB boundary). Every state is written into a scratch directory and opened by a fresh manager, which
@@ -23,9 +23,9 @@ built from the trace, not from a block device.
 
 from __future__ import annotations
 
-from ckptd.testing.crash_replay import (FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION, LEFTOVER_STEP_DIRECTORY,
+from harness.crash_replay import (FIRST_STEP, FRESH_ROOT, LATER_STEP_RETENTION, LEFTOVER_STEP_DIRECTORY,
                                         PACKED_AND_DIRECT, TWO_RANKS, SaveShape, check_state, record_save)
-from ckptd.testing.matrix import Outcome, RunContext, row
+from harness.matrix import Outcome, RunContext, row
 
 TITLE = "Power loss / reordering of writes not yet fsynced"
 #: Crash states checked per run (each one is a fresh start on its own scratch directory).

@@ -4,9 +4,9 @@ Every fault is real: a :class:`~ckptd.testing.fault_proxy.FaultProxy` on loopbac
 server answers 500/503, stalls, or resets a connection mid-body; a listener whose accept queue is full
 makes connections time out; an exception is raised inside the real multipart upload (botocore's
 ``before-send`` hook of the tier's own clients). Afterwards the bucket is listed with a plain boto3
-client (:func:`ckptd.testing.s3_scenarios.look_behind`), so a partial object or an open multipart upload
+client (:func:`harness.s3_scenarios.look_behind`), so a partial object or an open multipart upload
 ckptd's own listing would hide is still seen, and the committed step is restored from the object tier
-alone in a fresh process (:func:`ckptd.testing.invariants.check_newest_restores`).
+alone in a fresh process (:func:`harness.invariants.check_newest_restores`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from ckptd.promotion import promote_step
 from ckptd.promotion.contents import read_step_contents, read_stored_chunk
 from ckptd.stepio.step_reader import load_step_manifest, verify_step
 from ckptd.testing.fault_proxy import FaultProxy
-from ckptd.testing.invariants import Check, SyntheticWorkload, check_newest_restores, outcome
-from ckptd.testing.matrix import Outcome, RunContext, row
-from ckptd.testing.s3_scenarios import blackhole_endpoint, look_behind, save_steps_locally, warnings_logged
+from harness.invariants import Check, SyntheticWorkload, check_newest_restores, outcome
+from harness.matrix import Outcome, RunContext, row
+from harness.s3_scenarios import blackhole_endpoint, look_behind, save_steps_locally, warnings_logged
 from ckptd.tiers.local import LocalTier
 from ckptd.tiers.object import ObjectTier
 from ckptd.tiers.s3_transfers import crc32_checksum

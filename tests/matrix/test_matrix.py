@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ckptd.testing import matrix
+from harness import matrix
 
 HERE = Path(__file__).parent
 

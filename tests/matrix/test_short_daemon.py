@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ckptd.testing import matrix
+from harness import matrix
 
 
 @pytest.mark.parametrize(("entry", "seed"), matrix.short_params("rows_daemon"))

@@ -5,7 +5,7 @@ manager, promote them through a :class:`~ckptd.testing.fault_proxy.FaultProxy` i
 and then look at the bucket with a plain boto3 client (:func:`stored_keys`, :func:`open_uploads`), so that
 a key ckptd's own listing would hide (a partial object, a stray multipart upload) is still seen.
 
-:func:`promote_when_released` is a :class:`~ckptd.testing.crash.CrashInjector` target: a second process that
+:func:`promote_when_released` is a :class:`~harness.crash.CrashInjector` target: a second process that
 promotes a step the moment a start file appears, so that two promoters race on one step for real.
 """
 

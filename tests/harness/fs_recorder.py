@@ -14,7 +14,7 @@ are the :class:`Snapshot` (their bytes, ids and the directories), the state ever
 from. Written bytes are kept (crash replay needs them) with their xxh3-64 digest for display.
 
 Operations outside ``os`` (the built-in ``open``, ``mmap``) are not seen; :func:`replay_everything` in
-:mod:`ckptd.testing.crash_states` checks that replaying the whole log reproduces the real directory byte
+:mod:`harness.crash_states` checks that replaying the whole log reproduces the real directory byte
 for byte, so a missed operation shows up as a test failure.
 """
 

@@ -6,7 +6,7 @@ directly), and ``nodes`` :class:`SoakNode` s. Each node has a directory of its o
 checkpoint root of its ranks and its daemon's state and socket), a real ``ckptd daemon`` (promotion to the
 shared S3 prefix and replication to the next node's daemon, its buddy, over the peer API with a token),
 and, while the job runs, a ``ckptd launch`` supervisor of ``ranks_per_node`` ranks of
-:mod:`ckptd.testing.soak_job`. Node 0's supervisor hosts the job's store.
+:mod:`harness.soak_job`. Node 0's supervisor hosts the job's store.
 
 Losing a node (:meth:`SoakCluster.lose_node`) SIGKILLs its supervisor (its ranks die with it) and its
 daemon and deletes its directory; :meth:`SoakCluster.restore_node` gives it back empty (the directories a
@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from ckptd.embedded_s3 import EmbeddedS3
-from ckptd.testing.daemon_process import DaemonProcess, write_config
+from harness.daemon_process import DaemonProcess, write_config
 from ckptd.testing.fault_proxy import FaultProxy
 from ckptd.testing.multirank import free_port
-from ckptd.testing.soak_job import write_dataset
-from ckptd.testing.processes import process_alive
+from harness.soak_job import write_dataset
+from harness.processes import process_alive
 
 #: The bucket and prefix the job's object tier lives in.
 BUCKET, PREFIX = "soak", "run"
@@ -180,7 +180,7 @@ class SoakCluster:
             command = [sys.executable, "-m", "ckptd.cli.main", "launch", "--nproc-per-node", str(len(node.ranks)),
                        "--nnodes", str(len(self.nodes)), "--node-rank", str(node.index), "--rdzv-endpoint", endpoint,
                        "--max-restarts", "1000", "--hang-timeout", str(self.options.hang_timeout_s),
-                       "-m", "ckptd.testing.soak_job", "--root", str(node.checkpoint_root), "--out", str(self.out),
+                       "-m", "harness.soak_job", "--root", str(node.checkpoint_root), "--out", str(self.out),
                        "--data", str(self.manifest), "--cache", str(node.directory / "cache"),
                        "--stop-file", str(self.stop_file), "--every", str(self.options.every),
                        "--seed", str(self.options.seed), "--step-time", str(self.options.step_time_s),

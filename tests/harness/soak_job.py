@@ -1,4 +1,4 @@
-"""The soak run's training job (``benchmarks/soak.py``): ``ckptd launch ... -m ckptd.testing.soak_job``.
+"""The soak run's training job (``benchmarks/soak.py``): ``ckptd launch ... -m harness.soak_job``.
 
 A small data-parallel MLP on gloo, fed by ckptd's verified shard loader (JSON-lines shards whose samples
 carry their shard and index; each rank takes its slice of every global batch), gradients averaged with

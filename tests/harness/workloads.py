@@ -1,6 +1,6 @@
-"""Deterministic workloads for child processes of :mod:`ckptd.testing.crash`.
+"""Deterministic workloads for child processes of :mod:`harness.crash`.
 
-Every function here is a crash-injector target: it takes a :class:`~ckptd.testing.crash.Channel`
+Every function here is a crash-injector target: it takes a :class:`~harness.crash.Channel`
 first and returns a picklable value. States are pure functions of their step (and size), so the parent
 can rebuild exactly what a killed child was saving and compare bytes without keeping a copy.
 """
@@ -19,7 +19,7 @@ import torch
 from ckptd.config import override
 from ckptd.manager.manager import CheckpointManager
 from ckptd.policy import Policy
-from ckptd.testing.crash import Channel
+from harness.crash import Channel
 
 _MIX = 2654435761
 

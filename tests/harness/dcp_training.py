@@ -14,7 +14,7 @@ of their bytes) to ``--out``; with ``--check-saves`` every rank first loads back
 (found through the ``storage_meta`` of the metadata the save returned) and compares it with what it
 held when it saved, byte for byte.
 
-Run: ``python -m ckptd.testing.dcp_training --root DIR --steps 8 --save-every 2 --out weights.json``.
+Run: ``python -m harness.dcp_training --root DIR --steps 8 --save-every 2 --out weights.json``.
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def launch_ranks(world_size: int, argv: list[str], *, timeout_s: float = 150.0,
     for rank in range(world_size):
         rank_env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),
                         LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        processes.append(subprocess.Popen([sys.executable, "-m", "ckptd.testing.dcp_training", *argv],
+        processes.append(subprocess.Popen([sys.executable, "-m", "harness.dcp_training", *argv],
                                           env=rank_env))
     try:
         while kill_when_ready is not None and time.monotonic() < deadline:

@@ -1,5 +1,5 @@
 """A ckptd-aware DistributedDataParallel job for ``ckptd launch`` tests at any world size:
-``ckptd launch --nproc-per-node N ... -m ckptd.testing.elastic_ddp_training --root ROOT --out OUT``.
+``ckptd launch --nproc-per-node N ... -m harness.elastic_ddp_training --root ROOT --out OUT``.
 
 Every rank trains a small multi-layer model wrapped in ``DistributedDataParallel`` (built anew in every
 generation, as the process group is), on inputs drawn from (step, rank), with AdamW, saving every

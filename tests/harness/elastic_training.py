@@ -1,4 +1,4 @@
-"""A small data-parallel job for ``ckptd launch`` tests: ``ckptd launch ... -m ckptd.testing.elastic_training``.
+"""A small data-parallel job for ``ckptd launch`` tests: ``ckptd launch ... -m harness.elastic_training``.
 
 Every rank trains the same tiny model on its share of a deterministic sample stream (a seeded permutation
 of sample ids, whose position is checkpointed), averages gradients with gloo, and checkpoints every
@@ -24,7 +24,7 @@ are built by ``setup_fn`` (:func:`ckptd.elastic.run`); a warm spare writes ``spa
 node) once it has built them, and ``--kill-when-spare-ready`` holds the kill until one of the victim's node has (``--kill-spare-first``: then the
 victim SIGKILLs that spare first; ``--spare-setup-until-assigned``: a spare's setup ends only once it was
 handed a rank). ``--also-kill-rank R`` kills rank R too, at the same step and phase. With an
-object tier (:mod:`ckptd.testing.elastic_tiered_training`) ``--kill-once-promoted`` holds the victim's signal
+object tier (:mod:`harness.elastic_tiered_training`) ``--kill-once-promoted`` holds the victim's signal
 until that tier holds a committed step.
 
 ``--step-sleep S`` makes every step S seconds longer (a job still running when a test acts on it).
@@ -60,7 +60,7 @@ import ckptd
 from ckptd import elastic
 from ckptd.elastic import keys as elastic_keys
 from ckptd.format.layout import MANIFEST_NAME, step_file
-from ckptd.testing.processes import process_alive
+from harness.processes import process_alive
 
 SAMPLES = 96
 BATCH_PER_RANK = 4

@@ -1,4 +1,4 @@
-"""A small data-parallel training job for launcher tests: ``torchrun ... -m ckptd.testing.launched_training``.
+"""A small data-parallel training job for launcher tests: ``torchrun ... -m harness.launched_training``.
 
 Every rank trains the same model on its own deterministic batches, averages gradients with gloo, and
 checkpoints through a :class:`~ckptd.CheckpointManager` into its own directory (``<root>/node<rank>``).

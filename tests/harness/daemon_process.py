@@ -2,7 +2,7 @@
 
 - :func:`write_config`: a daemon TOML file from plain values;
 - :class:`DaemonProcess`: ``python -m ckptd.cli.main daemon --config FILE`` (or, ``slow_writes_s`` set, the
-  same command under :mod:`ckptd.testing.slow_daemon`, whose tier writes sleep and announce themselves on
+  same command under :mod:`harness.slow_daemon`, whose tier writes sleep and announce themselves on
   stdout so that a test can SIGKILL the daemon in the middle of a copy), with its log in a file, the
   state files it writes, and the journal read directly;
 - :func:`run_trainer`: a child process that commits steps with a real :class:`~ckptd.CheckpointManager`
@@ -29,7 +29,7 @@ from typing import IO, Any
 #: once each is committed locally.
 TRAINER = """
 import sys, ckptd
-from ckptd.testing.daemon_process import trainer_state
+from harness.daemon_process import trainer_state
 directory, first, count, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 keep_local = None if sys.argv[5] == "all" else int(sys.argv[5])
 with ckptd.CheckpointManager(directory, capture_rng=False, policy=ckptd.Policy(keep_local=keep_local)) as manager:
@@ -103,7 +103,7 @@ class DaemonProcess:
                  slow_writes_s: float | None = None, args: tuple[str, ...] = ()) -> None:
         self.config, self.state_dir = config, state_dir
         self.log_path = state_dir.parent / f"{state_dir.name}-daemon-{time.monotonic_ns()}.log"
-        module = "ckptd.testing.slow_daemon" if slow_writes_s is not None else "ckptd.cli.main"
+        module = "harness.slow_daemon" if slow_writes_s is not None else "ckptd.cli.main"
         environment = dict(os.environ, **(env or {}))
         environment.setdefault("AWS_ACCESS_KEY_ID", "testing")
         environment.setdefault("AWS_SECRET_ACCESS_KEY", "testing")

@@ -3,8 +3,8 @@ and check that a fresh start recovers from each (matrix row 4).
 
 :func:`record_save` runs a real save of a :class:`SaveShape` (``CheckpointManager`` on a local directory,
 one or several ranks as threads sharing an in-process c10d ``HashStore``) with the file-system recorder
-installed (:mod:`ckptd.testing.fs_recorder`), and checks that replaying the whole trace rebuilds the
-directory the save left, byte for byte. :mod:`ckptd.testing.crash_states` turns the trace into crash
+installed (:mod:`harness.fs_recorder`), and checks that replaying the whole trace rebuilds the
+directory the save left, byte for byte. :mod:`harness.crash_states` turns the trace into crash
 states; :func:`check_state` writes one into a scratch directory and opens it the way a restarted job
 would: a fresh ``CheckpointManager`` per rank (whose start removes temporaries), a restore, and a
 listing with every committed step verified. A state holds when
@@ -41,10 +41,10 @@ from ckptd.config import override
 from ckptd.format.layout import MANIFEST_NAME, step_dir
 from ckptd.manager.manager import CheckpointManager
 from ckptd.policy import Policy
-from ckptd.testing import invariants
+from harness import invariants
 from ckptd.testing.compare import state_differences
-from ckptd.testing.crash_states import CrashModel, CrashState, replay_everything, tree_differences, tree_of
-from ckptd.testing.fs_recorder import Trace, record
+from harness.crash_states import CrashModel, CrashState, replay_everything, tree_differences, tree_of
+from harness.fs_recorder import Trace, record
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def _manager(shape: SaveShape, root: Path, rank: int, store: Any) -> CheckpointM
 class Recording:
     """A recorded save: its shape, directory, trace and the op index of its acknowledged commit; its
     crash states keep each directory's entry changes in order unless ``ordered_entries`` is False (see
-    :class:`~ckptd.testing.crash_states.CrashModel`)."""
+    :class:`~harness.crash_states.CrashModel`)."""
 
     shape: SaveShape
     root: Path

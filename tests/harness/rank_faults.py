@@ -1,7 +1,7 @@
 """A multi-rank save through a failing disk on one rank: the rank function of the I/O-error tests.
 
 :func:`save_through_a_fault` runs on every gloo rank (``ckptd.testing.multirank.run_multirank``): it
-commits step 1, saves step 2 while one rank's local tier fails as an :class:`~ckptd.testing.write_faults.
+commits step 1, saves step 2 while one rank's local tier fails as an :class:`~harness.write_faults.
 ErrnoRule` says (the other ranks' disks work), then saves step 3 and restores it in a fresh manager. It
 returns what the rank saw, so the caller can check that every rank learnt of the failure, that nothing
 was committed, and that the next save works. It lives here, not in a test module, so that the forkserver's
@@ -18,8 +18,8 @@ from ckptd.errors import CkptdError
 from ckptd.manager.manager import CheckpointManager
 from ckptd.policy import Policy
 from ckptd.testing.compare import state_differences
-from ckptd.testing.workloads import synthetic_state, synthetic_template
-from ckptd.testing.write_faults import ErrnoRule, FaultyDisk
+from harness.workloads import synthetic_state, synthetic_template
+from harness.write_faults import ErrnoRule, FaultyDisk
 
 GOOD, FAILED, NEXT = 1, 2, 3
 

@@ -2,12 +2,12 @@
 
 Each checker returns a :class:`Check` (which invariant, whether it held, what was wrong, how many bytes
 of committed data it found lost) instead of raising, so that a scenario collects them and folds them into
-its :class:`~ckptd.testing.matrix.Outcome` with :func:`outcome`. A checker that meets an unexpected
+its :class:`~harness.matrix.Outcome` with :func:`outcome`. A checker that meets an unexpected
 exception reports it as a failed check (the exception type and message in ``detail``).
 
 A tier is named by a *location*: a local directory (``str`` or ``Path``), an ``s3://`` URL with its
 ``storage_options``, or anything with ``.url`` and ``.storage_options`` (a matrix
-:class:`~ckptd.testing.matrix.S3Location`). Every checker reads the tier through ckptd's own code: the
+:class:`~harness.matrix.S3Location`). Every checker reads the tier through ckptd's own code: the
 tier's listing (:meth:`~ckptd.tiers.StorageTier.committed_steps`, what ``ckptd ls`` shows as committed),
 :func:`~ckptd.stepio.step_reader.verify_step` (what ``ckptd verify`` runs) and
 :meth:`~ckptd.CheckpointManager.restore` (what a restarted job runs), never by globbing files.
@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 import xxhash
 
-from ckptd.testing.matrix import INVARIANTS, Outcome, crash_injector
+from harness.matrix import INVARIANTS, Outcome, crash_injector
 
 Location = Any  # str | os.PathLike[str] | an object with .url and .storage_options
 
@@ -139,7 +139,7 @@ class Workload(Protocol):
 
 @dataclass(frozen=True)
 class SyntheticWorkload:
-    """:func:`ckptd.testing.workloads.synthetic_state` of ``nbytes`` (what ``workloads.save_steps`` saves);
+    """:func:`harness.workloads.synthetic_state` of ``nbytes`` (what ``workloads.save_steps`` saves);
     rank ``r`` saves the state of step ``step * rank_stride + r`` so that ranks differ."""
 
     nbytes: int
@@ -149,12 +149,12 @@ class SyntheticWorkload:
         return step * self.rank_stride + rank
 
     def state(self, step: int, rank: int = 0) -> Any:
-        from ckptd.testing.workloads import synthetic_state
+        from harness.workloads import synthetic_state
 
         return synthetic_state(self._step(step, rank), self.nbytes)
 
     def template(self, rank: int = 0) -> Any:
-        from ckptd.testing.workloads import synthetic_template
+        from harness.workloads import synthetic_template
 
         return synthetic_template(self.nbytes)
 

@@ -280,11 +280,11 @@ _INJECTOR: Any = None
 
 
 def crash_injector() -> Any:
-    """The :class:`~ckptd.testing.crash.CrashInjector` the runs of this process share (its forkserver
+    """The :class:`~harness.crash.CrashInjector` the runs of this process share (its forkserver
     started once)."""
     global _INJECTOR
     if _INJECTOR is None:
-        from ckptd.testing.crash import CrashInjector
+        from harness.crash import CrashInjector
 
         _INJECTOR = CrashInjector(timeout_s=120.0)
     return _INJECTOR

@@ -1,4 +1,4 @@
-"""``python -m ckptd.testing.slow_daemon daemon ...``: the real ``ckptd`` CLI whose copies to remote tiers are slow.
+"""``python -m harness.slow_daemon daemon ...``: the real ``ckptd`` CLI whose copies to remote tiers are slow.
 
 Each ``write_bytes`` of the object tier (and ``write_stream`` of the peer tier, which its ``write_bytes``
 calls) first prints

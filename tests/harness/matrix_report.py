@@ -1,7 +1,7 @@
 """The fault matrix's long-mode results: JSON files of runs, their merge, and the Markdown report.
 
 A results file (:func:`write_results`) holds, for each scenario that ran, its per-run records (seed, held,
-recovery times, bytes lost, detail, traceback) and its summary (:class:`~ckptd.testing.matrix.RowSummary`),
+recovery times, bytes lost, detail, traceback) and its summary (:class:`~harness.matrix.RowSummary`),
 with the date, the machine and the exact command. :func:`merge_results` folds several files into one view
 (the runs of a scenario in several files are joined by seed; of a seed run twice, the newest file's run
 counts); :func:`markdown_report` turns the view into the report table, listing the rows that cannot run
@@ -26,7 +26,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from ckptd.testing.matrix import MATRIX_ROWS, Outcome, Row, RowSummary, RunRecord, summarise
+from harness.matrix import MATRIX_ROWS, Outcome, Row, RowSummary, RunRecord, summarise
 
 FORMAT = "ckptd-fault-matrix/1"
 FINDINGS_FORMAT = "ckptd-fault-matrix-findings/1"

@@ -1,5 +1,5 @@
-"""The ``ckptd launch`` test job (:mod:`ckptd.testing.elastic_training`) with a peer and an object tier:
-``ckptd launch ... -m ckptd.testing.elastic_tiered_training --remote s3://b/run --peer URL [job options]``.
+"""The ``ckptd launch`` test job (:mod:`harness.elastic_training`) with a peer and an object tier:
+``ckptd launch ... -m harness.elastic_tiered_training --remote s3://b/run --peer URL [job options]``.
 
 Every rank's checkpoint manager gets ``--remote`` as its object tier (promoted in-process: every saved
 step, or the multiples of ``--remote-every``) and ``--peer`` as its peer tier, with ``{node}`` and
@@ -19,7 +19,7 @@ from typing import Any
 
 from ckptd import elastic
 from ckptd.manager.manager import CheckpointManager
-from ckptd.testing import elastic_training
+from harness import elastic_training
 
 
 class _TieredContext:

@@ -1,6 +1,6 @@
 """pytest fixtures for ckptd tests. Import the ones a test module uses by name::
 
-    from ckptd.testing.fixtures import crash_injector, manager_factory  # noqa: F401
+    from harness.fixtures import crash_injector, manager_factory  # noqa: F401
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 from ckptd.manager.manager import CheckpointManager
 from ckptd.policy import Policy
-from ckptd.testing.crash import CrashInjector
+from harness.crash import CrashInjector
 
 #: Opens a CheckpointManager: ``factory(directory=None, **options)``; closed when the test ends.
 ManagerFactory = Callable[..., CheckpointManager]

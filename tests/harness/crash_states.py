@@ -5,7 +5,7 @@ system that promises no more than POSIX: after a crash, the tree on disk is the 
 barriers plus any subset of the later operations the rules below allow.
 
 - A crash happens after any operation (crash point ``k``: the first ``k`` operations were issued, none
-  after). Crash point 0 is the starting :class:`~ckptd.testing.fs_recorder.Snapshot`, which is taken as
+  after). Crash point 0 is the starting :class:`~harness.fs_recorder.Snapshot`, which is taken as
   durable.
 - ``fsync`` (or ``fdatasync``) of a file makes that file's bytes and size durable as of that call, not
   its name. Each data operation on a file after its last fsync (before ``k``) independently either
@@ -46,7 +46,7 @@ from pathlib import Path
 
 import xxhash
 
-from ckptd.testing.fs_recorder import DATA_OPS, DIRECTORY_OPS, FsOp, Snapshot, Trace
+from harness.fs_recorder import DATA_OPS, DIRECTORY_OPS, FsOp, Snapshot, Trace
 
 #: Granularity of a torn write (a disk sector or page).
 SECTOR = 4096
@@ -125,7 +125,7 @@ class TreeState:
 
 
 class CrashModel:
-    """Crash states of one :class:`~ckptd.testing.fs_recorder.Trace` (see the module docstring).
+    """Crash states of one :class:`~harness.fs_recorder.Trace` (see the module docstring).
 
     With ``ordered_entries=False`` the pending entry operations of a directory persist as any subset,
     not only a prefix (POSIX promises no order; journaling file systems keep it): a save that relied on

@@ -10,7 +10,7 @@ Two ways to choose the moment of the crash:
 
 Children are forked from a ``forkserver`` that has imported torch and ckptd once, so each crash costs
 milliseconds instead of the seconds a fresh interpreter needs to import torch. A target must therefore
-be an importable module-level function (``ckptd.testing.workloads`` holds the usual ones); it receives a
+be an importable module-level function (``harness.workloads`` holds the usual ones); it receives a
 :class:`Channel` as first argument and returns a picklable value.
 
 Example (a test)::
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Modules the forkserver imports once, so that children start fast.
-PRELOAD = ("torch", "numpy", "ckptd", "ckptd.testing.crash", "ckptd.testing.workloads")
+PRELOAD = ("torch", "numpy", "ckptd", "harness.crash", "harness.workloads")
 
 #: Phases of a save on the local tier at which a child can be killed:
 #: ``data-write`` after a piece of a data file is written; ``data-commit``, ``index-commit`` and

@@ -19,7 +19,7 @@ Use it as a context manager (it releases held writes and restores the real metho
 :class:`FaultyDisk` goes one level lower: it stands in for the ``os`` module of the local tier, so that
 the real ``write``/``pwrite``/``fsync``/``replace``/``link`` of chosen files fail with a chosen errno
 (EIO, ENOSPC, EROFS, EDQUOT, ...) or writes run out of space after a byte budget. It needs no root and
-no special file system; a real small tmpfs (:func:`ckptd.testing.fixtures.mounted_tmpfs`) is the
+no special file system; a real small tmpfs (:func:`harness.fixtures.mounted_tmpfs`) is the
 root-only complement::
 
     with FaultyDisk(rules=[ErrnoRule("fsync", errno.EIO, step=2, name="rank-*.data")]) as disk:

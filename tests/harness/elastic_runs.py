@@ -1,4 +1,4 @@
-"""Running the elastic test job (:mod:`ckptd.testing.elastic_training`) under a real ``ckptd launch`` and
+"""Running the elastic test job (:mod:`harness.elastic_training`) under a real ``ckptd launch`` and
 reading what its ranks wrote, for the ``tests/test_elastic_*.py`` files."""
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class Job:
 
 def start_job(root: Path, *job_args: str, max_restarts: int = 3, hang_timeout: float = 60.0, nodes: int = 1,
               extra: tuple[str, ...] = (), settings: dict[str, str] | None = None,
-              module: str = "ckptd.testing.elastic_training", world: int = WORLD) -> Job:
+              module: str = "harness.elastic_training", world: int = WORLD) -> Job:
     """Start ``ckptd launch`` of the test job (``module``) with ``world`` ranks; with ``nodes=2`` two supervisors
     (``world // nodes`` ranks each) stand in for two nodes: node 0 hosts the store, each keeps its ranks' checkpoints in
     its own root (``root/ckpt-node<n>``). ``extra``: more launcher options; ``settings``: more environment

@@ -1,6 +1,6 @@
 """Run PyTorch's own DCP tests with ckptd's storage plugins in place of DCP's file-system ones.
 
-A pytest plugin: ``pytest -p ckptd.testing.dcp_swap <directory of PyTorch's DCP test files>`` (or
+A pytest plugin: ``pytest -p harness.dcp_swap <directory of PyTorch's DCP test files>`` (or
 ``make test-pytorch-dcp PYTORCH_TESTS=<directory>``). When it loads, before any test module is imported,
 ``torch.distributed.checkpoint.FileSystemWriter``/``FileSystemReader`` (the package's names, those of
 ``torch.distributed.checkpoint.filesystem``, ``format_utils`` and the auto-detection that ``dcp.save``/
@@ -91,7 +91,7 @@ def swap() -> dict[str, tuple[Any, Any]]:
 
 
 _DIRECTORY_VARIABLE = "CKPTD_DCP_SWAP_DIR"
-_SITECUSTOMIZE = "import ckptd.testing.dcp_swap\nckptd.testing.dcp_swap.swap()\n"
+_SITECUSTOMIZE = "import harness.dcp_swap\nharness.dcp_swap.swap()\n"
 
 
 def pytest_configure(config: Any) -> None:
@@ -105,7 +105,7 @@ def pytest_configure(config: Any) -> None:
         handle.write(_SITECUSTOMIZE)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [directory, os.environ.get("PYTHONPATH")]))
     os.environ[_DIRECTORY_VARIABLE] = directory
-    print("ckptd.testing.dcp_swap: FileSystemWriter/FileSystemReader are ckptd's", file=sys.stderr)
+    print("harness.dcp_swap: FileSystemWriter/FileSystemReader are ckptd's", file=sys.stderr)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -118,10 +118,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             lines = handle.read().split()
     except FileNotFoundError:
         lines = []
-    terminalreporter.write_line(f"ckptd.testing.dcp_swap: {lines[0::3].count('save')} saves committed and "
+    terminalreporter.write_line(f"harness.dcp_swap: {lines[0::3].count('save')} saves committed and "
                                 f"{lines[0::3].count('load')} rank loads read through ckptd's plugins")
 
 
 def pytest_report_header(config: Any) -> str:
     swapped = os.environ.get("CKPTD_DCP_SWAP", "1") != "0"
-    return "dcp storage: " + ("ckptd (swapped in by ckptd.testing.dcp_swap)" if swapped else "DCP's own")
+    return "dcp storage: " + ("ckptd (swapped in by harness.dcp_swap)" if swapped else "DCP's own")
