@@ -13,6 +13,16 @@ Files that must be written exactly once (commit markers) are written with
 :attr:`TierCapabilities.conditional_put` says so.
 
 Thread safety: reads may run from several threads at once; a file is written by one thread.
+
+**The small protocol.** A tier implements ``read_bytes``, ``size``, ``exists``, ``write_bytes`` (with
+``if_absent``, the conditional create), ``delete_files`` and a listing: ``list_objects`` (every file under a
+directory, recursively), or the two step listings ``list_step_numbers`` and ``list_files``. Everything else has
+a default built on those: the step listings from ``list_objects``, ranged and whole reads into memory, streamed
+writes, commit checks, step deletion, and no-ops for what only some stores have (uploads in parts, owner
+records, the store's clock and ages). A tier declares what more it can do in :class:`TierCapabilities`
+(``chunks_by_digest``, which a remote tier needs and which takes ``list_objects``; ``conditional_put``;
+``multipart_uploads``; ...) and overrides the methods that go with it. A third-party tier registered through
+the ``ckptd.storage`` entry points needs nothing more (``tests/test_tier_minimal_plugin.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from ckptd._types import Buffer
-from ckptd.format.layout import MANIFEST_NAME, step_dir, step_file
+from ckptd.format.layout import MANIFEST_NAME, TEMP_MARKER, parse_step_dir, step_dir, step_file
 
 
 @dataclass(frozen=True)
@@ -61,6 +71,17 @@ class TierCapabilities:
     reads_committed_only: bool = False
 
 
+def step_files(objects: Iterable[StoredObject]) -> dict[int, set[str]]:
+    """Every step directory among listed files, with the names of the files directly in it."""
+    steps: dict[int, set[str]] = {}
+    for obj in objects:
+        directory, _, name = obj.path.partition("/")
+        step = parse_step_dir(directory)
+        if step is not None and name and "/" not in name:
+            steps.setdefault(step, set()).add(name)
+    return steps
+
+
 def repeated_keys(paths: list[str]) -> list[str]:
     """The paths that occur more than once in ``paths``, sorted."""
     return sorted(path for path, count in Counter(paths).items() if count > 1)
@@ -81,6 +102,15 @@ class StorageTier(abc.ABC):
 
     def __init__(self, url: str) -> None:
         self.url = url
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        lists_objects = cls.list_objects is not StorageTier.list_objects
+        lists_steps = (cls.list_step_numbers is not StorageTier.list_step_numbers
+                       and cls.list_files is not StorageTier.list_files)
+        if not (lists_objects or lists_steps):
+            raise TypeError(f"{cls.__name__} lists nothing: implement list_objects, or list_step_numbers and "
+                            "list_files (see ckptd.tiers.base)")
 
     @classmethod
     def from_url(cls, url: str, *, storage_options: dict[str, Any] | None = None,
@@ -129,13 +159,15 @@ class StorageTier(abc.ABC):
     def exists(self, path: str) -> bool:
         """Whether a file exists."""
 
-    @abc.abstractmethod
     def list_step_numbers(self) -> list[int]:
-        """Every step that has a directory (committed or not), ascending."""
+        """Every step that has a directory (committed or not), ascending. This default lists the whole tier."""
+        return sorted(step_files(self.list_objects("")))
 
-    @abc.abstractmethod
     def list_files(self, step: int) -> list[str]:
         """File names in a step directory (temporary files excluded)."""
+        directory = f"{step_dir(step)}/"
+        names = (obj.path[len(directory):] for obj in self.list_objects(step_dir(step)))
+        return sorted(name for name in names if name and "/" not in name and TEMP_MARKER not in name)
 
     # --- writing -----------------------------------------------------------------------------
     @abc.abstractmethod
@@ -180,22 +212,42 @@ class StorageTier(abc.ABC):
     def delete_files(self, paths: list[str]) -> None:
         """Delete files; missing ones are ignored."""
 
-    @abc.abstractmethod
     def remove_step_dir(self, step: int) -> None:
-        """Remove what is left of a step directory (after its files are deleted)."""
+        """Remove what is left of a step directory (after its files are deleted). This default does nothing:
+        a blob store has no directories."""
 
     # --- content-addressed chunks (tiers with stores_chunks_by_digest) -------------------------
     def chunk_path(self, object_key: str) -> str:
         return f"chunks/{object_key}"
 
     def list_objects(self, directory: str) -> list[StoredObject]:
-        """Every file under ``directory`` (relative to the root), recursively, with size and time. Tiers
-        with :attr:`TierCapabilities.chunks_by_digest` implement it (promotion and GC list chunks)."""
+        """Every file under ``directory`` (relative to the root; ``""``: the whole tier), recursively, with its
+        path relative to the root, size and time. Tiers with :attr:`TierCapabilities.chunks_by_digest` implement
+        it (promotion and GC list chunks)."""
         raise NotImplementedError(f"{type(self).__name__} does not list objects")
 
     def read_ahead(self, paths: list[str]) -> None:
         """Hint that whole files ``paths`` will be read in this order; a tier may fetch them early.
         Replaces an earlier hint. The default ignores it."""
+
+    # --- what promotion asks of an object store; these defaults serve a tier without the feature ----
+    def connect(self) -> None:
+        """Open the tier's connections now instead of at the first request. Default: nothing to open."""
+
+    def yield_while(self, busy: Callable[[], bool], *, limit_s: float, poll_s: float = 0.001) -> None:
+        """Before each of this tier's requests from now on, wait while ``busy()`` holds, at most ``limit_s``
+        (how the in-process uploader yields to a save being written). Default: the requests do not wait; a
+        tier with a hook on its requests overrides it."""
+
+    def listed_tags(self, directory: str) -> dict[str, tuple[int, str]]:
+        """Path -> (size, ETag) of every file under ``directory``. Default: from :meth:`list_objects`, with no
+        ETag (so dedup checks such a chunk at every promotion instead of remembering it)."""
+        return {obj.path: (obj.size, "") for obj in self.list_objects(directory)}
+
+    def stored_checksum(self, path: str) -> tuple[int, str, str | None]:
+        """(size, ETag, full-object CRC32) the store keeps for a file; NotFoundError when absent. Default: the
+        size only (no ETag, no checksum), so dedup reads the object back to compare it."""
+        return self.size(path), "", None
 
     # --- derived operations ------------------------------------------------------------------
     def is_committed(self, step: int) -> bool:

@@ -32,9 +32,10 @@ from typing import Any
 from ckptd._types import Buffer
 from ckptd.config import settings
 from ckptd.errors import AlreadyCommittedError, CkptdError, IntegrityError, NotFoundError, PluginError, StorageError
-from ckptd.format.layout import MANIFEST_NAME, STEP_PREFIX, TEMP_MARKER, parse_step_dir, step_dir
+from ckptd.format.layout import MANIFEST_NAME, STEP_PREFIX, step_dir
 from ckptd.tiers import s3_errors
-from ckptd.tiers.base import StorageTier, StoredObject, TierCapabilities, check_whole_size, repeated_keys
+from ckptd.tiers.base import (StorageTier, StoredObject, TierCapabilities, check_whole_size, repeated_keys,
+                              step_files)
 from ckptd.tiers.s3_blocking import BlockingRequests, blocking_client_arguments
 from ckptd.tiers.s3_lanes import IoLanes
 from ckptd.tiers.s3_budget import OperationBudget, budgeted_filesystem_class
@@ -311,14 +312,8 @@ class ObjectTier(StorageTier):
                 arguments["ContinuationToken"] = page["NextContinuationToken"]
 
     def _step_files(self) -> dict[int, set[str]]:
-        """Every step directory and the file names in it, from one listing."""
-        steps: dict[int, set[str]] = {}
-        for obj in self._list(STEP_PREFIX):
-            directory, _, name = obj.path.partition("/")
-            step = parse_step_dir(directory)
-            if step is not None and name and "/" not in name:
-                steps.setdefault(step, set()).add(name)
-        return steps
+        """Every step directory and the file names in it, from one listing (of the step directories only)."""
+        return step_files(self._list(STEP_PREFIX))
 
     def list_step_numbers(self) -> list[int]:
         return sorted(self._step_files())
@@ -326,11 +321,6 @@ class ObjectTier(StorageTier):
     def committed_steps(self) -> list[int]:
         """Committed steps, ascending, from one listing (a step is committed when its manifest exists)."""
         return sorted(step for step, names in self._step_files().items() if MANIFEST_NAME in names)
-
-    def list_files(self, step: int) -> list[str]:
-        directory = f"{step_dir(step)}/"
-        names = (obj.path[len(directory):] for obj in self._list(directory))
-        return sorted(name for name in names if name and "/" not in name and TEMP_MARKER not in name)
 
     def list_objects(self, directory: str) -> list[StoredObject]:
         """Every object under ``directory`` (relative to the root), recursively, with size and time."""
