@@ -256,6 +256,7 @@ class Promoter:
             self._wait_for_other_ranks(contents, ranks)
             self._check_other_indexes(contents, ranks)
             self._check_claims(contents, claims)
+            self._stop_if_set_aside(contents, [])
             try:
                 step_commit(self.remote).commit(step, contents.manifest_bytes)
             except AlreadyCommittedError:  # another promoter committed it meanwhile
@@ -427,6 +428,26 @@ class Promoter:
                                   step=contents.step, tier=self.remote.label, path=path,
                                   hint="nothing to do: a newer step is promoted instead")
 
+    def _stop_if_set_aside(self, contents: StepContents, waiting: list[int]) -> None:
+        """StepSetAsideError when the local step is no longer the one being promoted: set aside by a restore
+        (training went back to an older step), or saved again since by a newer generation of the job. Its
+        shares must not be committed with the other ranks' shares of the step saved again (a node lost while
+        this promoter waited: its replacement's share of the replayed step completed the older promotion)."""
+        if not self.set_aside() and self._still_local(contents):
+            return
+        before = (f"before rank(s) {', '.join(map(str, waiting))} promoted their share" if waiting
+                  else "before it was committed")
+        raise StepSetAsideError(f"training went back to an older step and set this one aside {before}: it is not "
+                                "committed on the object tier", step=contents.step, tier=self.remote.label,
+                                hint="nothing to do: the step saved again with this number is promoted")
+
+    def _still_local(self, contents: StepContents) -> bool:
+        """Whether the local tier still holds the step being promoted, with the manifest it was read with."""
+        try:
+            return self.local.read_bytes(step_file(contents.step, MANIFEST_NAME)) == contents.manifest_bytes
+        except NotFoundError:
+            return False
+
     def _wait_for_other_ranks(self, contents: StepContents, ranks: list[int] | None) -> None:
         """Wait until every other rank's marker exists: at most ``CKPTD_COMMIT_TIMEOUT_S``, never past
         :attr:`give_up_at` (DeadlineError naming the ranks), logging the ranks still waited for."""
@@ -439,11 +460,7 @@ class Promoter:
                        if not self.remote.exists(step_file(contents.step, promoted_marker_name(rank)))]
             if not waiting:
                 return
-            if self.set_aside():
-                raise StepSetAsideError("training went back to an older step and set this one aside before rank(s) "
-                                        f"{', '.join(map(str, waiting))} promoted their share: it is not committed "
-                                        "on the object tier", step=contents.step, tier=self.remote.label,
-                                        hint="nothing to do: the step saved again with this number is promoted")
+            self._stop_if_set_aside(contents, waiting)
             now = time.monotonic()
             if now - looked >= _RELEASED_LOOK_S:
                 looked = now
