@@ -49,6 +49,7 @@ if TYPE_CHECKING:
                             save_dataset_manifest)
     from ckptd.manager.manager import CheckpointManager
     from ckptd.state.rng import capture_rng_states, restore_rng_states
+    from ckptd.tiers.local import write_file_atomically
 
 #: Public names that need torch, and the module each comes from: imported on first use (PEP 562), so
 #: ``import ckptd`` (and every CLI command that reads only metadata) starts without importing torch.
@@ -62,6 +63,7 @@ _LAZY: dict[str, str] = {
     "save_dataset_manifest": "ckptd.data",
     "capture_rng_states": "ckptd.state.rng",
     "restore_rng_states": "ckptd.state.rng",
+    "write_file_atomically": "ckptd.tiers.local",
 }
 
 
@@ -91,6 +93,7 @@ __all__ = [
     "__version__",
     "capture_rng_states",
     "restore_rng_states",
+    "write_file_atomically",
     # data
     "DatasetManifest",
     "ShardDataset",

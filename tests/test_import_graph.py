@@ -14,8 +14,9 @@ class, or under ``if TYPE_CHECKING:`` (a type-only import is still a dependency)
   only ``errors``;
 - ``format`` imports nothing of ckptd but ``errors``, ``config``, ``_types``, ``_version`` and itself;
 - ``testing`` may import anything (and nothing but ``testing`` imports it);
-- plugins use the public API only: ``ckptd``, ``ckptd.errors``, ``ckptd.policy``, ``ckptd.data``,
-  ``ckptd.data.reader_api`` (the shard-reader interface), ``ckptd.dcp`` and each other;
+- plugins use the public API only: ``ckptd``, ``ckptd.errors``, ``ckptd.policy``, ``ckptd.config`` (settings),
+  ``ckptd.background`` (the threads and pools every thread of ckptd is started through), ``ckptd.data``,
+  ``ckptd.data.reader_api`` (the shard-reader interface), ``ckptd.dcp``, ``ckptd.export`` and each other;
 - packages of one layer never import each other in a cycle (``manager -> dcp`` is fine only while
   ``dcp`` never imports ``manager``, directly or through another package of that layer);
 - every module belongs to a layer or is a leaf (a new top-level package must be placed in the table).
@@ -67,7 +68,8 @@ LEAVES: dict[str, frozenset[str]] = {
 }
 FORMAT_MAY_IMPORT = frozenset({"format", "errors", "config", "_types", "_version"})
 ANYTHING_GOES = frozenset({"testing"})
-PLUGIN_API = frozenset({"ckptd", "ckptd.errors", "ckptd.policy", "ckptd.data", "ckptd.data.reader_api", "ckptd.dcp"})
+PLUGIN_API = frozenset({"ckptd", "ckptd.errors", "ckptd.policy", "ckptd.config", "ckptd.background", "ckptd.data",
+                        "ckptd.data.reader_api", "ckptd.dcp", "ckptd.export"})
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from ckptd.data.collate import list_batch, next_token_split, tensor_batch
     from ckptd.data.dataset import RankBatch, ShardDataset
     from ckptd.data.loader import LoaderState, ShardLoader
+    from ckptd.state.loaders import describe_loader, has_position, loader_state_item, warn_unresumable_loader
 
 #: Names that need torch, and their modules: imported on first use (PEP 562), so that indexing
 #: (``ckptd data index``) and manifest tools start without torch.
@@ -39,6 +40,9 @@ _LAZY: dict[str, str] = {
     "list_batch": "ckptd.data.collate", "next_token_split": "ckptd.data.collate",
     "tensor_batch": "ckptd.data.collate", "RankBatch": "ckptd.data.dataset", "ShardDataset": "ckptd.data.dataset",
     "LoaderState": "ckptd.data.loader", "ShardLoader": "ckptd.data.loader",
+    # any framework's loader as a state item (ckptd.state.loaders): what integrations use
+    "describe_loader": "ckptd.state.loaders", "has_position": "ckptd.state.loaders",
+    "loader_state_item": "ckptd.state.loaders", "warn_unresumable_loader": "ckptd.state.loaders",
 }
 
 
@@ -55,6 +59,10 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
+    "describe_loader",
+    "has_position",
+    "loader_state_item",
+    "warn_unresumable_loader",
     "DatasetManifest",
     "EpochOrder",
     "IndexResult",

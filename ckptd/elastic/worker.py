@@ -229,7 +229,7 @@ class _BeatingManager(CheckpointManager):
         self._older: MemoryCopy | None = None  # the staged copy of the save before the newest
         self._committed_here: set[int] = set()  # steps this manager committed (writer thread adds)
         self._refused_memory: set[int] = set()  # steps whose staged copy failed the restore check
-        self._saver.on_commit.append(lambda step: self._committed_here.add(step))
+        self.add_commit_callback(self._committed_here.add)
 
     def save(self, step: int, state: Any, *, force: bool = False) -> bool:
         self._beat(step)

@@ -427,6 +427,12 @@ class CheckpointManager:
         """Whether a staged save is still being written in the background (never blocks)."""
         return self._saver.busy
 
+    def add_commit_callback(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(step)`` after each step this manager commits to the local tier, on the thread that
+        completes the commit, after local retention ran. Keep it quick and let it not raise (the writer runs
+        it before it takes the next save). How integrations keep a small record per committed step."""
+        self._saver.on_commit.append(callback)
+
     @property
     def last_commit(self) -> CommitRecord | None:
         """The newest local commit of this process (None before the first): its step, the seconds from
@@ -531,12 +537,40 @@ class CheckpointManager:
     def _release(self, timeout_s: float | None) -> None:
         try:
             if self._remote_sync is not None:
-                self._remote_sync.close(timeout_s, while_waiting=self.while_closing)
+                deadline = None if timeout_s is None else time.monotonic() + timeout_s
+                self._remote_retention_at_close(timeout_s)
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._remote_sync.close(left, while_waiting=self.while_closing)
         finally:
             if self._remote_sync is None or not self._remote_sync.uploads_running:
                 self._released = True
                 self._close_daemon_parts()
                 self.local.close()
+
+    def _remote_retention_at_close(self, timeout_s: float | None) -> None:
+        """Rank 0's uploader applies ``keep_remote`` after each promotion, so a step the policy let go after
+        the last one (Lightning's save_top_k removes the older checkpoint once the newest is saved) would stay
+        on the object tier. When this manager committed a step and its uploads end without a failure, the
+        retention runs once more here: the writer has stopped, so no promotion follows or overlaps it."""
+        uploader = self._remote_sync.uploader
+        if uploader is None or self.rank != 0 or self.policy.keep_remote is None or not self._saver.committed_any:
+            return
+        if uploader.errors:  # close reports them; the retention waits for the next run's first promotion
+            return
+        try:
+            uploader.wait(timeout_s)
+        except CkptdError as error:  # a failed promotion stays unpromoted: close reports it
+            log.warning("the object tier's retention pass at close is skipped: %s", error)
+            return
+        from ckptd.promotion.gc import collect_garbage
+
+        remote, retention = self._remote_sync.remote, self.policy.remote_retention
+        try:
+            if retention.deletable(remote.committed_steps()):
+                collect_garbage(remote, retention=retention)
+        except CkptdError as error:
+            log.warning("the object tier's retention pass at close failed (the steps stay; the next run's "
+                        "first promotion deletes them): %s", error)
 
     def _close_daemon_parts(self) -> None:
         handoff, peer = getattr(self, "_handoff", None), getattr(self, "peer", None)
