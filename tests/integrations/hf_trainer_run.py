@@ -5,8 +5,10 @@ steps over 32 samples, dropout on (so the RNG states matter), AdamW with a linea
 ``save_every`` steps through :class:`CkptdCallback` when ``local`` is given (no saving otherwise). A run with
 ``kill_at`` sends itself SIGKILL in the middle of that step, once the save before it committed (and, with
 ``remote``, was promoted); with several ranks every rank waits for the others first (the whole job dies).
-Every run calls ``ckptd_resume`` first. The run records the sample ids of every batch it trains on (one
-line per batch), its final weights and a result (resumed step, global step, losses, tiers).
+Every run calls ``ckptd_resume`` first, unless ``resume`` is ``"true"``: then
+``trainer.train(resume_from_checkpoint=True)`` and no ckptd call. The run records the sample ids of every
+batch it trains on (one line per batch), its final weights and a result (resumed step, global step, losses,
+tiers).
 
 :func:`run` starts ``world_size`` ranks (``torchrun``'s environment variables, gloo on CPU) and waits for
 them; one intra-op thread, so CPU arithmetic is deterministic and runs compare bit for bit.
@@ -31,6 +33,7 @@ def _child(config: dict[str, Any]) -> None:
 
     torch.set_num_threads(1)
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+    from transformers.trainer_utils import get_last_checkpoint
 
     from ckptd.plugins.huggingface import CkptdCallback, ckptd_resume
 
@@ -93,8 +96,13 @@ def _child(config: dict[str, Any]) -> None:
         save_strategy="steps" if ckptd_callback else "no", save_steps=config["save_every"], seed=7, report_to=[],
         use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, **distributed)
     trainer = Trainer(model=model, args=args, train_dataset=Samples(), callbacks=callbacks)
-    resume = ckptd_resume(trainer) if ckptd_callback else None
-    trainer.train(resume_from_checkpoint=resume)
+    if config.get("resume") == "true":  # the Trainer finds ckptd's checkpoint-N itself
+        last = get_last_checkpoint(config["output_dir"]) if os.path.isdir(config["output_dir"]) else None
+        resume = last
+        trainer.train(resume_from_checkpoint=True)
+    else:
+        resume = ckptd_resume(trainer) if ckptd_callback else None
+        trainer.train(resume_from_checkpoint=resume)
     tiers: list[str] = []
     if ckptd_callback is not None:
         last = ckptd_callback.manager.last_restore

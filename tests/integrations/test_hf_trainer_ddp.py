@@ -2,11 +2,13 @@
 
 The job trains with DDP and ``gradient_accumulation_steps=2`` (each optimizer step is two forward passes per
 rank; each rank's generator draws its own dropout masks), saves through ckptd every 4 steps, and is killed
-whole (SIGKILL on every rank) in the middle of step 6, once step 4 committed. A new job resumes through ``ckptd_resume`` on every rank. Compared with an
-uninterrupted 2-rank job, bit for bit: each rank's final weights, the sample ids of every batch each rank
-trained on after the restored step (nothing skipped or repeated, accumulation included) and the logged
-losses. Each rank wrote its own resume directory, and the step holds the replicated model and optimizer
-once (the layout marks them replicated), not once per rank.
+whole (SIGKILL on every rank) in the middle of step 6, once step 4 committed. A new job resumes with
+``trainer.train(resume_from_checkpoint=True)`` on every rank (no ckptd call: the Trainer finds ckptd's
+``checkpoint-4``, the callback loads the step). Compared with an uninterrupted 2-rank job, bit for bit: each
+rank's final weights, the sample ids of every batch each rank trained on after the restored step (nothing
+skipped or repeated, accumulation included) and the logged losses. Each rank wrote its RNG file into the
+step's ``checkpoint-N``, and the step holds the replicated model and optimizer once (the layout marks them
+replicated), not once per rank.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def test_a_two_rank_job_killed_after_a_save_resumes_bit_for_bit(tmp_path):
     local = str(tmp_path / "ckpt")
     killed = _job(tmp_path, "run", local=local, kill_at=6)
     assert [done.returncode for done in killed] == [-9, -9], [done.stderr[-2000:] for done in killed]
-    resumed = _job(tmp_path, "run", local=local)
+    resumed = _job(tmp_path, "run", local=local, resume="true")
     assert [done.returncode for done in resumed] == [0, 0], [done.stderr[-3000:] for done in resumed]
 
     restored, passes = 4, ACCUMULATE
@@ -54,8 +56,7 @@ def test_a_two_rank_job_killed_after_a_save_resumes_bit_for_bit(tmp_path):
         weights = torch.load(tmp_path / "run" / f"weights-{rank}.pt")
         different = [name for name, tensor in weights.items() if not torch.equal(tensor, expected[name])]
         assert weights.keys() == expected.keys() and not different, f"rank {rank}: weights differ: {different}"
-        assert (tmp_path / "run" / "out" / "ckptd-resume" / f"rank-{rank}" / "checkpoint-4"
-                / f"rng_state_{rank}.pth").is_file()
+        assert (tmp_path / "run" / "out" / "checkpoint-8" / f"rng_state_{rank}.pth").is_file()
     tier = LocalTier(local)
     assert tier.committed_steps()[-1] == STEPS
     step = tier.root / "step-000000000004"

@@ -75,3 +75,51 @@ def test_a_checkpoint_of_a_lost_step_resumes_from_the_previous_committed_one(tmp
             callback.close()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_resume_from_checkpoint_true_when_the_newest_step_is_lost(tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """``train(resume_from_checkpoint=True)`` with no ckptd call: the newest ``checkpoint-6`` names a step that
+    never committed; building the Trainer warns and rewrites it to step 4, and the run trains on from step 4
+    to the weights of the uninterrupted run."""
+    import torch
+    from transformers import TrainerCallback
+
+    from ckptd.plugins.huggingface import CkptdCallback
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        callback = CkptdCallback(tmp_path / "ckpt")
+        try:
+            first = _trainer(tmp_path / "out", callback, max_steps=6)
+            first.train()
+            expected = {name: tensor.detach().clone() for name, tensor in first.model.state_dict().items()}
+        finally:
+            callback.close()
+        (tmp_path / "ckpt" / step_dir(6) / MANIFEST_NAME).unlink()
+
+        callback = CkptdCallback(tmp_path / "ckpt")
+        try:
+            with caplog.at_level(logging.WARNING, logger="ckptd.plugins"):
+                trainer = _trainer(tmp_path / "out", callback, max_steps=6)
+            (warning,) = [r.getMessage() for r in caplog.records if r.name == "ckptd.plugins"]
+            pointer = tmp_path / "out" / "checkpoint-6"
+            assert str(pointer) in warning and "points to ckptd step 6" in warning and "restoring step 4" in warning
+            assert json.loads((pointer / "trainer_state.json").read_text())["global_step"] == 4
+            began: list[int] = []
+
+            class Began(TrainerCallback):
+                def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+                    began.append(state.global_step)
+
+            trainer.add_callback(Began())
+            trainer.train(resume_from_checkpoint=True)
+            assert began == [4, 5], "the Trainer went on from step 4"
+            weights = trainer.model.state_dict()
+            different = [name for name, tensor in expected.items() if not torch.equal(weights[name], tensor)]
+            assert not different, f"weights differ from the uninterrupted run: {different}"
+        finally:
+            callback.close()
+    finally:
+        torch.set_num_threads(threads)

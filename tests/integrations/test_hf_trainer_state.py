@@ -60,6 +60,7 @@ def test_the_step_ckptd_saves_is_the_checkpoint_the_trainer_writes(tmp_path, one
     import torch
     from safetensors.torch import load_file
     from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.trainer_pt_utils import safe_globals
 
     from ckptd.plugins.huggingface import CkptdCallback
     from ckptd.plugins.huggingface.random_states import RandomStates
@@ -69,8 +70,11 @@ def test_the_step_ckptd_saves_is_the_checkpoint_the_trainer_writes(tmp_path, one
     callback = CkptdCallback(tmp_path / "ckpt")
     _train(tmp_path / "ours", [callback])
     try:
-        assert not list((tmp_path / "ours").glob("checkpoint-*")), "the Trainer wrote its own checkpoint"
         assert callback.manager.committed_steps() == [4, 6]
+        directory = tmp_path / "ours" / "checkpoint-4"  # ckptd's: the Trainer's state and RNG files, no weights
+        assert not list((tmp_path / "ours").glob("checkpoint-*/*.pt")), "the Trainer wrote its own checkpoint"
+        assert json.loads((directory / "trainer_state.json").read_text()) == \
+            json.loads((theirs / "trainer_state.json").read_text())
         saved: dict[str, Any] = {"trainer_state": None, "rng": RandomStates()}
         callback.manager.restore(saved, step=4, keys=["trainer_state", "rng"])
         assert json.loads(saved["trainer_state"]) == json.loads((theirs / "trainer_state.json").read_text())
@@ -80,6 +84,11 @@ def test_the_step_ckptd_saves_is_the_checkpoint_the_trainer_writes(tmp_path, one
         assert ours["python"] == their_rng["python"]
         assert ours["numpy"][0] == their_rng["numpy"][0] and (ours["numpy"][1] == their_rng["numpy"][1]).all()
         assert ours["numpy"][2:] == tuple(their_rng["numpy"][2:])
+        with safe_globals():  # as the Trainer loads it
+            mine = torch.load(directory / "rng_state.pth", weights_only=True)
+        assert torch.equal(mine["cpu"], their_rng["cpu"]) and mine["python"] == their_rng["python"]
+        assert mine["numpy"][0] == their_rng["numpy"][0] and (mine["numpy"][1] == their_rng["numpy"][1]).all()
+        assert tuple(mine["numpy"][2:]) == tuple(their_rng["numpy"][2:])
         fresh = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2))
         callback.manager.restore({"model": fresh}, step=4, keys=["model"])
         restored = fresh.state_dict()
@@ -143,14 +152,23 @@ def test_load_best_model_at_end_loads_the_best_step_as_without_ckptd(tmp_path, o
         callback.close()
 
 
-def test_a_resume_removes_the_resume_directory_an_earlier_resume_wrote(tmp_path, one_thread):
+def test_checkpoint_directories_follow_the_local_retention_and_hold_nothing_large(tmp_path, one_thread):
+    """A fresh run to step 2, resumed (ckptd_resume) to 4, resumed again to 6; a save every 2 steps and
+    ``save_total_limit=2``: ``output_dir`` holds ckptd's directories of the two steps the local tier keeps,
+    none of them weights, optimizer or scheduler, and no resume directory of earlier ckptd versions."""
     from ckptd.plugins.huggingface import CkptdCallback
 
-    for max_steps in (2, 4, 6):  # a fresh run to step 2, resumed to 4, resumed again to 6
+    (tmp_path / "out" / "ckptd-resume" / "checkpoint-2").mkdir(parents=True)  # an earlier version's leftover
+    for max_steps in (2, 4, 6):
         callback = CkptdCallback(tmp_path / "ckpt")
         try:
-            _train(tmp_path / "out", [callback], resuming=True, save_steps=2, max_steps=max_steps)
+            _train(tmp_path / "out", [callback], resuming=True, save_steps=2, save_total_limit=2,
+                   max_steps=max_steps)
         finally:
             callback.close()
-    assert [path.name for path in (tmp_path / "out" / "ckptd-resume").iterdir()] == ["checkpoint-4"]
-
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["checkpoint-4", "checkpoint-6"]
+    for directory in (tmp_path / "out").iterdir():
+        sizes = {path.name: path.stat().st_size for path in directory.iterdir()}
+        assert sorted(sizes) == ["ckptd-weights-are-in-ckptd.safetensors", "ckptd.json",
+                                 "model.safetensors.index.json", "rng_state.pth", "trainer_state.json"], sizes
+        assert max(sizes.values()) < 20_000, sizes
