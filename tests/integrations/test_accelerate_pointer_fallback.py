@@ -2,8 +2,10 @@
 before the commit) restores the previous committed step with the warning every integration gives, and never
 starts from step 0 without saying so.
 
-Real accelerate (CPU), real saves through ``accelerator.save_state``; the lost step is one whose commit marker
-never reached the disk (its manifest removed, as a kill between the data files and the commit leaves it)."""
+Real accelerate (CPU), real saves: step 4 through ckptd's ``accelerator.save_state`` (the directory holds only
+``ckptd-step.json``), step 8 through accelerate's own ``save_state`` with ckptd's pre-hook (accelerate's pickled
+files next to the marker); the lost step is one whose commit marker never reached the disk (its manifest
+removed, as a kill between the data files and the commit leaves it)."""
 
 from __future__ import annotations
 
@@ -47,8 +49,8 @@ def _job(local: Path, *, allow_pickle: bool = False) -> tuple[Any, Any, torch.nn
 
 @pytest.fixture
 def lost_newest(tmp_path: Path) -> tuple[Path, dict[int, dict[str, torch.Tensor]]]:
-    """Steps 4 and 8 saved through ``save_state`` (into out/step-4, out/step-8); step 8's commit lost.
-    Returns tmp_path and each step's weights."""
+    """Steps 4 and 8 saved (into out/step-4 through ckptd's save_state, out/step-8 through accelerate's own);
+    step 8's commit lost. Returns tmp_path and each step's weights."""
     accelerator, hooks, model, progress = _job(tmp_path / "ckpt")
     weights = {}
     for step in (4, 8):
@@ -56,10 +58,13 @@ def lost_newest(tmp_path: Path) -> tuple[Path, dict[int, dict[str, torch.Tensor]
             for parameter in model.parameters():
                 parameter.add_(float(step))
         progress.step = step
-        accelerator.save_state(str(tmp_path / "out" / f"step-{step}"))
+        save_state = accelerator.save_state if step == 4 else type(accelerator).save_state.__get__(accelerator)
+        save_state(str(tmp_path / "out" / f"step-{step}"))
         weights[step] = {key: value.clone() for key, value in model.state_dict().items()}
         hooks.manager.wait()
     hooks.close()
+    assert sorted(path.name for path in (tmp_path / "out" / "step-4").iterdir()) == ["ckptd-step.json"]
+    assert (tmp_path / "out" / "step-8" / "optimizer.bin").is_file()
     (tmp_path / "ckpt" / step_dir(8) / MANIFEST_NAME).unlink()
     return tmp_path, weights
 
@@ -82,7 +87,24 @@ def test_a_pointer_to_a_lost_step_warns_and_restores_the_previous_committed_step
     hooks.close()
 
 
-def test_a_lost_step_asked_for_by_number_or_through_load_state_is_an_error(
+def test_load_state_of_a_marker_only_directory_falls_back_as_restore_does(
+        lost_newest: tuple[Path, dict[int, dict[str, torch.Tensor]]], caplog: pytest.LogCaptureFixture) -> None:
+    root, weights = lost_newest
+    marker_only = root / "out" / "marker-8"
+    marker_only.mkdir()
+    (marker_only / "ckptd-step.json").write_bytes((root / "out" / "step-8" / "ckptd-step.json").read_bytes())
+    accelerator, hooks, model, progress = _job(root / "ckpt")
+    with caplog.at_level(logging.WARNING, logger="ckptd.plugins"):
+        accelerator.load_state(str(marker_only))  # nothing of accelerate's there: nothing unpickled
+    warnings = [record.getMessage() for record in caplog.records if record.name == "ckptd.plugins"]
+    assert len(warnings) == 1 and "points to ckptd step 8" in warnings[0] and "restoring step 4" in warnings[0]
+    assert progress.step == 4
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, weights[4][key]), key
+    hooks.close()
+
+
+def test_a_lost_step_asked_for_by_number_or_through_load_state_of_accelerates_files_is_an_error(
         lost_newest: tuple[Path, dict[int, dict[str, torch.Tensor]]]) -> None:
     root, _ = lost_newest
     pointer = str(root / "out" / "step-8")
