@@ -506,6 +506,11 @@ class Saver:
         return {"root": str(self.local.root), "step": job.step, "rank": self.rank, "codec": self.codec,
                 "tensors": tensors, "segments": live_segments(), "values": job.values}
 
+    @property
+    def committed_any(self) -> bool:
+        """Whether this saver committed a step."""
+        return bool(self._committed_steps)
+
     def _local_commit_done(self, job: _WriteJob, committed_at: float | None, newest: int | None) -> None:
         """The step is committed in this rank's directory: record its window, then retention and callbacks."""
         committed_at = time.monotonic() if committed_at is None else committed_at
