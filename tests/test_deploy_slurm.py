@@ -52,7 +52,7 @@ def test_the_rendezvous_comes_from_the_allocation() -> None:
         ["bash", "-c", f"set -eu\n{_exports()}\necho $CKPTD_RDZV_ENDPOINT $CKPTD_NPROC_PER_NODE $CKPTD_MAX_RESTARTS"],
         env=_environment(SLURM_JOB_ID="123456", SLURM_GPUS_ON_NODE="8", RDZV_HOST="node017"),
         capture_output=True, text=True, timeout=60, check=True)
-    assert derived.stdout.split() == [f"node017:{20000 + 123456 % 20000}", "8", "3"]
+    assert derived.stdout.split() == [f"node017:{20000 + 123456 % 10000}", "8", "3"]
     assert 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1' in _exports()
 
 

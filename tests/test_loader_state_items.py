@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ckptd import CheckpointManager, Policy
+from ckptd.data import has_position, loader_state_item
 
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
@@ -92,6 +93,48 @@ def test_a_plain_dataloader_is_named_in_one_warning_and_left_alone_on_restore(
         assert manager.restore(live) == 2
     assert live["train_loader"] is loader
     assert torch.equal(live["weights"], weights + 1)
+
+
+def test_a_restore_into_a_state_without_the_loader_adds_no_entry_for_it(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "ckpt", policy=Policy(every_steps=1)) as manager:
+        manager.save(1, {"train_loader": _loader(stateful=False), "weights": torch.ones(4)})
+    live = {"weights": torch.zeros(4)}
+    with CheckpointManager(tmp_path / "ckpt") as manager:
+        assert manager.restore(live) == 1
+    assert set(live) == {"weights"} and torch.equal(live["weights"], torch.ones(4))
+
+
+class _PreparedWithoutState(DataLoader):
+    """The shape of accelerate's loader prepared without ``use_stateful_dataloader``: state methods, no state."""
+
+    use_stateful_dataloader = False
+
+    def state_dict(self) -> dict:
+        raise AttributeError("'DataLoader' object has no attribute 'dl_state_dict'")
+
+    def load_state_dict(self, state: dict) -> None:
+        raise AttributeError("'DataLoader' object has no attribute 'dl_state_dict'")
+
+
+def test_a_loader_with_state_methods_but_no_state_gets_the_marker_and_the_warning(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    loader = _PreparedWithoutState(TensorDataset(torch.arange(8)), batch_size=2)
+    assert not has_position(loader) and loader_state_item(loader, "loader") is None
+    with caplog.at_level(logging.WARNING, logger="ckptd.loaders"):
+        with CheckpointManager(tmp_path / "ckpt", policy=Policy(every_steps=1)) as manager:
+            manager.save(1, {"loader": loader, "weights": torch.ones(2)})
+    assert [record.name for record in caplog.records].count("ckptd.loaders") == 1
+
+
+def test_dcp_refuses_a_plain_dataloader_as_before(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from ckptd.dcp import CkptdStorageWriter
+
+    with pytest.raises(BaseException) as caught:
+        dcp.save({"w": torch.ones(3), "loader": _loader(stateful=False)},
+                 storage_writer=CkptdStorageWriter(tmp_path, step=1))
+    assert "PickleRefusedError" in str(caught.value) and "loader" in str(caught.value)
 
 
 if __name__ == "__main__":

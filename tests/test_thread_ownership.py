@@ -15,7 +15,8 @@ from ckptd.errors import StillRunningError
 
 PACKAGE = Path(__file__).resolve().parent.parent / "ckptd"
 OWNER = PACKAGE / "background.py"
-# ckptd/testing/ is the project's test harness (it moves under tests/), not product code
+# ckptd/testing/ is the public test kit (its fault proxy serves HTTP on threads, its suite races writers),
+# which runs beside the code under test, not inside it
 HARNESS = PACKAGE / "testing"
 
 #: Callables that start a thread or a pool, by their full dotted name.

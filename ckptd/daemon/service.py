@@ -577,6 +577,11 @@ class Daemon:
                 log.info("%s of step %d of root %s skipped: %s", task.kind, task.step, task.root, error)
                 self._unpin_if_done(runtime, task.step)
                 return
+            if _set_aside(error):  # training went back: the step saved again with this number is promoted
+                self.journal.fail(task.id, str(error), time.time() + self.config.retry_backoff_s)
+                log.info("%s of step %d of root %s stopped, to be done again with what the root then holds: %s",
+                         task.kind, task.step, task.root, error)
+                return
             self._failed(task, error, source)
             return
         self.journal.finish(task.id, result)
@@ -936,6 +941,13 @@ def _share_released(error: BaseException) -> bool:
     from ckptd.promotion.promoter import ShareReleasedError
 
     return isinstance(error, ShareReleasedError)
+
+
+def _set_aside(error: BaseException) -> bool:
+    """Whether a promotion stopped because the local copy of its step was set aside or saved again meanwhile."""
+    from ckptd.errors import StepSetAsideError
+
+    return isinstance(error, StepSetAsideError)
 
 
 def _created(tier: StorageTier, step: int) -> float | None:

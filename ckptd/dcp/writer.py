@@ -572,7 +572,7 @@ class CkptdStorageWriter(StorageWriter):
                 return WriteResult(index=item.index, size_in_bytes=len(data),
                                    storage_data=StoredPiece(self.rank, fqn, "bytesio"))
             try:
-                flat = flatten({"value": value})
+                flat = flatten({"value": value}, loader_markers=False)  # DCP rebuilds values: no marker
             except PickleRefusedError:
                 flat = None
             if flat is not None and not flat.tensors:

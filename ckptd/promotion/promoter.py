@@ -437,9 +437,10 @@ class Promoter:
             return
         before = (f"before rank(s) {', '.join(map(str, waiting))} promoted their share" if waiting
                   else "before it was committed")
-        raise StepSetAsideError(f"training went back to an older step and set this one aside {before}: it is not "
+        raise StepSetAsideError(f"the local tier no longer holds this step as it was read (set aside when training "
+                                f"went back to an older step, saved again, or deleted) {before}: it is not "
                                 "committed on the object tier", step=contents.step, tier=self.remote.label,
-                                hint="nothing to do: the step saved again with this number is promoted")
+                                hint="nothing to do: a step saved again with this number is promoted instead")
 
     def _still_local(self, contents: StepContents) -> bool:
         """Whether the local tier still holds the step being promoted, with the manifest it was read with."""

@@ -32,12 +32,15 @@ _warned_ids: set[int] = set()  # loaders that take no weak reference
 
 
 def has_position(loader: Any) -> bool:
-    """Whether ``loader`` saves and restores its own position (``state_dict()``/``load_state_dict()``)."""
+    """Whether ``loader`` saves and restores its own position (``state_dict()``/``load_state_dict()``). An
+    accelerate loader prepared without ``use_stateful_dataloader`` has those methods but no state behind them."""
+    if getattr(loader, "use_stateful_dataloader", True) is False:
+        return False
     return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
 def is_unresumable_loader(value: Any) -> bool:
-    """A torch ``DataLoader`` without a position of its own (see the module docstring)."""
+    """A torch ``DataLoader`` (or a subclass) without a position of its own (see the module docstring)."""
     return isinstance(value, DataLoader) and not has_position(value)
 
 

@@ -118,6 +118,8 @@ def _plain(node: Any) -> Any:
         return f"<ndarray {node.get('dtype')} {list(node.get('shape', []))}>"
     if kind == "pickle":
         return "<pickled>"
+    if kind == "unsaved_loader":
+        return f"<not saved: {node['unsaved_loader']}>"
     return _NOT_PLAIN
 
 

@@ -63,9 +63,10 @@ def _escape(key: Any) -> str:
 
 
 class _Flattener:
-    def __init__(self, allow_pickle: bool, step: int | None = None) -> None:
+    def __init__(self, allow_pickle: bool, step: int | None = None, loader_markers: bool = True) -> None:
         self.allow_pickle = allow_pickle
         self.step = step
+        self.loader_markers = loader_markers
         self.tensors: dict[str, torch.Tensor] = {}
 
     def _name(self, path: str) -> str:
@@ -112,11 +113,11 @@ class _Flattener:
         if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
             kind = "list" if isinstance(value, list) else "tuple"
             return {kind: [self.node(child, f"{path}/{i}") for i, child in enumerate(value)]}
-        if _has_state_dict(value):
-            return {"stateful": self.node(_saved_state(value, self.step), path)}
-        if is_unresumable_loader(value):
+        if self.loader_markers and is_unresumable_loader(value):
             warn_unresumable_loader(value, path)
             return {"unsaved_loader": describe_loader(value)}
+        if _has_state_dict(value):
+            return {"stateful": self.node(_saved_state(value, self.step), path)}
         return self._pickle(value, path, f"a value of type {type(value).__name__}")
 
     def _pickle(self, value: Any, path: str, what: str) -> Any:
@@ -142,11 +143,14 @@ def _saved_state(value: Any, step: int | None) -> Any:
     return value.state_dict()
 
 
-def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False, step: int | None = None) -> FlatState:
+def flatten(state: Mapping[str, Any], *, allow_pickle: bool = False, step: int | None = None,
+            loader_markers: bool = True) -> FlatState:
     """Take a state apart into tensors and a JSON skeleton. Raises PickleRefusedError on values that
     need pickle when ``allow_pickle`` is False. ``step``: the step being saved, handed to objects with
-    ``state_dict_for_step(step)`` (None: every object's ``state_dict()``)."""
-    flattener = _Flattener(allow_pickle, step)
+    ``state_dict_for_step(step)`` (None: every object's ``state_dict()``). ``loader_markers``: a plain
+    DataLoader becomes a marker that a restore into the live state leaves alone (False: it is a value that
+    needs pickle, for callers that rebuild values instead of loading in place, such as DCP)."""
+    flattener = _Flattener(allow_pickle, step, loader_markers)
     skeleton = flattener.node(state, "")
     return FlatState(skeleton=skeleton, tensors=flattener.tensors)
 
@@ -267,6 +271,8 @@ class _Loader:
             raise _malformed(path, "a dict entry is not a [key, value] pair with a JSON scalar key")
         if isinstance(target, MutableMapping):
             for key, child in node["dict"]:
+                if key not in target and isinstance(child, dict) and "unsaved_loader" in child:
+                    continue  # nothing was saved for that loader: the live state gets no entry for it
                 target[key] = self.node(child, target.get(key), _child_path(path, key))
             return target
         rebuilt: dict[Any, Any] = collections.OrderedDict() if node.get("ordered") else {}

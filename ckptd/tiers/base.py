@@ -77,7 +77,7 @@ def step_files(objects: Iterable[StoredObject]) -> dict[int, set[str]]:
     for obj in objects:
         directory, _, name = obj.path.partition("/")
         step = parse_step_dir(directory)
-        if step is not None and name and "/" not in name:
+        if step is not None and name and "/" not in name and TEMP_MARKER not in name:
             steps.setdefault(step, set()).add(name)
     return steps
 
@@ -105,6 +105,8 @@ class StorageTier(abc.ABC):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if any(getattr(getattr(cls, name, None), "__isabstractmethod__", False) for name in dir(cls)):
+            return  # still abstract (a base of other tiers): the concrete subclasses are checked
         lists_objects = cls.list_objects is not StorageTier.list_objects
         lists_steps = (cls.list_step_numbers is not StorageTier.list_step_numbers
                        and cls.list_files is not StorageTier.list_files)
@@ -254,7 +256,10 @@ class StorageTier(abc.ABC):
         return self.exists(step_file(step, MANIFEST_NAME))
 
     def committed_steps(self) -> list[int]:
-        """Committed steps, ascending."""
+        """Committed steps, ascending. A tier that lists through :meth:`list_objects` only answers from one
+        listing; one that lists steps asks for each step's manifest."""
+        if type(self).list_step_numbers is StorageTier.list_step_numbers:
+            return sorted(step for step, names in step_files(self.list_objects("")).items() if MANIFEST_NAME in names)
         return [step for step in self.list_step_numbers() if self.is_committed(step)]
 
     def incomplete_uploads(self) -> list[tuple[str, str, float]]:
