@@ -17,7 +17,15 @@ when ``save_top_k`` drops one, ``teardown()`` at the end of a stage. This one ma
   then S3), every chunk verified. A step that never committed (the process died while writing it) falls
   back to the newest older committed step, with the warning every ckptd integration gives
   (:mod:`ckptd.plugins.fallback`). RNG states of torch, numpy and ``random`` are
-  restored with it (``capture_rng``), so a shuffled ``DataLoader`` continues as it would have.
+  restored with it (``capture_rng``, every rank's own: :mod:`ckptd.plugins.lightning.rank_rng`). The
+  training loader's position is in the checkpoint when the loader has one (``state_dict()``, which
+  Lightning's loops save): with torchdata's ``StatefulDataLoader`` or ckptd's
+  :class:`~ckptd.plugins.lightning.LightningShardLoader` (any ``num_workers``) a resume from a checkpoint
+  saved in the middle of an epoch continues with the next batch, bit for bit; under DDP a
+  ``StatefulDataLoader`` needs :class:`~ckptd.plugins.lightning.sampler.ResumableDistributedSampler` in
+  place of ``shuffle=True``. A plain shuffled ``DataLoader`` continues as it would have only from a
+  checkpoint at an epoch's end (its next epoch's order is drawn from the restored RNG); inside an epoch its
+  position is nowhere, and the first save warns, naming the loader and the fix.
 - **remove**: the pointer goes; the step is deleted from the tiers at the next commit once no path
   points to it: those of this process and the pointers an earlier run left in the same directories (see
   :mod:`ckptd.plugins.lightning.retention`).
@@ -51,7 +59,7 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 
 import ckptd
-from ckptd.errors import CkptdError, CommitError, ConfigError, NotFoundError
+from ckptd.errors import CkptdError, CommitError, ConfigError, FormatError, NotFoundError
 from ckptd.plugins.fallback import restore_pointed_step
 from ckptd.plugins.lightning.pointer import Pointer, pointers_beside, read_pointer, remove_pointer, write_pointer
 from ckptd.plugins.lightning.retention import PointerRetention
@@ -181,6 +189,27 @@ class CkptdCheckpointIO(CheckpointIO):
             state = self._load_on_rank_zero(path)
         else:
             state = self._load_here(path)
+        if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != "cpu":
+            state = _to_device(state, torch.device(map_location))
+        return state
+
+    @classmethod
+    def read_pointed(cls, path: str | os.PathLike[str], pointer: Pointer | None = None,
+                     map_location: Any | None = None) -> dict[str, Any]:
+        """The checkpoint the pointer at ``path`` names, read by this process alone from the tiers the pointer
+        names (its ``local`` root, then its ``remote``, with s3fs's default credentials): for reading a
+        checkpoint outside the training job, as ``Model.load_from_checkpoint(path)`` does (see
+        :mod:`ckptd.plugins.lightning.loading`). Deletes nothing."""
+        pointer = read_pointer(path) if pointer is None else pointer
+        if pointer.local is None:
+            raise FormatError(f"{os.fspath(path)} names ckptd step {pointer.step} but not the ckptd root holding it",
+                              path=os.fspath(path),
+                              hint="read it with CkptdCheckpointIO(<the root the run saved to>).load_checkpoint(path)")
+        io = cls(pointer.local, remote=pointer.remote)
+        try:
+            state = io._load_here(path)
+        finally:
+            io.teardown()
         if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != "cpu":
             state = _to_device(state, torch.device(map_location))
         return state
