@@ -27,6 +27,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,42 @@ def run_once(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
             "state_mib": sum(p.numel() for p in trainer.lightning_module.parameters()) * 4 * 3 / 2**20}
 
 
+def run_rounds(contenders: tuple[str, ...], args: argparse.Namespace,
+               run_once: Callable[[str, argparse.Namespace, Path], dict[str, Any]],
+               prefix: str) -> dict[str, list[dict[str, Any]]]:
+    """``args.rounds`` rounds, each running every contender once in a fresh directory, in the same order."""
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
+    for _ in range(args.rounds):
+        for name in contenders:
+            root = Path(tempfile.mkdtemp(prefix=f"{prefix}-{name}-"))
+            try:
+                results[name].append(run_once(name, args, root))
+            finally:
+                shutil.rmtree(root, ignore_errors=True)
+    return results
+
+
+def summarize(results: dict[str, list[dict[str, Any]]], extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Per contender: the median stall and fit time over the rounds, the worst stall, the saves that waited,
+    and the first round's value of each key in ``extra``."""
+    return {name: {"stall_median_s": statistics.median(r["stall_median_s"] for r in runs),
+                   "stall_max_s": max(r["stall_max_s"] for r in runs),
+                   "fit_wall_s": statistics.median(r["fit_wall_s"] for r in runs),
+                   "checkpoints": runs[0]["checkpoints"], **{key: runs[0][key] for key in extra},
+                   "saves_found_busy": sum(r["saves_found_busy"] for r in runs)}
+            for name, runs in results.items()}
+
+
+def print_table(summary: dict[str, Any], contenders: tuple[str, ...], rounds: int) -> None:
+    """The stall table and how many of ckptd's saves waited for the previous one."""
+    print(f"{'contender':<10} {'stall/ckpt (s)':>15} {'max (s)':>9} {'fit wall (s)':>13}")
+    for name in contenders:
+        row = summary[name]
+        print(f"{name:<10} {row['stall_median_s']:>15.3f} {row['stall_max_s']:>9.3f} {row['fit_wall_s']:>13.2f}")
+    print(f"ckptd saves that waited for the previous one: {summary['ckptd']['saves_found_busy']} of "
+          f"{summary['ckptd']['checkpoints'] * rounds}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mib", type=float, default=64, help="fp32 weights in MiB (Adam adds twice that)")
@@ -107,21 +144,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     contenders = ("torch", "async", "ckptd")
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
-    for _ in range(args.rounds):
-        for name in contenders:
-            root = Path(tempfile.mkdtemp(prefix=f"bench-lightning-{name}-"))
-            try:
-                results[name].append(run_once(name, args, root))
-            finally:
-                shutil.rmtree(root, ignore_errors=True)
-    summary = {}
-    for name, runs in results.items():
-        summary[name] = {"stall_median_s": statistics.median(r["stall_median_s"] for r in runs),
-                         "stall_max_s": max(r["stall_max_s"] for r in runs),
-                         "fit_wall_s": statistics.median(r["fit_wall_s"] for r in runs),
-                         "checkpoints": runs[0]["checkpoints"], "state_mib": runs[0]["state_mib"],
-                         "saves_found_busy": sum(r["saves_found_busy"] for r in runs)}
+    results = run_rounds(contenders, args, run_once, "bench-lightning")
+    summary = summarize(results, extra=("state_mib",))
     for name in ("torch", "async"):
         summary[f"ckptd_vs_{name}_stall"] = summary["ckptd"]["stall_median_s"] / summary[name]["stall_median_s"]
     if args.json:
@@ -129,12 +153,7 @@ def main() -> None:
         return
     print(f"state {summary['ckptd']['state_mib']:.0f} MiB (weights + Adam), {summary['ckptd']['checkpoints']} "
           f"checkpoint steps per run, medians of {args.rounds} rounds")
-    print(f"{'contender':<10} {'stall/ckpt (s)':>15} {'max (s)':>9} {'fit wall (s)':>13}")
-    for name in contenders:
-        row = summary[name]
-        print(f"{name:<10} {row['stall_median_s']:>15.3f} {row['stall_max_s']:>9.3f} {row['fit_wall_s']:>13.2f}")
-    print(f"ckptd saves that waited for the previous one: {summary['ckptd']['saves_found_busy']} of "
-          f"{summary['ckptd']['checkpoints'] * args.rounds}")
+    print_table(summary, contenders, args.rounds)
     print(f"ckptd / torch stall: {summary['ckptd_vs_torch_stall']:.2f}x; "
           f"ckptd / async stall: {summary['ckptd_vs_async_stall']:.2f}x")
 

@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from bench_lightning import TimedCheckpoint, WideModel, _io
+from bench_lightning import TimedCheckpoint, WideModel, _io, print_table, run_rounds, summarize
 from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -64,33 +62,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     contenders = ("torch", "ckptd")
-    results: dict[str, list[dict[str, Any]]] = {name: [] for name in contenders}
-    for _ in range(args.rounds):
-        for name in contenders:
-            root = Path(tempfile.mkdtemp(prefix=f"bench-lightning-stall-{name}-"))
-            try:
-                results[name].append(run_once(name, args, root))
-            finally:
-                shutil.rmtree(root, ignore_errors=True)
-    summary: dict[str, Any] = {
-        name: {"stall_median_s": statistics.median(r["stall_median_s"] for r in runs),
-               "stall_max_s": max(r["stall_max_s"] for r in runs),
-               "fit_wall_s": statistics.median(r["fit_wall_s"] for r in runs),
-               "checkpoints": runs[0]["checkpoints"], "inside_an_epoch": runs[0]["inside_an_epoch"],
-               "saves_found_busy": sum(r["saves_found_busy"] for r in runs)}
-        for name, runs in results.items()}
+    results = run_rounds(contenders, args, run_once, "bench-lightning-stall")
+    summary = summarize(results, extra=("inside_an_epoch",))
     summary["ckptd_vs_torch_stall"] = summary["ckptd"]["stall_median_s"] / summary["torch"]["stall_median_s"]
     if args.json:
         print(json.dumps({"runs": results, "summary": summary}, indent=1))
         return
     print(f"{summary['ckptd']['checkpoints']} checkpoint steps per run ({summary['ckptd']['inside_an_epoch']} inside "
           f"an epoch), StatefulDataLoader(num_workers=2), medians of {args.rounds} rounds")
-    print(f"{'contender':<10} {'stall/ckpt (s)':>15} {'max (s)':>9} {'fit wall (s)':>13}")
-    for name in contenders:
-        row = summary[name]
-        print(f"{name:<10} {row['stall_median_s']:>15.3f} {row['stall_max_s']:>9.3f} {row['fit_wall_s']:>13.2f}")
-    print(f"ckptd saves that waited for the previous one: {summary['ckptd']['saves_found_busy']} of "
-          f"{summary['ckptd']['checkpoints'] * args.rounds}")
+    print_table(summary, contenders, args.rounds)
     print(f"ckptd / torch stall: {summary['ckptd_vs_torch_stall']:.2f}x")
 
 

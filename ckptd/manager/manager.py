@@ -538,7 +538,11 @@ class CheckpointManager:
         try:
             if self._remote_sync is not None:
                 deadline = None if timeout_s is None else time.monotonic() + timeout_s
-                self._remote_retention_at_close(timeout_s)
+                try:
+                    self._remote_retention_at_close(timeout_s)
+                except Exception as error:  # noqa: BLE001 - a failed pass never keeps the uploads from closing
+                    log.warning("the object tier's retention pass at close failed (the steps stay; the next "
+                                "run's first promotion applies keep_remote): %s", error)
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 self._remote_sync.close(left, while_waiting=self.while_closing)
         finally:
@@ -555,12 +559,12 @@ class CheckpointManager:
         uploader = self._remote_sync.uploader
         if uploader is None or self.rank != 0 or self.policy.keep_remote is None or not self._saver.committed_any:
             return
-        if uploader.errors:  # close reports them; the retention waits for the next run's first promotion
-            return
         try:
-            uploader.wait(timeout_s)
-        except CkptdError as error:  # a failed promotion stays unpromoted: close reports it
+            uploader.settle(timeout_s)
+        except CkptdError as error:  # the uploads did not end in time: close reports what stayed unpromoted
             log.warning("the object tier's retention pass at close is skipped: %s", error)
+            return
+        if uploader.errors:  # close reports them; the retention waits for the next run's first promotion
             return
         from ckptd.promotion.gc import collect_garbage
 

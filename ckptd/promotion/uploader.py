@@ -368,10 +368,14 @@ class BackgroundUploader:
         """Block until every queued step is promoted, at most ``timeout_s`` seconds (default
         ``CKPTD_WAIT_TIMEOUT_S``, then StillRunningError naming the step); re-raise the failures kept since
         the last wait (one as itself, several as a BackgroundError listing each)."""
+        self.settle(timeout_s)
+        self._worker.raise_failures()
+
+    def settle(self, timeout_s: float | None = None) -> None:
+        """:meth:`wait` without raising the failures: they stay kept (:attr:`errors`) for ``wait`` or ``close``."""
         timeout_s = settings().wait_timeout_s if timeout_s is None else timeout_s
         self._worker.wait(timeout_s, what=f"uploads to {self.remote.label}",
                           hint="the object tier may be slow or down; " + _RESUME_HINT)
-        self._worker.raise_failures()
 
     def close(self, timeout_s: float | None = None) -> None:
         """Finish queued promotions, stop the thread and release the object tier, within ``timeout_s``

@@ -485,7 +485,11 @@ class CkptdAccelerate:
                 for folder in folders[: len(folders) + 1 - project.total_limit]:
                     shutil.rmtree(folder)
             output_dir = os.path.join(output_dir, f"checkpoint_{accelerator.save_iteration}")
-            if os.path.exists(output_dir):
+            if os.path.isdir(output_dir) and all(name == STEP_FILE or name.startswith(".")
+                                                 for name in os.listdir(output_dir)):
+                # ckptd's marker of a step this run saves again (a resume went back past it): the same iteration
+                log.info("%s is reused: it held only ckptd's marker of an earlier save at this iteration", output_dir)
+            elif os.path.exists(output_dir):
                 raise ConfigError(f"checkpoint directory {output_dir} ({accelerator.save_iteration}) already exists",
                                   path=output_dir, hint="set accelerator.project_configuration.iteration to the "
                                   "save iteration to start with, as accelerate asks")
@@ -591,11 +595,10 @@ def _pickled_files(directory: Path) -> list[str]:
 
 
 def _write_marker(directory: str | os.PathLike[str], step: int) -> None:
-    """``ckptd-step.json`` naming ``step``, written whole (a reader never sees half of it)."""
-    marker = Path(directory, STEP_FILE)
-    partial = marker.with_name(f".{STEP_FILE}.{os.getpid()}.tmp")
-    partial.write_text(json.dumps({"step": step}) + "\n", encoding="utf-8")
-    os.replace(partial, marker)
+    """``ckptd-step.json`` naming ``step``, written whole and durably (a reader never sees half of it)."""
+    ckptd.write_file_atomically(Path(directory, STEP_FILE), (json.dumps({"step": step}) + "\n").encode("utf-8"),
+                                what="accelerate's ckptd step marker", hint="check that the output directory is "
+                                "writable")
 
 
 def saved_step(output_dir: str | os.PathLike[str]) -> int:

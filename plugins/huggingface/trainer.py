@@ -236,7 +236,7 @@ class CkptdCallback(TrainerCallback):
                 **kwargs: Any) -> None:
         self._remember(kwargs)
         if self._last_saved != state.global_step:  # a save the Trainer wrote itself (best, or trainer_checkpoints)
-            self._save(state, control)
+            self._save(state, control, record=False)  # its checkpoint-N is the Trainer's: ckptd writes none there
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
@@ -258,7 +258,7 @@ class CkptdCallback(TrainerCallback):
             if kwargs.get(name) is not None:
                 self._objects[key] = kwargs[name]
 
-    def _save(self, state: TrainerState, control: TrainerControl) -> None:
+    def _save(self, state: TrainerState, control: TrainerControl, *, record: bool = True) -> None:
         missing = [key for key in ("model", *_TRAINING_KEYS) if key not in self._objects]
         if missing:
             raise ConfigError(f"CkptdCallback cannot save step {state.global_step}: the Trainer passed no "
@@ -267,7 +267,7 @@ class CkptdCallback(TrainerCallback):
         self._update_callback_states(state, control)
         trainer_state = json.dumps(dataclasses.asdict(state), indent=2, sort_keys=True)
         manager = self.manager
-        if not self.trainer_checkpoints:  # taken by the writer thread when the step commits
+        if record and not self.trainer_checkpoints:  # taken by the writer thread when the step commits
             model = self._objects["model"]
             if self._names[0] is not model:
                 self._names = (model, _weight_names(model))
@@ -356,13 +356,24 @@ class CkptdCallback(TrainerCallback):
         """When the Trainer is built: the newest ``checkpoint-N`` of ckptd in ``output_dir`` (the one
         ``get_last_checkpoint`` returns) must name a step some tier holds committed; else warn and rewrite it
         to the newest older committed step (the Trainer reads its state from it when it resumes)."""
+        if args.should_save:  # directories a killed run was building aside
+            for leftover in Path(args.output_dir).glob(f".{PREFIX_CHECKPOINT_DIR}-*.partial-*"):
+                shutil.rmtree(leftover, ignore_errors=True)
         found = checkpoint_directories(args.output_dir)
-        if not found:
+        incomplete = incomplete_directories(args.output_dir, max(found, default=-1))
+        if incomplete:  # killed while writing it: get_last_checkpoint returns it, so it is made whole
+            number = max(incomplete)
+            directory, marked = incomplete[number], number
+        elif not found:
             return
-        directory = found[max(found)]
-        marked = marker_step(directory)
-        if marked is None or marked in committed_on_any_tier(self.manager):
-            return
+        else:
+            directory = found[max(found)]
+            marked = marker_step(directory)
+            if marked is None:
+                return
+            if marked in committed_on_any_tier(self.manager):
+                self._write_missing_random_states(directory, marked, args)
+                return
         values: dict[str, Any] = {}
 
         def fresh() -> dict[str, Any]:
@@ -379,6 +390,20 @@ class CkptdCallback(TrainerCallback):
             _barrier(args)
             write_checkpoint_directory(directory, record, args)
         _barrier(args)
+
+    def _write_missing_random_states(self, directory: Path, step: int, args: TrainingArguments) -> None:
+        """This rank's RNG file of ``checkpoint-N``, from ckptd, when the run was killed before this rank wrote it
+        (each rank writes its own when the step commits): without it the Trainer resumes this rank with fresh
+        RNG states, inexactly, and says so only at info level."""
+        if args.world_size <= 1 and (directory / _random_states_name(args)).is_file():
+            return
+        values = {"rng": RandomStates()}
+        self.manager.restore(values, step=step, keys=["rng"])  # on every rank: a restore may be collective
+        if (directory / _random_states_name(args)).is_file():
+            return
+        _write_files(directory, {_random_states_name(args): _random_states_bytes(values["rng"].saved, args)})
+        log.info("%s: this rank's RNG file of step %d written from ckptd (the run stopped before it was)",
+                 directory, step)
 
     # --- resuming -----------------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -529,6 +554,28 @@ def checkpoint_directories(output_dir: str | os.PathLike[str]) -> dict[int, Path
     return found
 
 
+def incomplete_directories(output_dir: str | os.PathLike[str], above: int) -> dict[int, Path]:
+    """``checkpoint-N`` directories newer than ``above`` (the newest complete one of ckptd) that hold only what
+    ckptd writes there and no marker yet: the callback was stopped while writing them."""
+    found: dict[int, Path] = {}
+    root = Path(output_dir)
+    if not root.is_dir():
+        return found
+    for directory in root.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
+        number = directory.name[len(PREFIX_CHECKPOINT_DIR) + 1:]
+        if not number.isdigit() or int(number) <= above or not directory.is_dir():
+            continue
+        names = os.listdir(directory)
+        if MARKER_NAME not in names and all(_written_by_ckptd(name) for name in names):
+            found[int(number)] = directory
+    return found
+
+
+def _written_by_ckptd(name: str) -> bool:
+    return (name.startswith(("rng_state", ".")) or name in (_TRAINER_STATE_NAME, EMPTY_SHARD_NAME,
+                                                             SAFE_WEIGHTS_INDEX_NAME, _EXPORTING))
+
+
 def _remove_directories(args: TrainingArguments, remove: Callable[[int, int], bool]) -> None:
     """Remove ckptd's ``checkpoint-N`` directories that ``remove(N, step it stands for)`` picks."""
     for number, directory in checkpoint_directories(args.output_dir).items():
@@ -543,9 +590,6 @@ def write_checkpoint_directory(directory: Path, record: StepRecord, args: Traini
     exported there, the weight index whose one shard holds no tensor. Every file is replaced atomically."""
     from safetensors.torch import save as safetensors_bytes
 
-    from ckptd import write_file_atomically
-
-    directory.mkdir(parents=True, exist_ok=True)
     files = {_random_states_name(args): _random_states_bytes(record.random_states, args)}
     if args.should_save:
         files[_TRAINER_STATE_NAME] = record.trainer_state.encode("utf-8")
@@ -559,6 +603,23 @@ def write_checkpoint_directory(directory: Path, record: StepRecord, args: Traini
         if record.pointed_step is not None:
             marker["pointed_step"] = record.pointed_step
         files[MARKER_NAME] = json.dumps(marker, indent=1).encode("utf-8")
+    staging = directory.with_name(f".{directory.name}.partial-{os.getpid()}")
+    if args.should_save and not directory.exists():  # a new directory appears whole: built aside, then renamed
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        _write_files(staging, files)
+        try:
+            os.rename(staging, directory)
+            return
+        except OSError:  # another rank made it meanwhile (its RNG file): this rank's files go in one by one
+            shutil.rmtree(staging, ignore_errors=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_files(directory, files)
+
+
+def _write_files(directory: Path, files: dict[str, bytes]) -> None:
+    from ckptd import write_file_atomically
+
     for name, data in files.items():
         write_file_atomically(directory / name, data, what=f"Trainer checkpoint file {name}",
                               hint="check that output_dir is writable")

@@ -53,6 +53,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 from typing import Any
 
 import torch
@@ -177,7 +178,7 @@ class CkptdCheckpointIO(CheckpointIO):
         self._learn_pointers_beside(path)
         epoch = checkpoint.get("epoch")
         write_pointer(path, Pointer(step=step, epoch=epoch if isinstance(epoch, int) else None,
-                                    local=self.local, remote=self.remote))
+                                    local=os.path.abspath(self.local), remote=self.remote))
         self._retention.point(_path_key(path), step)
 
     def load_checkpoint(self, path: str | os.PathLike[str], map_location: Any | None = None,
@@ -205,11 +206,20 @@ class CkptdCheckpointIO(CheckpointIO):
             raise FormatError(f"{os.fspath(path)} names ckptd step {pointer.step} but not the ckptd root holding it",
                               path=os.fspath(path),
                               hint="read it with CkptdCheckpointIO(<the root the run saved to>).load_checkpoint(path)")
-        io = cls(pointer.local, remote=pointer.remote)
+        local, scratch = pointer.local, None
+        if not os.path.isdir(local):  # another machine's root: read the remote through a scratch root
+            if pointer.remote is None:
+                raise NotFoundError(f"{os.fspath(path)} names ckptd step {pointer.step} in {local}, which is not "
+                                    "on this machine, and no remote tier", path=os.fspath(path), step=pointer.step,
+                                    hint="read it where the run saved it, or copy the root here (`ckptd restore`)")
+            local = scratch = tempfile.mkdtemp(prefix="ckptd-read-pointed-")
+        io = cls(local, remote=pointer.remote, capture_rng=False)  # the caller's RNG is not the training's
         try:
             state = io._load_here(path)
         finally:
             io.teardown()
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
         if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type != "cpu":
             state = _to_device(state, torch.device(map_location))
         return state

@@ -12,6 +12,7 @@ so that an evaluation script that builds a Trainer needs no ckptd import.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -21,7 +22,10 @@ from ckptd.errors import FormatError, NotFoundError
 from ckptd.plugins.lightning.checkpoint_io import CkptdCheckpointIO
 from ckptd.plugins.lightning.pointer import read_pointer
 
-_lightning_load = saving.pl_load
+log = logging.getLogger("ckptd.plugins.lightning")
+
+#: Lightning's own loader (None on a Lightning that reads files by another name: nothing is installed then).
+_lightning_load = getattr(saving, "pl_load", None)
 
 
 def load_checkpoint_file(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
@@ -33,9 +37,16 @@ def load_checkpoint_file(path_or_url: Any, map_location: Any = None, weights_onl
             pointer = None  # not a pointer (or no file): Lightning's loader says what it is
         if pointer is not None:
             return CkptdCheckpointIO.read_pointed(path_or_url, pointer, map_location)
+    assert _lightning_load is not None  # installed only over it
+    if weights_only is None:  # Lightning releases before weights_only take no such argument
+        return _lightning_load(path_or_url, map_location=map_location)
     return _lightning_load(path_or_url, map_location=map_location, weights_only=weights_only)
 
 
 def install() -> None:
-    """Let ``Model.load_from_checkpoint`` read ckptd pointers (idempotent; see the module docstring)."""
+    """Let ``Model.load_from_checkpoint`` read ckptd pointers (idempotent; see the module docstring). Nothing
+    happens on a Lightning whose loading no longer reads files through ``pl_load``."""
+    if _lightning_load is None:
+        log.debug("lightning.pytorch.core.saving has no pl_load: Model.load_from_checkpoint reads no ckptd pointer")
+        return
     saving.pl_load = load_checkpoint_file

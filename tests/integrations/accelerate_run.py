@@ -24,11 +24,12 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from rank_runs import run_ranks  # this folder
 
 SAMPLES, BATCH, EPOCHS = 40, 4, 3
 
@@ -105,12 +106,6 @@ def training_function(config: dict[str, Any]) -> None:
                config["final"].format(rank=rank))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run(directory: Path, *, world_size: int = 1, timeout_s: float = 300,
         **config: Any) -> list[subprocess.CompletedProcess[str]]:
     """One run of ``world_size`` ranks writing into ``directory`` (its n-th run: ``batches-n-RANK.jsonl``,
@@ -123,24 +118,7 @@ def run(directory: Path, *, world_size: int = 1, timeout_s: float = 300,
     config_file = directory / f"config-{number}.json"
     config_file.write_text(json.dumps(config))
     env = dict(os.environ, OMP_NUM_THREADS="1", CKPTD_DAEMON="off")
-    if world_size > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world_size),
-                   LOCAL_WORLD_SIZE=str(world_size))
-    children = [subprocess.Popen([sys.executable, __file__, str(config_file)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True,
-                                 env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) if world_size > 1 else env)
-                for rank in range(world_size)]
-    finished = []
-    try:
-        for child in children:
-            stdout, stderr = child.communicate(timeout=timeout_s)
-            finished.append(subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr))
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-    return finished
+    return run_ranks(Path(__file__), config_file, world_size=world_size, env=env, timeout_s=timeout_s)
 
 
 def batches(directory: Path, number: int, rank: int = 0) -> list[dict[str, Any]]:

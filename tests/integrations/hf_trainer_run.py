@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from rank_runs import run_ranks  # this folder
 
 SAMPLES, BATCH = 32, 4
 
@@ -116,12 +117,6 @@ def _child(config: dict[str, Any]) -> None:
         "losses": losses, "tiers": tiers}))
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run(tmp_path: Path, name: str, *, world_size: int = 1, timeout_s: float = 240,
         **config: Any) -> list[subprocess.CompletedProcess[str]]:
     """Start one run of ``world_size`` ranks in ``tmp_path/name``; the finished processes, by rank."""
@@ -135,23 +130,7 @@ def run(tmp_path: Path, name: str, *, world_size: int = 1, timeout_s: float = 24
     config_file = directory / f"config-{len(list(directory.glob('config-*')))}.json"
     config_file.write_text(json.dumps(config))
     env = dict(os.environ, OMP_NUM_THREADS="1", CKPTD_DAEMON="off", TOKENIZERS_PARALLELISM="false")
-    if world_size > 1:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world_size))
-    children = [subprocess.Popen([sys.executable, __file__, str(config_file)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True,
-                                 env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)) if world_size > 1 else env)
-                for rank in range(world_size)]
-    finished = []
-    try:
-        for child in children:
-            stdout, stderr = child.communicate(timeout=timeout_s)
-            finished.append(subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr))
-    finally:
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
-    return finished
+    return run_ranks(Path(__file__), config_file, world_size=world_size, env=env, timeout_s=timeout_s)
 
 
 def batches(directory: Path, rank: int = 0) -> list[list[int]]:

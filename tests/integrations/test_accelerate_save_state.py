@@ -7,6 +7,8 @@ is named in one warning. Real accelerate on CPU, in this process.
 
 from __future__ import annotations
 
+import json
+
 import logging
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,15 @@ def test_save_state_leaves_only_the_marker_named_and_pruned_as_accelerate_does(t
     assert any(parameter.abs().sum() > 0 for parameter in model.parameters())
     accelerator.load_state()  # the newest folder, as accelerate picks it: through ckptd, nothing unpickled
     assert accelerator.save_iteration == 3
+
+    # step 3 lost (the run died before it committed): the fallback goes back to step 2, and the next save of
+    # step 3 reuses checkpoint_2, which holds only the marker
+    hooks.manager.wait()
+    hooks.manager.local.delete_step(3)
+    assert hooks.restore(returned[2]) == 2 and accelerator.save_iteration == 2
+    assert accelerator.save_state() == returned[2], "the marker-only folder of that iteration is reused"
+    hooks.manager.wait()
+    assert json.loads((Path(returned[2]) / "ckptd-step.json").read_text()) == {"step": 3}
 
     hooks.remove()
     assert "save_state" not in vars(accelerator) and "load_state" not in vars(accelerator)

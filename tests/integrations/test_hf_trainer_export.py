@@ -13,29 +13,11 @@ from typing import Any
 
 import pytest
 
+from test_hf_trainer_pointer_fallback import _trainer  # the same tiny GPT-2 and Trainer
+
 pytestmark = pytest.mark.integrations
 
 _CONFIG = {"vocab_size": 64, "n_positions": 32, "n_embd": 32, "n_layer": 2, "n_head": 2}
-
-
-def _trainer(output_dir: Path, callback: Any) -> Any:
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-
-    class Samples(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return 24
-
-        def __getitem__(self, index: int) -> dict[str, Any]:
-            ids = torch.arange(16, dtype=torch.long).add_(index).remainder_(64)
-            return {"input_ids": ids, "labels": ids.clone()}
-
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(**_CONFIG))
-    args = TrainingArguments(output_dir=str(output_dir), per_device_train_batch_size=4, learning_rate=1e-3,
-                             logging_steps=2, seed=7, report_to=[], use_cpu=True, dataloader_num_workers=0,
-                             disable_tqdm=True, save_strategy="steps", save_steps=2, max_steps=6)
-    return Trainer(model=model, args=args, train_dataset=Samples(), callbacks=[callback])
 
 
 @pytest.fixture
@@ -71,7 +53,7 @@ def test_model_safetensors_of_committed_steps_load_as_saved(tmp_path, one_thread
 
     callback = CkptdCallback(tmp_path / "ckpt", export_safetensors=True)
     try:
-        trainer = _trainer(tmp_path / "out", callback)
+        trainer = _trainer(tmp_path / "out", callback, 6)
         trainer.train()
         callback.wait()  # for the commits and their exports
         assert callback.manager.committed_steps() == [4, 6]
@@ -108,7 +90,7 @@ def test_a_save_does_not_wait_for_the_export(tmp_path, one_thread, monkeypatch):
     monkeypatch.setattr(module, "export_model", held_export)
     callback = CkptdCallback(tmp_path / "ckpt", export_safetensors=True)
     try:
-        trainer = _trainer(tmp_path / "out", callback)
+        trainer = _trainer(tmp_path / "out", callback, 6)
         trainer.train()
         callback.manager.wait()
         assert started[:1] == [2] and finished == [], (started, finished)

@@ -123,3 +123,40 @@ def test_resume_from_checkpoint_true_when_the_newest_step_is_lost(tmp_path: Path
             callback.close()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_checkpoint_directory_left_half_written_is_made_whole_before_the_trainer_resumes(tmp_path: Path) -> None:
+    """Killed while ``checkpoint-6`` was written (no marker, no weight index yet) and, in another run, before the
+    RNG file: ``get_last_checkpoint`` returns that directory, so building the Trainer makes it whole from ckptd
+    and ``train(resume_from_checkpoint=True)`` goes on from step 6."""
+    import torch
+
+    from ckptd.plugins.huggingface import CkptdCallback
+    from ckptd.plugins.huggingface.trainer import MARKER_NAME
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        callback = CkptdCallback(tmp_path / "ckpt")
+        try:
+            _trainer(tmp_path / "out", callback, max_steps=6).train()
+        finally:
+            callback.close()
+        newest = tmp_path / "out" / "checkpoint-6"
+        complete = sorted(path.name for path in newest.iterdir())
+        for name in (MARKER_NAME, "model.safetensors.index.json", "rng_state.pth"):
+            (newest / name).unlink()
+
+        for damage, steps in (("half-written", 8), ("no RNG file", 10)):
+            callback = CkptdCallback(tmp_path / "ckpt")
+            try:
+                trainer = _trainer(tmp_path / "out", callback, max_steps=steps)
+                assert sorted(path.name for path in newest.iterdir()) == complete, damage
+                trainer.train(resume_from_checkpoint=True)
+                assert trainer.state.global_step == steps
+            finally:
+                callback.close()
+            newest = tmp_path / "out" / f"checkpoint-{steps}"  # the next run's newest: its RNG file lost
+            (newest / "rng_state.pth").unlink()
+    finally:
+        torch.set_num_threads(threads)

@@ -12,10 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +19,8 @@ import torch
 
 from ckptd.format.layout import MANIFEST_NAME, step_dir
 from ckptd.testing.compare import state_differences
+from lightning_jobs import finish, free_port, kill_when_ready, start
 
-RUN = Path(__file__).with_name("lightning_run.py")
 STEPS_PER_EPOCH = 4  # 64 samples, batches of 8, split over 2 ranks
 EPOCHS = 3
 
@@ -35,60 +31,26 @@ def _config(root: Path, **extra: Any) -> dict[str, Any]:
             "max_epochs": EPOCHS, "every": STEPS_PER_EPOCH, "dropout": 0.5, "rank_seed": 100, **extra}
 
 
-_PORTS_GIVEN: set[int] = set()
-
-
-def _free_port() -> int:
-    """A port free now and not given to another job of this module."""
-    while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if port not in _PORTS_GIVEN:
-            _PORTS_GIVEN.add(port)
-            return port
-
-
-def _start(config: dict[str, Any]) -> subprocess.Popen[bytes]:
-    """One job (rank 0 here; Lightning starts rank 1), with its own rendezvous port: two jobs run at once."""
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(_free_port())}
-    return subprocess.Popen([sys.executable, str(RUN), json.dumps(config)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _finish(child: subprocess.Popen[bytes], config: dict[str, Any]) -> dict[str, Any]:
-    output, _ = child.communicate(timeout=300)
-    assert child.returncode == 0, output.decode()[-4000:]
-    return json.loads((Path(config["out"]) / "summary.json").read_text())
-
-
 def _weights(config: dict[str, Any]) -> dict[str, torch.Tensor]:
     return torch.load(Path(config["out"]) / "weights.pt", weights_only=True)
 
 
 def test_ddp_ranks_with_their_own_dropout_resume_bit_for_bit_after_sigkill(tmp_path: Path) -> None:
     reference_config = _config(tmp_path / "reference")
-    reference = _start(reference_config)  # the uninterrupted run, alongside the one that is killed
+    reference = start(reference_config)  # the uninterrupted run, alongside the one that is killed
     killed_at = STEPS_PER_EPOCH
     config = _config(tmp_path / "killed", block_after_step=killed_at)
-    child = _start(config)
-    manifest = Path(config["local"]) / step_dir(killed_at) / MANIFEST_NAME
-    deadline = time.monotonic() + 240
-    while not ((tmp_path / "killed" / "ready").exists() and manifest.exists()):
-        assert child.poll() is None, child.communicate()[0].decode()[-4000:]
-        assert time.monotonic() < deadline, "the job never committed the step"
-        time.sleep(0.1)
-    os.killpg(child.pid, signal.SIGKILL)  # both ranks: the whole job is lost at once
+    child = start(config)
+    kill_when_ready(child, config, Path(config["local"]) / step_dir(killed_at) / MANIFEST_NAME)  # both ranks
     child.wait(timeout=30)
     assert child.returncode == -signal.SIGKILL
 
-    resumed = _finish(_start(_config(tmp_path / "killed", ckpt_path="last")), config)
+    resumed = finish(start(_config(tmp_path / "killed", ckpt_path="last")), config)
     assert resumed["started"]["restored_step"] == killed_at
     assert resumed["global_step"] == EPOCHS * STEPS_PER_EPOCH
     rank_one = json.loads((tmp_path / "killed" / "summary-rank1.json").read_text())
     assert rank_one["started"]["global_step"] == killed_at and not rank_one["opened_manager"]
-    uninterrupted = _finish(reference, reference_config)
+    uninterrupted = finish(reference, reference_config)
     assert uninterrupted["global_step"] == EPOCHS * STEPS_PER_EPOCH
     assert state_differences(_weights(config), _weights(reference_config)) == []
 
@@ -103,7 +65,7 @@ def test_ddp_spawn_copies_the_plugin_into_its_ranks_and_saves_through_ckptd(tmp_
 
     torch.set_num_threads(1)
     L.seed_everything(11)
-    os.environ["MASTER_PORT"] = str(_free_port())
+    os.environ["MASTER_PORT"] = str(free_port())
     io = CkptdCheckpointIO(tmp_path / "ckpt")
     model = TinyModel()
     trainer = L.Trainer(max_epochs=2, plugins=[io], strategy="ddp_spawn", accelerator="cpu", devices=2,

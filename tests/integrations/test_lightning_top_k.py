@@ -84,15 +84,20 @@ def test_load_from_checkpoint_on_a_pointer_loads_the_weights_through_ckptd(tmp_p
     trainer, model = _fit(tmp_path)
     best = trainer.checkpoint_callback.best_model_path
     assert json.loads(Path(best).read_text())["step"] == EPOCHS * STEPS_PER_EPOCH, "a pointer, not a torch file"
+    torch.save({"state_dict": model.state_dict(), "pytorch-lightning_version": L.__version__,
+                "hyper_parameters": dict(model.hparams)}, tmp_path / "torch.ckpt")
+    torch.manual_seed(123)
+    ScoredModel.load_from_checkpoint(tmp_path / "torch.ckpt")  # building the model draws; reading draws nothing
+    expected_draw = torch.rand(3)
+    torch.manual_seed(123)
     loaded = ScoredModel.load_from_checkpoint(best)
+    assert torch.equal(torch.rand(3), expected_draw), "reading through ckptd changed the caller's RNG"
     assert state_differences(loaded.state_dict(), model.state_dict()) == []
     assert dict(loaded.hparams) == dict(model.hparams)
     assert sorted(name for name in os.listdir(tmp_path / "ckpt") if name.startswith("step-")) == \
         [step_dir(step) for step in _named_steps(tmp_path / "lc")], "reading deleted nothing"
 
     # any other file still goes to Lightning's own loader
-    torch.save({"state_dict": model.state_dict(), "pytorch-lightning_version": L.__version__,
-                "hyper_parameters": dict(model.hparams)}, tmp_path / "torch.ckpt")
     assert state_differences(ScoredModel.load_from_checkpoint(tmp_path / "torch.ckpt").state_dict(),
                              model.state_dict()) == []
     (tmp_path / "nameless.ckpt").write_text('{"format": "ckptd-lightning-pointer/1", "step": 16}')
