@@ -77,24 +77,33 @@ def _io(name: str, root: Path) -> Any:
     return CkptdCheckpointIO(root / "ckptd", daemon="off")
 
 
-def run_once(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+def timed_fit(name: str, args: argparse.Namespace, root: Path,
+              make_data: Callable[[int], Any]) -> tuple[TimedCheckpoint, float, WideModel]:
+    """One ``fit`` of a WideModel of ``args.mib`` MiB through contender ``name``'s CheckpointIO, on the loader
+    ``make_data(width)`` makes (after the seed is set); its timed checkpoints, its wall time and the model."""
     width = 1024
     layers = max(1, int(args.mib * 2**20 / (4 * (width * width + width))))
     L.seed_everything(0)
-    data = DataLoader(TensorDataset(torch.randn(args.steps * 4, width)), batch_size=4)
+    data = make_data(width)
     checkpoint = TimedCheckpoint(dirpath=root / "lightning", every_n_train_steps=args.every, save_top_k=1,
                                  save_last=True)
     trainer = L.Trainer(max_steps=args.steps, plugins=[_io(name, root)], callbacks=[checkpoint], logger=False,
                         accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
                         default_root_dir=str(root))
+    model = WideModel(width, layers)
     started = time.perf_counter()
-    trainer.fit(WideModel(width, layers), train_dataloaders=data)
-    wall = time.perf_counter() - started
+    trainer.fit(model, train_dataloaders=data)
+    return checkpoint, time.perf_counter() - started, model
+
+
+def run_once(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    checkpoint, wall, model = timed_fit(name, args, root, lambda width: DataLoader(
+        TensorDataset(torch.randn(args.steps * 4, width)), batch_size=4))
     stalls = sorted(checkpoint.stalls.values())
     return {"contender": name, "checkpoints": len(stalls), "stalls_s": [checkpoint.stalls[s] for s in sorted(checkpoint.stalls)],
             "stall_median_s": statistics.median(stalls), "saves_found_busy": checkpoint.busy,
             "stall_max_s": stalls[-1], "fit_wall_s": wall,
-            "state_mib": sum(p.numel() for p in trainer.lightning_module.parameters()) * 4 * 3 / 2**20}
+            "state_mib": sum(p.numel() for p in model.parameters()) * 4 * 3 / 2**20}
 
 
 def run_rounds(contenders: tuple[str, ...], args: argparse.Namespace,

@@ -18,31 +18,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
-from bench_lightning import TimedCheckpoint, WideModel, _io, print_table, run_rounds, summarize
+from bench_lightning import print_table, run_rounds, summarize, timed_fit
 from torch.utils.data import TensorDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 
 def run_once(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
-    width = 1024
-    layers = max(1, int(args.mib * 2**20 / (4 * (width * width + width))))
-    L.seed_everything(0)
-    data = StatefulDataLoader(TensorDataset(torch.randn(args.epoch_steps * 4, width)), batch_size=4, shuffle=True,
-                              num_workers=2)
-    checkpoint = TimedCheckpoint(dirpath=root / "lightning", every_n_train_steps=args.every, save_top_k=1,
-                                 save_last=True)
-    trainer = L.Trainer(max_steps=args.steps, plugins=[_io(name, root)], callbacks=[checkpoint], logger=False,
-                        accelerator="cpu", devices=1, enable_progress_bar=False, enable_model_summary=False,
-                        default_root_dir=str(root))
-    started = time.perf_counter()
-    trainer.fit(WideModel(width, layers), train_dataloaders=data)
-    wall = time.perf_counter() - started
+    checkpoint, wall, _ = timed_fit(name, args, root, lambda width: StatefulDataLoader(
+        TensorDataset(torch.randn(args.epoch_steps * 4, width)), batch_size=4, shuffle=True, num_workers=2))
     stalls = sorted(checkpoint.stalls.values())
     inside = sum(1 for step in checkpoint.stalls if step % args.epoch_steps)
     return {"contender": name, "checkpoints": len(stalls), "inside_an_epoch": inside,

@@ -66,7 +66,7 @@ import logging
 import os
 import shutil
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -541,33 +541,31 @@ def marker_step(directory: Path) -> int | None:
     return marked if isinstance(marked, int) and not isinstance(marked, bool) else None
 
 
-def checkpoint_directories(output_dir: str | os.PathLike[str]) -> dict[int, Path]:
-    """ckptd's ``checkpoint-N`` directories in ``output_dir``, by N (the Trainer's own are left out)."""
-    found: dict[int, Path] = {}
+def _numbered_directories(output_dir: str | os.PathLike[str]) -> Iterator[tuple[int, Path]]:
+    """(N, path) of every ``checkpoint-N`` directory in ``output_dir``, ckptd's or the Trainer's."""
     root = Path(output_dir)
     if not root.is_dir():
-        return found
+        return
     for directory in root.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
         number = directory.name[len(PREFIX_CHECKPOINT_DIR) + 1:]
-        if number.isdigit() and directory.is_dir() and (directory / MARKER_NAME).is_file():
-            found[int(number)] = directory
-    return found
+        if number.isdigit() and directory.is_dir():
+            yield int(number), directory
+
+
+def checkpoint_directories(output_dir: str | os.PathLike[str]) -> dict[int, Path]:
+    """ckptd's ``checkpoint-N`` directories in ``output_dir``, by N (the Trainer's own are left out)."""
+    return {number: directory for number, directory in _numbered_directories(output_dir)
+            if (directory / MARKER_NAME).is_file()}
 
 
 def incomplete_directories(output_dir: str | os.PathLike[str], above: int) -> dict[int, Path]:
     """``checkpoint-N`` directories newer than ``above`` (the newest complete one of ckptd) that hold only what
     ckptd writes there and no marker yet: the callback was stopped while writing them."""
     found: dict[int, Path] = {}
-    root = Path(output_dir)
-    if not root.is_dir():
-        return found
-    for directory in root.glob(f"{PREFIX_CHECKPOINT_DIR}-*"):
-        number = directory.name[len(PREFIX_CHECKPOINT_DIR) + 1:]
-        if not number.isdigit() or int(number) <= above or not directory.is_dir():
-            continue
-        names = os.listdir(directory)
+    for number, directory in _numbered_directories(output_dir):
+        names = os.listdir(directory) if number > above else [MARKER_NAME]
         if MARKER_NAME not in names and all(_written_by_ckptd(name) for name in names):
-            found[int(number)] = directory
+            found[number] = directory
     return found
 
 
