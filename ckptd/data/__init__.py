@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from ckptd.data.collate import list_batch, next_token_split, tensor_batch
     from ckptd.data.dataset import RankBatch, ShardDataset
     from ckptd.data.loader import LoaderState, ShardLoader
-    from ckptd.state.loaders import describe_loader, has_position, loader_state_item, warn_unresumable_loader
+    from ckptd.state.loaders import (describe_loader, first_warning_for, has_position, loader_state_item,
+                                     warn_unresumable_loader)
 
 #: Names that need torch, and their modules: imported on first use (PEP 562), so that indexing
 #: (``ckptd data index``) and manifest tools start without torch.
@@ -41,7 +42,8 @@ _LAZY: dict[str, str] = {
     "tensor_batch": "ckptd.data.collate", "RankBatch": "ckptd.data.dataset", "ShardDataset": "ckptd.data.dataset",
     "LoaderState": "ckptd.data.loader", "ShardLoader": "ckptd.data.loader",
     # any framework's loader as a state item (ckptd.state.loaders): what integrations use
-    "describe_loader": "ckptd.state.loaders", "has_position": "ckptd.state.loaders",
+    "describe_loader": "ckptd.state.loaders", "first_warning_for": "ckptd.state.loaders",
+    "has_position": "ckptd.state.loaders",
     "loader_state_item": "ckptd.state.loaders", "warn_unresumable_loader": "ckptd.state.loaders",
 }
 
@@ -60,6 +62,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "describe_loader",
+    "first_warning_for",
     "has_position",
     "loader_state_item",
     "warn_unresumable_loader",

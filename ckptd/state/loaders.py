@@ -59,19 +59,26 @@ def describe_loader(loader: Any) -> str:
     return f"{type(loader).__name__}({', '.join(parts)})"
 
 
+def first_warning_for(loader: Any) -> bool:
+    """True the first time it is asked about ``loader``, False after: one warning per loader, whatever warns."""
+    try:
+        if loader in _warned:
+            return False
+        _warned.add(loader)
+    except TypeError:  # a loader that takes no weak reference
+        if id(loader) in _warned_ids:
+            return False
+        _warned_ids.add(id(loader))
+    return True
+
+
 def warn_unresumable_loader(loader: Any, name: str, why: str = "") -> bool:
     """Warn once per loader that its position within an epoch is not saved; True when this call warned.
 
     ``name`` says where the loader is (a state key, ``train_dataloader``); ``why`` what makes it unresumable
     when that is more than "a plain DataLoader"."""
-    try:
-        if loader in _warned:
-            return False
-        _warned.add(loader)
-    except TypeError:
-        if id(loader) in _warned_ids:
-            return False
-        _warned_ids.add(id(loader))
+    if not first_warning_for(loader):
+        return False
     reason = why or "a plain DataLoader keeps no position within an epoch"
     log.warning("data loader %r, %s: %s, so ckptd saves no position for it and a resume in the middle of an "
                 "epoch does not continue with the next batch (a shuffled loader draws a new order). To resume "

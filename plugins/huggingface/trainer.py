@@ -168,6 +168,7 @@ class CkptdCallback(TrainerCallback):
         self._exports: TaskPool | None = None
         self._export_newest = -1  # the newest step queued for export; an older queued one is skipped
         self._export_futures: list[Future[None]] = []
+        self._export_futures_lock = threading.Lock()  # queued on the writer thread, awaited on the training one
 
     @property
     def manager(self) -> Any:
@@ -338,8 +339,9 @@ class CkptdCallback(TrainerCallback):
         if self._exports is None:
             self._exports = TaskPool("ckptd-hf-export", 1)
         self._export_newest = max(self._export_newest, step)
-        self._export_futures.append(
-            self._exports.submit(self._export, step, directory, what=f"export of step {step} to {directory}"))
+        future = self._exports.submit(self._export, step, directory, what=f"export of step {step} to {directory}")
+        with self._export_futures_lock:
+            self._export_futures = [*self._pending_exports(), future]
 
     def _export(self, step: int, directory: Path) -> None:
         """Export thread: ``model.safetensors`` (and ``config.json``) of the committed ``step`` into its
@@ -490,9 +492,15 @@ class CkptdCallback(TrainerCallback):
         if self._manager is None:
             return
         self._manager.wait()  # the commits queue their exports
-        for future in list(self._export_futures):
+        with self._export_futures_lock:
+            waiting = list(self._export_futures)
+        for future in waiting:
             result_within(future, settings().wait_timeout_s, "the export of a step to model.safetensors")
-        self._export_futures = [future for future in self._export_futures if not future.done()]
+        with self._export_futures_lock:
+            self._export_futures = self._pending_exports()
+
+    def _pending_exports(self) -> list[Future[None]]:
+        return [future for future in self._export_futures if not future.done()]
 
     def close(self) -> None:
         """Wait for pending writes, exports and uploads, then release the manager. Safe to call twice."""

@@ -24,7 +24,6 @@ checkpoint) unless the trainer's ``CheckpointIO`` is a :class:`CkptdCheckpointIO
 from __future__ import annotations
 
 import logging
-import weakref
 from typing import Any
 
 import torch.distributed as dist
@@ -37,10 +36,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ckptd import capture_rng_states, restore_rng_states
 from ckptd.plugins.lightning.checkpoint_io import CkptdCheckpointIO
 from ckptd.plugins.lightning.loading import install as install_pointer_loading
-from ckptd.data import describe_loader, has_position, warn_unresumable_loader
+from ckptd.data import describe_loader, first_warning_for, has_position, warn_unresumable_loader
 
 log = logging.getLogger("ckptd.plugins.lightning")
-_warned: weakref.WeakSet[Any] = weakref.WeakSet()  # loaders warned about by sampler_order_lost
 
 
 def _ckptd_io(trainer: Any) -> CkptdCheckpointIO | None:
@@ -90,8 +88,8 @@ def warn_inexact_loaders(trainer: Any) -> None:
         name = "train_dataloader" if index == 0 else f"train_dataloader[{index}]"
         if isinstance(loader, DataLoader) and not has_position(loader):
             warn_unresumable_loader(loader, name)
-        elif trainer.world_size > 1 and loader not in _warned and (why := sampler_order_lost(loader)) is not None:
-            _warned.add(loader)
+        elif trainer.world_size > 1 and (why := sampler_order_lost(loader)) is not None \
+                and first_warning_for(loader):
             log.warning("data loader %r, %s: %s. Its position is saved, but a resume in the middle of an epoch "
                         "continues in another order than the uninterrupted run's.", name, describe_loader(loader),
                         why)
